@@ -1,0 +1,16 @@
+"""hsdp: hybrid-sharded data parallel with the DP-outer reduction on its own stream."""
+
+from hsdp.api import clip_grad_norm_, fully_shard, microbatch
+from hsdp.mesh import NcclConfig, init_mesh
+from hsdp.policy import MixedPrecision
+from hsdp.state import full_state_dict
+
+__all__ = [
+    "MixedPrecision",
+    "NcclConfig",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "fully_shard",
+    "init_mesh",
+    "microbatch",
+]

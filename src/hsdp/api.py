@@ -1,0 +1,153 @@
+"""Public API: fully_shard, microbatch, clip_grad_norm_."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hsdp.group import ParamGroup, Slot
+from hsdp.mesh import comm_groups
+from hsdp.policy import MixedPrecision, check_strategy
+from hsdp.schedule import Unit, units_below
+
+
+def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
+                mp_policy: MixedPrecision | None = None, overlap_outer: bool = True) -> nn.Module:
+    """Shard the parameters ``module`` owns (those not owned by an already sharded
+    submodule) over ``mesh``. Call bottom-up: units first, the root last.
+
+    strategy: "hsdp" (shard over inner, replicate over outer) or "hfsdp" (gradients and
+    optimizer state sharded over outer too). ``overlap_outer=False`` issues the outer
+    reduction on the inner reduce-scatter stream (the serialized baseline).
+    """
+    check_strategy(strategy)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module)}")
+    if getattr(module, "_hsdp_unit", None) is not None:
+        raise RuntimeError(f"fully_shard was already applied to this {type(module).__name__}")
+    comms = comm_groups(mesh)
+    mp = mp_policy or MixedPrecision()
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if mesh.device_type == "cuda" else torch.device(mesh.device_type))
+
+    params, slots = _owned_params(module)
+    keyed: dict[tuple, tuple[list[nn.Parameter], list[list[Slot]]]] = {}
+    for p, s in zip(params, slots):
+        ps, ss = keyed.setdefault((p.dtype, p.requires_grad), ([], []))
+        ps.append(p)
+        ss.append(s)
+    groups = [
+        ParamGroup(f"{type(module).__name__}#{id(module) % 10000}/{k}", ps, ss, comms, device,
+                   strategy == "hfsdp", mp)
+        for k, (ps, ss) in enumerate(keyed.values())]
+    for g in groups:
+        g.use_sharded()
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None and b.device != device:
+                m._buffers[name] = b.to(device)
+    module._hsdp_unit = Unit(module, groups, mesh, device, overlap_outer)
+    return module
+
+
+def _owned_params(module: nn.Module) -> tuple[list[nn.Parameter], list[list[Slot]]]:
+    """Parameters not yet managed by hsdp, each once, with every (module, name) slot."""
+    nested = {g for u in units_below(module) for g in u.groups}
+    params: list[nn.Parameter] = []
+    slots: dict[int, list[Slot]] = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            if _owner(p) is not None:
+                if _owner(p) not in nested:
+                    raise RuntimeError(
+                        f"fully_shard: {type(m).__name__}.{name} is already sharded by an "
+                        f"enclosing unit; apply fully_shard bottom-up (submodules first, the "
+                        f"root last)")
+                continue
+            if p.is_meta:
+                raise RuntimeError(
+                    f"fully_shard: parameter {type(m).__name__}.{name} is on the meta "
+                    f"device; materialize it first (module.to_empty(device=...) and "
+                    f"initialize it) before fully_shard")
+            if id(p) not in slots:
+                params.append(p)
+                slots[id(p)] = []
+            slots[id(p)].append((m, name))
+    return params, [slots[id(p)] for p in params]
+
+
+def _owner(p: nn.Parameter) -> ParamGroup | None:
+    return getattr(p, "_hsdp_group", None)
+
+
+def _root_unit(model: nn.Module) -> Unit:
+    unit = getattr(model, "_hsdp_unit", None)
+    if unit is None:
+        raise ValueError("expected the root module passed to hsdp.fully_shard")
+    return unit
+
+
+@contextmanager
+def microbatch(model: nn.Module, is_last: bool) -> Iterator[None]:
+    """Gradient accumulation: inner reduce-scatter on every microbatch, the outer
+    reduction only on the one with ``is_last=True``."""
+    unit = _root_unit(model)
+    if unit.is_last_override is not None:
+        raise RuntimeError("hsdp.microbatch contexts cannot be nested")
+    unit.is_last_override = bool(is_last)
+    try:
+        yield
+    finally:
+        unit.is_last_override = None
+
+
+def _sharded_grads(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(grads replicated over outer, grads sharded over outer), each element once."""
+    rep, sharded, seen = [], [], set()
+    for p in model.parameters():
+        g = _owner(p)
+        if g is None or p.grad is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (sharded if g.shard_outer else rep).append(p.grad)
+    return rep, sharded
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float,
+                    norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients in place by their total norm over all shards, counting every
+    gradient element once (not once per outer replica). Returns the total norm."""
+    unit = _root_unit(model)
+    rt = unit.runtime
+    if rt is not None and (rt.phase == "backward" or rt.awaiting_last):
+        raise RuntimeError("hsdp.clip_grad_norm_: gradients are not final yet (call it after "
+                           "the last microbatch's backward)")
+    rep, sharded = _sharded_grads(model)
+    mesh = unit.mesh
+    inf = norm_type == float("inf")
+
+    def local(grads: list[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), device=unit.device)
+        norms = torch._foreach_norm(grads, norm_type)
+        stacked = torch.stack([n.float() for n in norms])
+        return stacked.max() if inf else stacked.pow(norm_type).sum()
+
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    part_sharded = local(sharded)
+    dist.all_reduce(part_sharded, op=op, group=mesh.get_group("outer"))
+    total = torch.maximum(local(rep), part_sharded) if inf else local(rep) + part_sharded
+    dist.all_reduce(total, op=op, group=mesh.get_group("inner"))
+    total = total if inf else total.pow(1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    grads = rep + sharded
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    return total

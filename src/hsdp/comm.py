@@ -1,0 +1,95 @@
+"""Every collective hsdp issues goes through ``Collectives``.
+
+Calls are synchronous from the caller's point of view (``async_op=False``): on CUDA they
+are ordered on the current stream, which the schedule sets to the named stream; on CPU
+they block the stream's worker thread (see ``streams.py``). A group of one rank needs no
+collective at all.
+
+Emulation: with a ``Fabric``, each collective is preceded by a delay of its modelled
+duration on the same stream (``torch.cuda._sleep`` on GPU, ``time.sleep`` on CPU). Under
+torch's ``fake`` process group the collective itself does nothing, so the delay is the
+whole cost: the real schedule, streams and compute, with the network of a cluster we do
+not have.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hsdp.fabric import Fabric
+
+# torch 2.13 renamed these; 2.11 only has the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class SleepClock:
+    """Turns seconds into a device delay on the current CUDA stream (calibrated)."""
+
+    cycles_per_s: float
+
+    @staticmethod
+    def calibrate(device: torch.device, probe_cycles: int = 20_000_000) -> SleepClock:
+        with torch.cuda.device(device):
+            torch.cuda._sleep(probe_cycles // 10)  # warm-up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                enable_timing=True)
+            start.record()
+            torch.cuda._sleep(probe_cycles)
+            end.record()
+            end.synchronize()
+        return SleepClock(probe_cycles / (start.elapsed_time(end) * 1e-3))
+
+    def __call__(self, seconds: float) -> None:
+        if seconds > 0:
+            torch.cuda._sleep(int(seconds * self.cycles_per_s))
+
+
+def _host_sleep(seconds: float) -> None:
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+class Collectives:
+    """all-gather / reduce-scatter / all-reduce with SUM, optionally emulated."""
+
+    def __init__(self, fabric: Fabric | None = None, sleep=None) -> None:
+        self.fabric = fabric
+        self._sleep = sleep or _host_sleep
+
+    def _delay(self, kind: str, axis: str, nbytes: int, n: int) -> None:
+        if self.fabric is not None:
+            self._sleep(self.fabric.seconds(kind, axis, nbytes, n))
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
+                   axis: str) -> None:
+        """``out`` = concat over ranks of ``inp``; ``inp`` may be this rank's chunk of out."""
+        n = dist.get_world_size(group)
+        if n == 1:
+            if inp.data_ptr() != out.data_ptr():
+                out.copy_(inp)
+            return
+        self._delay("all_gather", axis, out.numel() * out.element_size(), n)
+        _all_gather(out, inp, group=group)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
+                       group: dist.ProcessGroup, axis: str) -> None:
+        """``out`` = this rank's chunk of the sum over ranks of ``inp``."""
+        n = dist.get_world_size(group)
+        if n == 1:
+            out.copy_(inp)
+            return
+        self._delay("reduce_scatter", axis, inp.numel() * inp.element_size(), n)
+        _reduce_scatter(out, inp, group=group)
+
+    def all_reduce(self, t: torch.Tensor, group: dist.ProcessGroup, axis: str) -> None:
+        n = dist.get_world_size(group)
+        if n == 1:
+            return
+        self._delay("all_reduce", axis, t.numel() * t.element_size(), n)
+        dist.all_reduce(t, group=group)

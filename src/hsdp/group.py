@@ -1,0 +1,257 @@
+"""One unit's parameter group: flat buffers, sharded / unsharded views, its collectives.
+
+A group holds the parameters of one unit that share a dtype and requires_grad. This file
+knows HOW to gather, reduce and swap one group; ``schedule.py`` decides WHEN, on which
+stream and after which events.
+
+Buffers (S = inner shard, C = optimizer chunk, N = whole group; see ``layout.py``):
+- ``main``       [C] original dtype: what the optimizer updates. ``model.parameters()``
+                 yields 1-D views of it, one per original parameter (possibly empty).
+- ``ag_src``     [S] param dtype: the inner shard fed to the inner all-gather.
+                 hsdp: ``main`` itself (cast while copying into the gathered buffer).
+                 hfsdp: ``inner_shard``, refreshed by the outer all-gather of ``main``.
+- ``gathered``   [N] param dtype, transient: allocated by the all-gather, freed by
+                 ``reshard``; unsharded parameters are views into it.
+- ``accum``      [S] original dtype: the inner reduce-scatter accumulates microbatches here;
+                 hsdp's outer all-reduce runs on it in place, so it is also hsdp's grad.
+- ``grad_buf``   [C]: hfsdp's outer reduce-scatter output (hsdp: ``accum``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from hsdp.comm import Collectives
+from hsdp.layout import FlatLayout
+from hsdp.mesh import CommGroups
+from hsdp.policy import MixedPrecision
+from hsdp.streams import Event, SideStream
+
+Slot = tuple[nn.Module, str]
+
+
+def _alias(storage_of: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
+    """A tensor over part of another's storage with its OWN version counter: writes
+    through the base (collectives) do not bump it."""
+    return torch.empty(0, dtype=storage_of.dtype, device=storage_of.device).set_(
+        storage_of.untyped_storage(), storage_of.storage_offset() + offset, (numel,))
+
+
+class ParamGroup:
+    def __init__(self, label: str, params: list[nn.Parameter], slots: list[list[Slot]],
+                 comms: CommGroups, device: torch.device, shard_outer: bool,
+                 mp: MixedPrecision) -> None:
+        self.label = label
+        self.slots = slots
+        self.comms = comms
+        self.requires_grad = params[0].requires_grad
+        self.orig_dtype = params[0].dtype
+        self.param_dtype, self.reduce_dtype = mp.resolve(self.orig_dtype)
+        self.shard_outer = shard_outer and self.requires_grad
+        self.layout = lay = FlatLayout.build([tuple(p.shape) for p in params],
+                                             comms.inner_size, comms.outer_size,
+                                             self.shard_outer)
+        i, o = comms.inner_rank, comms.outer_rank
+        self.inner_lo, _ = lay.inner_range(i)
+        owned_lo, owned_hi = lay.owned_range(o, i)
+        S, C, N = lay.shard_numel, lay.chunk_numel, lay.total
+        sources = [p.detach().reshape(-1) for p in params]
+
+        self.main = self._filled(sources, owned_lo, C, self.orig_dtype, device)
+        if not self.shard_outer:
+            self.ag_src = self.main
+        else:
+            self.inner_shard = self._filled(sources, self.inner_lo, S, self.param_dtype, device)
+            self.chunk_offset = owned_lo - self.inner_lo
+            if self.param_dtype == self.orig_dtype:  # main is a window of the inner shard
+                self.main = _alias(self.inner_shard, self.chunk_offset, C)
+            self.ag_src = self.inner_shard
+        self.synced_version = self.main._version
+
+        # Sharded parameters: views of ``main``; registered on the modules.
+        self.sharded: list[nn.Parameter] = []
+        self._grad_slices: list[tuple[int, int]] = []
+        for piece in lay.pieces(owned_lo, owned_hi):
+            a, n = (piece.range_offset, piece.length) if piece else (0, 0)
+            sp = nn.Parameter(self.main[a:a + n], requires_grad=self.requires_grad)
+            sp._hsdp_group = self  # marks the parameter as managed by hsdp
+            self.sharded.append(sp)
+            self._grad_slices.append((a, n))
+
+        # Unsharded parameters: windows of the gathered buffer, whose storage comes and
+        # goes; own version counters, so re-gathering for backward does not look like an
+        # in-place change to autograd's saved tensors.
+        self.gathered = torch.empty(N, dtype=self.param_dtype, device=device)
+        self.unsharded = [
+            nn.Parameter(_alias(self.gathered, off, p.numel()).view(p.shape),
+                         requires_grad=self.requires_grad)
+            for p, off in zip(params, lay.offsets)]
+        self._gathered_bytes = N * self.gathered.element_size()
+        self.gathered.untyped_storage().resize_(0)
+
+        if self.requires_grad:
+            self.accum = torch.zeros(S, dtype=self.orig_dtype, device=device)
+            self.grad_buf = (torch.zeros(C, dtype=self.orig_dtype, device=device)
+                             if self.shard_outer else self.accum)
+            self._gaps = lay.gaps()
+            self.received: set[int] = set()
+            self.reduced = False
+            self.on_all_grads: Callable[[ParamGroup], None] | None = None
+            for idx, up in enumerate(self.unsharded):
+                up.register_post_accumulate_grad_hook(
+                    lambda _p, idx=idx: self._on_grad(idx))
+        self.gathered_event: Event | None = None  # None: not gathered
+        self.params_ready: Event | None = None  # hfsdp: last outer all-gather
+
+    def _filled(self, sources: list[torch.Tensor], lo: int, numel: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+        """``numel`` elements of the flat layout starting at ``lo``, padding zeroed."""
+        out = torch.zeros(numel, dtype=dtype, device=device)
+        for src, pc in zip(sources, self.layout.pieces(lo, lo + numel)):
+            if pc is not None:
+                out[pc.range_offset:pc.range_offset + pc.length].copy_(
+                    src[pc.param_start:pc.param_start + pc.length])
+        return out
+
+    # ------------------------------------------------------------------ swaps
+
+    def use_unsharded(self) -> None:
+        for slots, p in zip(self.slots, self.unsharded):
+            for module, name in slots:
+                module._parameters[name] = p
+
+    def use_sharded(self) -> None:
+        for slots, p in zip(self.slots, self.sharded):
+            for module, name in slots:
+                module._parameters[name] = p
+
+    # ------------------------------------------------------------------ forward
+
+    def unshard(self, stream: SideStream, coll: Collectives, after: Sequence[Event]) -> Event:
+        """Allocate the gathered buffer on ``stream`` and inner all-gather into it."""
+        def run() -> None:
+            self.gathered.untyped_storage().resize_(self._gathered_bytes)
+            chunk = self.gathered[self.inner_lo:self.inner_lo + self.layout.shard_numel]
+            chunk.copy_(self.ag_src)  # cast to param dtype where it differs
+            coll.all_gather(self.gathered, chunk, self.comms.inner_ag, "inner")
+        self.gathered_event = stream.submit(run, after, f"AG:{self.label}")
+        return self.gathered_event
+
+    def reshard(self, stream: SideStream, after: Sequence[Event]) -> Event:
+        """Free the gathered buffer on the stream that allocated it."""
+        self.gathered_event = None
+        return stream.submit(lambda: self.gathered.untyped_storage().resize_(0), after,
+                             f"FREE:{self.label}")
+
+    def outer_all_gather(self, stream: SideStream, coll: Collectives,
+                         after: Sequence[Event]) -> Event:
+        """hfsdp: rebuild the inner shard from every outer rank's updated ``main`` chunk."""
+        def run() -> None:
+            chunk = self.inner_shard[self.chunk_offset:self.chunk_offset + self.main.numel()]
+            if chunk.data_ptr() != self.main.data_ptr():
+                chunk.copy_(self.main)  # cast to param dtype
+            coll.all_gather(self.inner_shard, chunk, self.comms.outer, "outer")
+        self.synced_version = self.main._version
+        self.params_ready = stream.submit(run, after, f"OUTER_AG:{self.label}")
+        return self.params_ready
+
+    # ------------------------------------------------------------------ backward
+
+    def _on_grad(self, idx: int) -> None:
+        if self.reduced:
+            raise RuntimeError(
+                f"hsdp: parameter {idx} of group {self.label} received a gradient after the "
+                f"group was reduce-scattered in this backward (is it used outside its unit, "
+                f"or both inside and outside a reentrant checkpoint?). Make it belong to the "
+                f"unit that uses it.")
+        self.received.add(idx)
+        if len(self.received) == len(self.unsharded) and self.on_all_grads is not None:
+            self.on_all_grads(self)
+
+    def copy_in(self) -> torch.Tensor:
+        """On compute: the reduce-scatter input, i.e. the unsharded grads laid out flat and
+        pre-divided by the world size (gradients average over all DP ranks)."""
+        rs_in = torch.empty(self.layout.total, dtype=self.reduce_dtype,
+                            device=self.main.device)
+        dst, src, zero = [], [], [rs_in[a:b] for a, b in self._gaps]
+        for p, off in zip(self.unsharded, self.layout.offsets):
+            view = rs_in[off:off + p.numel()]
+            if p.grad is None:
+                zero.append(view)
+            else:
+                dst.append(view)
+                src.append(p.grad.reshape(-1))
+                p.grad = None
+        if dst:
+            torch._foreach_copy_(dst, src)
+        if zero:
+            torch._foreach_zero_(zero)
+        if self.comms.world > 1:
+            rs_in.div_(self.comms.world)
+        return rs_in
+
+    def reduce_scatter(self, stream: SideStream, coll: Collectives, rs_in: torch.Tensor,
+                       first: bool, after: Sequence[Event]) -> Event:
+        """Inner reduce-scatter of ``rs_in`` into ``accum`` (overwrite on the first
+        microbatch of a step, accumulate after)."""
+        def run() -> None:
+            direct = first and self.reduce_dtype == self.accum.dtype
+            out = self.accum if direct else torch.empty(
+                self.layout.shard_numel, dtype=self.reduce_dtype, device=rs_in.device)
+            coll.reduce_scatter(out, rs_in, self.comms.inner_rs, "inner")
+            if first and not direct:
+                self.accum.copy_(out)
+            elif not first:
+                self.accum.add_(out)
+        self.reduced = True
+        return stream.submit(run, after, f"RS:{self.label}")
+
+    def outer_reduce(self, stream: SideStream, coll: Collectives,
+                     after: Sequence[Event]) -> Event:
+        """Outer all-reduce of ``accum`` (hsdp) or outer reduce-scatter into ``grad_buf``."""
+        def run() -> None:
+            src = self.accum.to(self.reduce_dtype)  # no copy when dtypes match
+            if self.shard_outer:
+                out = self.grad_buf if self.grad_buf.dtype == src.dtype else torch.empty(
+                    self.grad_buf.numel(), dtype=src.dtype, device=src.device)
+                coll.reduce_scatter(out, src, self.comms.outer, "outer")
+                if out is not self.grad_buf:
+                    self.grad_buf.copy_(out)
+            else:
+                coll.all_reduce(src, self.comms.outer, "outer")
+                if src is not self.accum:
+                    self.accum.copy_(src)
+        kind = "OUTER_RS" if self.shard_outer else "OUTER_AR"
+        return stream.submit(run, after, f"{kind}:{self.label}")
+
+    def reset_backward(self) -> None:
+        self.received.clear()
+        self.reduced = False
+
+    def expose_grads(self) -> None:
+        for p, (a, n) in zip(self.sharded, self._grad_slices):
+            p.grad = self.grad_buf[a:a + n]
+
+    def hide_grads(self) -> bool:
+        """Drop the sharded ``.grad``s; True if any was still set (not zeroed by the user)."""
+        was_set = any(p.grad is not None for p in self.sharded)
+        for p in self.sharded:
+            p.grad = None
+        return was_set
+
+    # ------------------------------------------------------------------ state
+
+    def full_flat(self, coll: Collectives) -> torch.Tensor:
+        """The whole flat buffer in the original dtype (host-side collectives on compute)."""
+        mesh = self.comms.mesh
+        shard = self.main
+        if self.shard_outer:
+            shard = torch.empty(self.layout.shard_numel, dtype=self.orig_dtype,
+                                device=self.main.device)
+            coll.all_gather(shard, self.main, mesh.get_group("outer"), "outer")
+        full = torch.empty(self.layout.total, dtype=self.orig_dtype, device=self.main.device)
+        coll.all_gather(full, shard, mesh.get_group("inner"), "inner")
+        return full

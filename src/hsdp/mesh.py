@@ -1,0 +1,146 @@
+"""The (outer, inner) data-parallel mesh and its three communicators.
+
+``inner_ag`` and ``inner_rs`` are two communicators over the same inner ranks: NCCL runs the
+operations of one communicator in host launch order, so an all-gather and a
+reduce-scatter sharing one would serialize. ``outer`` is a third, so that the DP-outer
+reduction never queues behind inner traffic. Host-side collectives (state dict, grad norm)
+use the DeviceMesh's own per-dim groups and never touch these three.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+DIM_NAMES = ("outer", "inner")
+COMMUNICATORS = ("inner_ag", "inner_rs", "outer")
+
+
+@dataclass(frozen=True)
+class NcclConfig:
+    """Per-communicator NCCL settings, to budget SMs between concurrent collectives."""
+
+    max_ctas: int | None = None
+    min_ctas: int | None = None
+    cga_cluster_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for k, v in vars(self).items():
+            if v is not None and (not isinstance(v, int) or v < 0):
+                raise ValueError(f"NcclConfig.{k} must be a non-negative int, got {v!r}")
+
+    def is_default(self) -> bool:
+        return all(v is None for v in vars(self).values())
+
+
+@dataclass(frozen=True)
+class CommGroups:
+    """This rank's view of the mesh: sizes, coordinates and the three communicators."""
+
+    outer_size: int
+    inner_size: int
+    outer_rank: int
+    inner_rank: int
+    inner_ag: dist.ProcessGroup
+    inner_rs: dist.ProcessGroup
+    outer: dist.ProcessGroup
+    mesh: DeviceMesh
+
+    @property
+    def world(self) -> int:
+        return self.outer_size * self.inner_size
+
+
+def init_mesh(outer: int, inner: int, device_type: str | None = None, *,
+              nccl: dict[str, NcclConfig] | None = None) -> DeviceMesh:
+    """A 2-D DeviceMesh with dims ("outer", "inner") plus hsdp's three communicators.
+
+    ``nccl`` maps "inner_ag" / "inner_rs" / "outer" to an ``NcclConfig``; it only applies to
+    the NCCL backend. Initializes the default process group from the environment (torchrun)
+    when none exists yet.
+    """
+    if not (isinstance(outer, int) and isinstance(inner, int)) or outer < 1 or inner < 1:
+        raise ValueError(f"init_mesh: outer and inner must be positive ints, "
+                         f"got outer={outer!r} inner={inner!r}")
+    nccl = dict(nccl or {})
+    unknown = set(nccl) - set(COMMUNICATORS)
+    if unknown:
+        raise ValueError(f"init_mesh: unknown communicator(s) {sorted(unknown)} in nccl=; "
+                         f"expected keys among {COMMUNICATORS}")
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if dist.is_initialized() and dist.get_world_size() != outer * inner:
+        raise ValueError(
+            f"init_mesh: outer*inner = {outer}*{inner} = {outer * inner} but the world has "
+            f"{dist.get_world_size()} ranks; choose outer and inner whose product is the "
+            f"world size")
+    mesh = init_device_mesh(device_type, (outer, inner), mesh_dim_names=DIM_NAMES)
+    _GROUPS[_key(mesh)] = _create_groups(mesh, nccl)
+    return mesh
+
+
+def comm_groups(mesh: DeviceMesh) -> CommGroups:
+    """hsdp's communicators for ``mesh``, created on first use (a collective call)."""
+    check_mesh(mesh)
+    key = _key(mesh)
+    if key not in _GROUPS:
+        _GROUPS[key] = _create_groups(mesh, {})
+    return _GROUPS[key]
+
+
+def check_mesh(mesh: DeviceMesh) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"hsdp needs a DeviceMesh (see hsdp.init_mesh), got {type(mesh)}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if names != DIM_NAMES:
+        raise ValueError(f"hsdp needs a 2-D DeviceMesh with mesh_dim_names={DIM_NAMES}, got "
+                         f"{names or None}; build it with hsdp.init_mesh(outer, inner)")
+    if mesh.mesh.numel() != dist.get_world_size():
+        raise ValueError(f"the mesh has {mesh.mesh.numel()} ranks but the world has "
+                         f"{dist.get_world_size()}; hsdp's mesh must cover every rank")
+
+
+_GROUPS: dict[tuple, CommGroups] = {}
+
+
+def _key(mesh: DeviceMesh) -> tuple:
+    return (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape))
+
+
+def _create_groups(mesh: DeviceMesh, nccl: dict[str, NcclConfig]) -> CommGroups:
+    check_mesh(mesh)
+    ranks = mesh.mesh.tolist()  # ranks[o][i]
+    outer, inner = len(ranks), len(ranks[0])
+    me = dist.get_rank()
+    backend = dist.get_backend()
+    uses_nccl = mesh.device_type == "cuda" and "nccl" in str(backend)
+    if not uses_nccl and any(not c.is_default() for c in nccl.values()):
+        warnings.warn(f"hsdp: NCCL settings {sorted(nccl)} have no effect on backend "
+                      f"{backend!r}", stacklevel=3)
+    mine: dict[str, dist.ProcessGroup] = {}
+    for name in COMMUNICATORS:  # same creation order on every rank
+        members = ([[ranks[o][i] for o in range(outer)] for i in range(inner)]
+                   if name == "outer" else ranks)
+        opts = _nccl_options(nccl.get(name)) if uses_nccl else None
+        for group_ranks in members:
+            pg = (dist.new_group(group_ranks, backend="nccl", pg_options=opts) if opts
+                  else dist.new_group(group_ranks))
+            if me in group_ranks:
+                mine[name] = pg
+    # Shard index = rank inside the group (new_group orders members by global rank).
+    return CommGroups(outer, inner, dist.get_rank(mine["outer"]), dist.get_rank(mine["inner_ag"]),
+                      mine["inner_ag"], mine["inner_rs"], mine["outer"], mesh)
+
+
+def _nccl_options(cfg: NcclConfig | None):
+    if cfg is None or cfg.is_default():
+        return None
+    opts = dist.ProcessGroupNCCL.Options()
+    for k, v in vars(cfg).items():
+        if v is not None:
+            setattr(opts.config, k, v)
+    return opts

@@ -1,0 +1,357 @@
+"""The runtime of ``schedule.md``: hooks, prefetch order, reduction issue, finalize.
+
+A ``Unit`` is one ``fully_shard``-ed module. The outermost unit to run a forward becomes the
+root and owns the ``Runtime`` shared by every unit below it: the named streams, the
+recorded execution order, microbatch state and the end-of-backward finalize.
+
+Where each arrow of schedule.md lives:
+- forward AG_i, prefetch AG_{i+1} before DO_i ... ``_pre_forward`` / ``_post_forward``
+- backward AG_{i-1} prefetch before RS_i ......... ``_pre_backward``
+- copy-in, RS_i, outer_i (last microbatch) ........ ``_reduce``
+- finalize: compute waits rs / outer events ........ ``_finalize``
+- hfsdp outer AG after ``optimizer.step()`` ........ ``_after_optimizer_step``
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from hsdp.comm import Collectives
+from hsdp.group import ParamGroup
+from hsdp.streams import Event, Streams, Tracer
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs (activation-checkpoint recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Unit:
+    """The state and hooks of one fully_shard-ed module."""
+
+    def __init__(self, module: nn.Module, groups: list[ParamGroup], mesh: DeviceMesh,
+                 device: torch.device, overlap_outer: bool) -> None:
+        self.module = module
+        self.groups = groups
+        self.mesh = mesh
+        self.device = device
+        self.overlap_outer = overlap_outer
+        self.runtime: Runtime | None = None
+        self.collectives = Collectives()  # root's is used; bench swaps in an emulated one
+        self.tracer = Tracer()
+        self.is_last_override: bool | None = None  # set by hsdp.microbatch on the root
+        self.label = type(module).__name__
+        self.backward_started = False
+        self.backward_done = False
+        module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward_hook, always_call=False,
+                                     with_kwargs=True)
+
+    @property
+    def trainable(self) -> list[ParamGroup]:
+        return [g for g in self.groups if g.requires_grad]
+
+    def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+        if self.runtime is None:
+            Runtime(self)
+        return self.runtime._pre_forward(self, args, kwargs)
+
+    def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        return self.runtime._post_forward(self, output)
+
+
+def units_below(module: nn.Module) -> Iterator[Unit]:
+    for m in module.modules():
+        unit = getattr(m, "_hsdp_unit", None)
+        if unit is not None:
+            yield unit
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx, runtime: Runtime, unit: Unit, *inputs: torch.Tensor):
+        ctx.runtime, ctx.unit = runtime, unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.runtime._post_backward(ctx.unit)
+        return (None, None, *grads)
+
+
+_RUNTIMES: weakref.WeakSet[Runtime] = weakref.WeakSet()
+
+
+class Runtime:
+    def __init__(self, root: Unit) -> None:
+        self.root = root
+        self.units = list(units_below(root.module))
+        for u in self.units:
+            if u.runtime is not None:
+                raise RuntimeError(
+                    f"hsdp: unit {u.label} already ran under another root; run the model "
+                    f"through its outermost fully_shard module")
+            if u.overlap_outer != root.overlap_outer:
+                raise ValueError("hsdp: overlap_outer must be the same for every unit of a model")
+            u.runtime = self
+        self.coll = root.collectives
+        self.streams = Streams.create(root.device, root.tracer)
+        self.overlap = root.overlap_outer
+        self._set_order(list(self.units))  # module order: a first guess until step 1 ends
+        self._recording: list[Unit] | None = []
+        self.phase = "idle"
+        self.first_microbatch = True  # the next backward starts a new step's accumulation
+        self.awaiting_last = False  # a non-last microbatch ran; grads are not final
+        self.is_last = True
+        self._pending_rs: list[tuple[torch.Tensor, Event]] = []
+        self._outer_events: list[Event] = []
+        self._params_written: Event | None = None
+        self.param_ids = {id(p) for u in self.units for g in u.groups for p in g.sharded}
+        for u in self.units:
+            for g in u.trainable:
+                g.on_all_grads = self._reduce
+        _RUNTIMES.add(self)
+
+    # ------------------------------------------------------------------ order
+
+    def _set_order(self, order: list[Unit]) -> None:
+        """Forward order; backward runs the root first, then the others in reverse."""
+        self.order = order
+        self._next_fwd = dict(zip(order, order[1:]))
+        bwd = order[:1] + order[1:][::-1]
+        self._next_bwd = dict(zip(bwd, bwd[1:]))
+
+    # ------------------------------------------------------------------ gather
+
+    def _issue_unshard(self, unit: Unit) -> None:
+        for g in unit.groups:
+            if g.gathered_event is None:
+                # ag waits: shards were last written on compute (optimizer) or, for hfsdp,
+                # by the outer all-gather.
+                after = [e for e in (self._params_written, g.params_ready) if e is not None]
+                g.unshard(self.streams.ag, self.coll, after)
+
+    def _unshard(self, unit: Unit) -> None:
+        self._issue_unshard(unit)
+        for g in unit.groups:
+            # compute waits: it reads the gathered parameters.
+            self.streams.compute.wait(g.gathered_event)
+        for g in unit.groups:
+            g.use_unsharded()
+
+    def _reshard(self, unit: Unit) -> None:
+        gathered = [g for g in unit.groups if g.gathered_event is not None]
+        if gathered:
+            done = self.streams.compute.record()
+            for g in gathered:
+                # ag waits: compute must be done reading the buffer before it is reused.
+                g.reshard(self.streams.ag, [done])
+
+    # ------------------------------------------------------------------ forward
+
+    def _begin_forward(self) -> None:
+        for u in self.units:  # a forward whose backward never ran leaves buffers behind
+            self._reshard(u)
+        self._params_written = self.streams.compute.record()
+        self._refresh_outer_shards()
+
+    def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict):
+        if _in_backward():  # recomputation: gather again, keep it until unit's backward
+            self._unshard(unit)
+            nxt = self._next_bwd.get(unit)
+            if nxt is not None:
+                self._issue_unshard(nxt)
+            return self._attach_post_backward(unit, args, kwargs)
+        if unit is self.root:
+            if self.phase == "backward":
+                raise RuntimeError("hsdp: forward called during backward")
+            self._begin_forward()
+            self.phase = "forward"
+        if self._recording is not None and unit not in self._recording:
+            self._recording.append(unit)
+        self._unshard(unit)
+        nxt = self._next_fwd.get(unit)
+        if nxt is not None:  # prefetch AG_{i+1} before unit i's buffer is released
+            self._issue_unshard(nxt)
+        return self._attach_post_backward(unit, args, kwargs)
+
+    def _post_forward(self, unit: Unit, output: Any) -> Any:
+        for g in unit.groups:
+            g.use_sharded()
+        if _in_backward():
+            return output
+        expects_backward = self._register_pre_backward(unit, output)
+        if unit is not self.root or not expects_backward:
+            self._reshard(unit)
+        if unit is self.root:
+            if self._recording is not None:
+                missing = [u for u in self.units if u not in self._recording]
+                self._set_order(self._recording + missing)
+                self._recording = None
+            self.phase = "idle"
+        return output
+
+    def _attach_post_backward(self, unit: Unit, args: tuple, kwargs: dict):
+        if not torch.is_grad_enabled():
+            return args, kwargs
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return args, kwargs
+        outs = _PostBackward.apply(self, unit, *(flat[i] for i in idx))
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def _register_pre_backward(self, unit: Unit, output: Any) -> bool:
+        if not torch.is_grad_enabled():
+            return False
+        tensors = [t for t in tree_flatten(output)[0]
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            register_multi_grad_hook(tensors, lambda _g: self._pre_backward(unit), mode="any")
+        return bool(tensors)
+
+    # ------------------------------------------------------------------ backward
+
+    def _begin_backward(self) -> None:
+        self.phase = "backward"
+        override = self.root.is_last_override
+        self.is_last = True if override is None else override
+        if self.first_microbatch:
+            cleared = [g.hide_grads() for u in self.units for g in u.trainable]
+            if any(cleared):
+                warnings.warn("hsdp: gradients from the previous step were not cleared; "
+                              "hsdp overwrites them (accumulate with hsdp.microbatch)",
+                              stacklevel=2)
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+
+    def _pre_backward(self, unit: Unit) -> None:
+        if self.phase != "backward":
+            self._begin_backward()
+        if unit.backward_started:
+            return
+        unit.backward_started = True
+        self._unshard(unit)
+        nxt = self._next_bwd.get(unit)
+        if nxt is not None:  # prefetch AG_{i-1} before RS_i is issued
+            self._issue_unshard(nxt)
+
+    def _post_backward(self, unit: Unit) -> None:
+        if unit.backward_done:
+            return
+        unit.backward_done = True
+        for g in unit.trainable:
+            if not g.reduced:
+                self._reduce(g)
+        for g in unit.groups:
+            g.use_sharded()
+        self._reshard(unit)
+
+    def _reduce(self, g: ParamGroup) -> None:
+        if self.phase != "backward":
+            raise RuntimeError("hsdp: gradient reduction outside backward")
+        rs_in = g.copy_in()
+        copied = self.streams.compute.record()
+        # rs waits: the reduce-scatter reads rs_in, written on compute by the copy-in.
+        ev_rs = g.reduce_scatter(self.streams.rs, self.coll, rs_in, self.first_microbatch,
+                                 [copied])
+        self._release_rs_inputs()
+        self._pending_rs.append((rs_in, ev_rs))
+        if self.is_last:
+            stream = self.streams.outer if self.overlap else self.streams.rs
+            # outer waits: it reduces the inner shard that RS_i has just accumulated.
+            self._outer_events.append(g.outer_reduce(stream, self.coll, [ev_rs]))
+
+    def _release_rs_inputs(self) -> None:
+        for _rs_in, ev in self._pending_rs:
+            # compute waits: rs_in was allocated on compute and is read by RS on rs; its
+            # memory may only return to compute's pool once that RS has finished.
+            self.streams.compute.wait(ev)
+        self._pending_rs.clear()
+
+    def _finalize(self) -> None:
+        """End of backward (autograd engine callback): leftovers, then stream waits."""
+        for unit in reversed(self.order):
+            self._post_backward(unit)
+        self._release_rs_inputs()
+        if self.is_last:
+            for ev in self._outer_events:
+                # compute waits: the optimizer reads grads the outer reduction produced.
+                self.streams.compute.wait(ev)
+            self._outer_events.clear()
+            for u in self.units:
+                for g in u.trainable:
+                    g.expose_grads()
+        self.awaiting_last = not self.is_last
+        self.first_microbatch = self.is_last
+        for u in self.units:
+            u.backward_started = u.backward_done = False
+            for g in u.trainable:
+                g.reset_backward()
+        self.phase = "idle"
+
+    # ------------------------------------------------------------------ optimizer
+
+    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        return any(id(p) in self.param_ids for pg in optimizer.param_groups for p in pg["params"])
+
+    def _before_optimizer_step(self) -> None:
+        if self.phase == "backward":
+            raise RuntimeError("hsdp: optimizer.step() called during backward")
+        if self.awaiting_last:
+            raise RuntimeError(
+                "hsdp: optimizer.step() called while the outer gradient reduction is still "
+                "pending: the last backward ran inside hsdp.microbatch(model, is_last=False). "
+                "Run the step's final microbatch with is_last=True (or outside any "
+                "hsdp.microbatch context) before optimizer.step().")
+
+    def _after_optimizer_step(self) -> None:
+        self._refresh_outer_shards()
+
+    def _refresh_outer_shards(self) -> None:
+        """hfsdp: outer all-gather of every main chunk the optimizer changed, issued at
+        once so it overlaps whatever runs until the next forward needs it."""
+        stale = [g for u in self.order for g in u.trainable
+                 if g.shard_outer and g.main._version != g.synced_version]
+        if stale:
+            updated = self.streams.compute.record()
+            for g in stale:
+                # outer waits: it reads the main chunk updated on compute.
+                g.outer_all_gather(self.streams.outer, self.coll, [updated])
+
+    def synchronize(self) -> None:
+        """Block until every stream is idle (state dict, teardown)."""
+        self.streams.drain()
+        self.streams.compute.record().synchronize()
+
+
+def _optimizer_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for rt in list(_RUNTIMES):
+        if rt._owns(optimizer):
+            rt._before_optimizer_step()
+
+
+def _optimizer_post_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for rt in list(_RUNTIMES):
+        if rt._owns(optimizer):
+            rt._after_optimizer_step()
+
+
+register_optimizer_step_pre_hook(_optimizer_pre_hook)
+register_optimizer_step_post_hook(_optimizer_post_hook)

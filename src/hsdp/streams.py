@@ -1,0 +1,235 @@
+"""Named streams and events: CUDA streams on GPU, one worker thread per stream on CPU.
+
+The schedule is written once against this interface. Work for a communication stream is
+a closure handed to ``SideStream.submit(fn, after, label)``: it runs after the events in
+``after`` and after everything submitted to that stream before it, and the returned event
+completes when it has finished.
+
+- CUDA: ``submit`` waits the events on the stream (device-side), runs ``fn`` on the host
+  inside the stream context (kernels, allocations and frees go to that stream) and records
+  an event. Nothing blocks the host.
+- CPU: each stream is a worker thread; ``fn`` runs there, and its (blocking) gloo
+  collectives occupy that stream only, so collectives of different streams overlap as
+  kernels of different CUDA streams would.
+
+The compute stream is the caller's: CUDA's current stream, or the calling thread on CPU.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+STREAM_NAMES = ("compute", "ag", "rs", "outer")
+
+
+@dataclass
+class OpRecord:
+    """One op's host-measured lifetime on a stream (CPU backend; used by bench traces)."""
+
+    stream: str
+    label: str
+    start_s: float
+    end_s: float
+
+
+@dataclass
+class Tracer:
+    """Collects ``OpRecord``s while ``enabled``; CUDA ops get profiler ranges instead."""
+
+    enabled: bool = False
+    records: list[OpRecord] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, rec: OpRecord) -> None:
+        with self._lock:
+            self.records.append(rec)
+
+    def take(self) -> list[OpRecord]:
+        with self._lock:
+            out, self.records = self.records, []
+        return out
+
+
+class Event(ABC):
+    @abstractmethod
+    def query(self) -> bool:
+        """True once the work before it has finished (never blocks)."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until the event completes; re-raise a failure of its op."""
+
+
+class ComputeStream(ABC):
+    name = "compute"
+
+    @abstractmethod
+    def record(self) -> Event:
+        """An event that completes when compute work issued so far has finished."""
+
+    @abstractmethod
+    def wait(self, event: Event) -> None:
+        """Make later compute work wait for ``event``."""
+
+
+class SideStream(ABC):
+    def __init__(self, name: str, tracer: Tracer) -> None:
+        self.name = name
+        self.tracer = tracer
+
+    @abstractmethod
+    def submit(self, fn: Callable[[], None], after: Sequence[Event] = (),
+               label: str = "") -> Event:
+        """Run ``fn`` on this stream after ``after``; returns its completion event."""
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+class CudaEvent(Event):
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+
+class CudaCompute(ComputeStream):
+    def record(self) -> Event:
+        return CudaEvent(torch.cuda.current_stream())
+
+    def wait(self, event: Event) -> None:
+        assert isinstance(event, CudaEvent)
+        torch.cuda.current_stream().wait_event(event.event)
+
+
+class CudaSideStream(SideStream):
+    def __init__(self, name: str, tracer: Tracer, device: torch.device) -> None:
+        super().__init__(name, tracer)
+        # High priority: a collective should start as soon as its inputs are ready.
+        self.stream = torch.cuda.Stream(device=device, priority=-1)
+
+    def submit(self, fn: Callable[[], None], after: Sequence[Event] = (),
+               label: str = "") -> Event:
+        rng = (torch.profiler.record_function(f"hsdp:{self.name}:{label}")
+               if self.tracer.enabled else nullcontext())
+        with rng, torch.cuda.stream(self.stream):
+            for ev in after:
+                assert isinstance(ev, CudaEvent)
+                self.stream.wait_event(ev.event)
+            fn()
+            return CudaEvent(self.stream)
+
+
+# --------------------------------------------------------------------------- CPU
+
+
+class ThreadEvent(Event):
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def set(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise RuntimeError(f"hsdp: an operation on a communication stream failed: "
+                               f"{self.error!r}") from self.error
+
+
+def _done_event() -> ThreadEvent:
+    ev = ThreadEvent()
+    ev.set()
+    return ev
+
+
+class InlineCompute(ComputeStream):
+    """CPU compute runs on the calling thread, so its work is done when issued."""
+
+    def record(self) -> Event:
+        return _done_event()
+
+    def wait(self, event: Event) -> None:
+        event.synchronize()
+
+
+class ThreadSideStream(SideStream):
+    """A CPU 'stream': a daemon thread running submitted closures in order."""
+
+    def __init__(self, name: str, tracer: Tracer) -> None:
+        super().__init__(name, tracer)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=f"hsdp-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], None], after: Sequence[Event] = (),
+               label: str = "") -> Event:
+        ev = ThreadEvent()
+        self._queue.put((fn, tuple(after), label, ev))
+        return ev
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)  # grad mode is thread-local; buffers never need grad
+        while True:
+            fn, after, label, ev = self._queue.get()
+            try:
+                for dep in after:
+                    dep.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                if self.tracer.enabled:
+                    self.tracer.add(OpRecord(self.name, label, t0, time.perf_counter()))
+                ev.set()
+            except BaseException as exc:  # surfaced to whoever waits on the event
+                ev.set(exc)
+
+
+# --------------------------------------------------------------------------- set
+
+
+@dataclass
+class Streams:
+    """The four named streams of schedule.md."""
+
+    compute: ComputeStream
+    ag: SideStream
+    rs: SideStream
+    outer: SideStream
+    tracer: Tracer
+
+    @staticmethod
+    def create(device: torch.device, tracer: Tracer | None = None) -> Streams:
+        tracer = tracer or Tracer()
+        if device.type == "cuda":
+            return Streams(CudaCompute(), CudaSideStream("ag", tracer, device),
+                           CudaSideStream("rs", tracer, device),
+                           CudaSideStream("outer", tracer, device), tracer)
+        return Streams(InlineCompute(), ThreadSideStream("ag", tracer),
+                       ThreadSideStream("rs", tracer), ThreadSideStream("outer", tracer), tracer)
+
+    def side(self) -> tuple[SideStream, SideStream, SideStream]:
+        return self.ag, self.rs, self.outer
+
+    def drain(self) -> None:
+        """Make compute wait for everything submitted to the side streams so far."""
+        for s in self.side():
+            # Why: callers (state dict, teardown) need every collective finished.
+            self.compute.wait(s.submit(lambda: None, label="drain"))

@@ -1,0 +1,45 @@
+"""Spawn a gloo job on CPU and collect each rank's result."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; returns their results."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_entry, args=(world, free_port(), fn, args, d), nprocs=world, join=True)
+        results = []
+        for r in range(world):
+            with open(os.path.join(d, f"{r}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results

@@ -45,6 +45,15 @@ class SleepClock:
             end.synchronize()
         return SleepClock(probe_cycles / (start.elapsed_time(end) * 1e-3))
 
+    def check(self, seconds: float) -> float:
+        """Relative error of a calibrated delay of ``seconds`` measured again now."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self(seconds)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3 / seconds - 1.0
+
     def __call__(self, seconds: float) -> None:
         if seconds > 0:
             torch.cuda._sleep(int(seconds * self.cycles_per_s))

@@ -137,7 +137,8 @@ class CudaSideStream(SideStream):
 
 
 class ThreadEvent(Event):
-    def __init__(self) -> None:
+    def __init__(self, label: str = "") -> None:
+        self.label = label
         self._done = threading.Event()
         self.error: BaseException | None = None
 
@@ -162,13 +163,23 @@ def _done_event() -> ThreadEvent:
 
 
 class InlineCompute(ComputeStream):
-    """CPU compute runs on the calling thread, so its work is done when issued."""
+    """CPU compute runs on the calling thread, so its work is done when issued. Waits that
+    block are traced as ``wait:<label of the awaited op>``."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        self.tracer = tracer
 
     def record(self) -> Event:
         return _done_event()
 
     def wait(self, event: Event) -> None:
+        if not self.tracer.enabled or event.query():
+            event.synchronize()
+            return
+        t0 = time.perf_counter()
         event.synchronize()
+        label = getattr(event, "label", "")
+        self.tracer.add(OpRecord("compute", f"wait:{label}", t0, time.perf_counter()))
 
 
 class ThreadSideStream(SideStream):
@@ -182,7 +193,7 @@ class ThreadSideStream(SideStream):
 
     def submit(self, fn: Callable[[], None], after: Sequence[Event] = (),
                label: str = "") -> Event:
-        ev = ThreadEvent()
+        ev = ThreadEvent(label)
         self._queue.put((fn, tuple(after), label, ev))
         return ev
 
@@ -222,7 +233,7 @@ class Streams:
             return Streams(CudaCompute(), CudaSideStream("ag", tracer, device),
                            CudaSideStream("rs", tracer, device),
                            CudaSideStream("outer", tracer, device), tracer)
-        return Streams(InlineCompute(), ThreadSideStream("ag", tracer),
+        return Streams(InlineCompute(tracer), ThreadSideStream("ag", tracer),
                        ThreadSideStream("rs", tracer), ThreadSideStream("outer", tracer), tracer)
 
     def side(self) -> tuple[SideStream, SideStream, SideStream]:

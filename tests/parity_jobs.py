@@ -1,0 +1,171 @@
+"""Multi-rank training jobs compared with a single-process reference (and torch FSDP2).
+
+Rank r of the (outer x inner) mesh takes rows [r*b, (r+1)*b) of each global microbatch;
+its loss is the mean over its rows divided by the number of microbatches, so the mean of
+the ranks' gradients is the reference's gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+import hsdp
+from hsdp.bench.model import GPT, GPTConfig, lm_loss
+
+ROWS_PER_RANK = 2
+STEPS = 4
+LR, MOMENTUM = 0.1, 0.9
+
+
+@dataclass(frozen=True)
+class Case:
+    outer: int
+    inner: int
+    strategy: str = "hsdp"
+    overlap: bool = True
+    microbatches: int = 1
+    checkpoint: str = "none"
+    mp: bool = False  # MixedPrecision(bf16, fp32)
+    fsdp2: bool = False  # also train torch FSDP2 HSDP and compare
+
+
+def _batches(step: int, micro: int, world: int, cfg: GPTConfig) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randint(0, cfg.vocab, (world * ROWS_PER_RANK, cfg.seq), generator=g)
+
+
+def _rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(((a[k].float() - b[k].float()).norm() / b[k].float().norm().clamp_min(1e-12))
+               .item() for k in a)
+
+
+def _train(model: nn.Module, rank: int, world: int, cfg: GPTConfig, case: Case,
+           sharded: str) -> None:
+    """Train ``model`` for STEPS steps. sharded: "ref" (whole batch), "hsdp" or "fsdp2"."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    M = case.microbatches
+    for step in range(STEPS):
+        for m in range(M):
+            tokens = _batches(step, m, world, cfg)
+            if sharded != "ref":
+                tokens = tokens[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK]
+            last = m == M - 1
+            if sharded == "hsdp":
+                with hsdp.microbatch(model, is_last=last):
+                    (lm_loss(model(tokens), tokens) / M).backward()
+            else:
+                if sharded == "fsdp2":
+                    model.set_requires_all_reduce(last, recurse=True)
+                (lm_loss(model(tokens), tokens) / M).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _fsdp2_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor().detach().cpu() for k, v in model.state_dict().items()}
+
+
+def parity_job(rank: int, world: int, cases: list[Case]) -> dict[Case, dict[str, float]]:
+    """For each case: relative error of hsdp (and FSDP2) parameters against the reference."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    meshes = {}
+    out = {}
+    for case in cases:
+        key = (case.outer, case.inner)
+        if key not in meshes:
+            meshes[key] = hsdp.init_mesh(case.outer, case.inner, "cpu")
+        mesh = meshes[key]
+        cfg = GPTConfig(checkpoint=case.checkpoint)
+        torch.manual_seed(0)
+        ref = GPT(cfg)
+        model = copy.deepcopy(ref)
+        fsdp2 = copy.deepcopy(ref) if case.fsdp2 else None
+        mp = hsdp.MixedPrecision(torch.bfloat16, torch.float32) if case.mp else None
+        for blk in model.blocks:
+            hsdp.fully_shard(blk, mesh=mesh, strategy=case.strategy, mp_policy=mp,
+                             overlap_outer=case.overlap)
+        hsdp.fully_shard(model, mesh=mesh, strategy=case.strategy, mp_policy=mp,
+                         overlap_outer=case.overlap)
+        _train(ref, rank, world, cfg, case, "ref")
+        _train(model, rank, world, cfg, case, "hsdp")
+        ref_state = {k: v.detach() for k, v in ref.state_dict().items()}
+        errs = {"ref": _rel_err(hsdp.full_state_dict(model), ref_state)}
+        if fsdp2 is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+            from torch.distributed.fsdp import fully_shard as fsdp2_shard
+            policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if case.mp else \
+                MixedPrecisionPolicy()
+            for blk in fsdp2.blocks:
+                fsdp2_shard(blk, mesh=mesh, mp_policy=policy)
+            fsdp2_shard(fsdp2, mesh=mesh, mp_policy=policy)
+            _train(fsdp2, rank, world, cfg, case, "fsdp2")
+            f2 = _fsdp2_state(fsdp2)
+            errs["fsdp2_vs_ref"] = _rel_err(f2, ref_state)
+            errs["hsdp_vs_fsdp2"] = _rel_err(hsdp.full_state_dict(model), f2)
+        out[case] = errs
+    return out
+
+
+class Odd(nn.Module):
+    """Odd shapes, a 1-D parameter, a frozen layer and a layer used twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, 13)
+        self.frozen = nn.Linear(13, 13)
+        self.frozen.requires_grad_(False)
+        self.twice = nn.Linear(13, 13)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 13))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.twice(torch.tanh(self.twice(self.frozen(h)))))
+        return h * self.scale
+
+
+class OddNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = Odd(), Odd()
+        self.out = nn.Linear(13, 3)
+        self.b.inp = nn.Linear(13, 13)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.b(self.a(x)))
+
+
+def odd_job(rank: int, world: int, outer: int, strategy: str) -> dict[str, float]:
+    """Frozen / shared / 1-D parameters, plus clip_grad_norm_ against the reference."""
+    mesh = hsdp.init_mesh(outer, world // outer, "cpu")
+    torch.manual_seed(0)
+    ref = OddNet()
+    model = copy.deepcopy(ref)
+    hsdp.fully_shard(model.a, mesh=mesh, strategy=strategy)
+    hsdp.fully_shard(model.b, mesh=mesh, strategy=strategy)
+    hsdp.fully_shard(model, mesh=mesh, strategy=strategy)
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=LR,
+                            momentum=MOMENTUM) for m in (ref, model)]
+    norms = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(world * ROWS_PER_RANK, 7, generator=g)
+        y = torch.randn(world * ROWS_PER_RANK, 3, generator=g)
+        sl = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+        nn.functional.mse_loss(ref(x), y).backward()
+        nn.functional.mse_loss(model(x[sl]), y[sl]).backward()
+        n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        n_mine = hsdp.clip_grad_norm_(model, 0.05)
+        norms.append(abs(n_ref.item() - n_mine.item()) / n_ref.item())
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    ref_state = {k: v.detach() for k, v in ref.state_dict().items()}
+    local = sum(p.numel() for p in model.parameters())
+    return {"param": _rel_err(hsdp.full_state_dict(model), ref_state), "norm": max(norms),
+            "local_numel": local, "full_numel": sum(p.numel() for p in ref.parameters())}

@@ -1,0 +1,388 @@
+"""Collectives bench: inner RS and outer AR alone, serialized and overlapped, plus pairs.
+
+For each size (bytes of the full inner buffer, i.e. the inner reduce-scatter input):
+
+- ``rs``: inner RS alone (rs stream, inner_rs communicator);
+- ``ar``: outer AR alone of the RS output (size/inner; outer stream, outer communicator);
+- ``serial``: RS then the AR of its output, both on the rs stream (the baseline);
+- ``overlap``: RS on the rs stream concurrent with the AR of a separate buffer on the
+  outer stream;
+- ``outer_rs`` and ``hfsdp_pair``: outer RS of size/inner alone, and concurrent with
+  the inner RS (the hfsdp gradient path);
+- ``ag``, ``outer_ag`` and ``fwd_pair``: inner AG (size) and outer AG (size/inner) alone
+  and concurrent (the hfsdp parameter path).
+
+Timing: CUDA events on GPU, wall clock on CPU, each op between two barriers on the
+default group (never on hsdp's communicators). The variants run interleaved within each
+iteration; after warm-up each reports the median, min and max over iterations of the
+slowest rank's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hsdp.comm import Collectives
+from hsdp.mesh import CommGroups, NcclConfig, comm_groups, init_mesh
+from hsdp.streams import SideStream, Streams
+
+# Multicast (NVLS) off on multi-GPU machines: see shared/design/testing.md.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+VARIANTS = ("rs", "ar", "serial", "overlap", "outer_rs", "hfsdp_pair", "ag", "outer_ag",
+            "fwd_pair")
+
+Part = tuple[SideStream, str, Callable[[], None]]  # (stream, label, op)
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local ranks to spawn (default: all GPUs, or 4 on CPU); "
+                        "ignored under torchrun")
+    p.add_argument("--mesh", type=parse_mesh, default=None,
+                   help="OUTERxINNER, e.g. 2x4 (default: 2 x world/2)")
+    p.add_argument("--sizes", type=parse_sizes, default=None,
+                   help="inner buffer sizes, e.g. 64MiB,256MiB,1GiB "
+                        "(default: that on GPU, 256KiB,1MiB,4MiB on CPU)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations")
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations first")
+    p.add_argument("--json", default=None, metavar="PATH", help="write results here")
+    p.add_argument("--max-ctas", type=parse_max_ctas, default=None, metavar="inner=N,outer=M",
+                   help="NCCL max CTAs per communicator (inner applies to inner_ag and "
+                        "inner_rs)")
+
+
+def parse_size(text: str) -> int:
+    """``"64MiB"`` -> 67108864; units B, KiB, MiB, GiB (or none: bytes)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]iB|B)?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"bad size {text!r}: expected an integer with an optional unit among "
+            f"{', '.join(u for u in UNITS if u)}")
+    return int(m.group(1)) * UNITS[m.group(2) or ""]
+
+
+def parse_sizes(text: str) -> list[int]:
+    return [parse_size(s) for s in text.split(",") if s.strip()]
+
+
+def format_size(nbytes: int) -> str:
+    """The largest unit that divides ``nbytes`` exactly: 1048576 -> ``"1MiB"``."""
+    for unit in ("GiB", "MiB", "KiB"):
+        if nbytes % UNITS[unit] == 0 and nbytes >= UNITS[unit]:
+            return f"{nbytes // UNITS[unit]}{unit}"
+    return f"{nbytes}B"
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise argparse.ArgumentTypeError(f"bad mesh {text!r}: expected OUTERxINNER, e.g. 2x4")
+    return int(m.group(1)), int(m.group(2))
+
+
+def parse_max_ctas(text: str) -> dict[str, NcclConfig]:
+    """``"inner=8,outer=4"`` -> NcclConfig per hsdp communicator."""
+    per_axis: dict[str, int] = {}
+    for item in text.split(","):
+        m = re.fullmatch(r"\s*(inner|outer)\s*=\s*(\d+)\s*", item)
+        if not m:
+            raise argparse.ArgumentTypeError(
+                f"bad --max-ctas item {item!r}: expected inner=N or outer=M")
+        per_axis[m.group(1)] = int(m.group(2))
+    out = {}
+    if "inner" in per_axis:
+        out["inner_ag"] = out["inner_rs"] = NcclConfig(max_ctas=per_axis["inner"])
+    if "outer" in per_axis:
+        out["outer"] = NcclConfig(max_ctas=per_axis["outer"])
+    return out
+
+
+def default_mesh(world: int) -> tuple[int, int]:
+    """2 x world/2 when the world is even and at least 2, else 1 x world."""
+    return (2, world // 2) if world >= 2 and world % 2 == 0 else (1, world)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Resolved arguments, identical on every rank."""
+
+    world: int
+    outer: int
+    inner: int
+    sizes: tuple[int, ...]
+    dtype: str
+    iters: int
+    warmup: int
+    max_ctas: dict[str, NcclConfig] | None
+    json_path: str | None
+
+
+def resolve(args: argparse.Namespace, cuda: bool, world: int) -> Config:
+    """Fill defaults that depend on the device and the world size; check the rest."""
+    if world < 1:
+        raise SystemExit(f"hsdp bench collectives: need at least one rank, got {world}")
+    outer, inner = args.mesh or default_mesh(world)
+    if outer * inner != world:
+        raise SystemExit(f"hsdp bench collectives: mesh {outer}x{inner} has {outer * inner} "
+                         f"ranks but the job has {world}")
+    if args.iters < 1 or args.warmup < 0:
+        raise SystemExit("hsdp bench collectives: need --iters >= 1 and --warmup >= 0")
+    sizes = args.sizes or parse_sizes("64MiB,256MiB,1GiB" if cuda else "256KiB,1MiB,4MiB")
+    return Config(world, outer, inner, tuple(sizes), args.dtype or ("bf16" if cuda else "fp32"),
+                  args.iters, args.warmup, args.max_ctas, args.json)
+
+
+# --------------------------------------------------------------------------- launch
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point: run in place under torchrun, else spawn local ranks."""
+    for k, v in NCCL_ENV.items():
+        os.environ.setdefault(k, v)
+    cuda = torch.cuda.is_available()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        cfg = resolve(args, cuda, int(os.environ["WORLD_SIZE"]))
+        _worker(int(os.environ.get("LOCAL_RANK", 0)), cfg, None)
+        return 0
+    nproc = args.nproc if args.nproc is not None else (
+        torch.cuda.device_count() if cuda else 4)
+    if cuda and nproc > torch.cuda.device_count():
+        raise SystemExit(f"hsdp bench collectives: --nproc {nproc} but only "
+                         f"{torch.cuda.device_count()} GPUs (NCCL needs one GPU per rank)")
+    cfg = resolve(args, cuda, nproc)
+    mp.spawn(_worker, args=(cfg, _free_port()), nprocs=nproc, join=True)
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(local_rank: int, cfg: Config, port: int | None) -> None:
+    """One rank. ``port`` is set when spawned (rank = local rank), None under torchrun."""
+    if port is not None:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                          RANK=str(local_rank), WORLD_SIZE=str(cfg.world),
+                          LOCAL_RANK=str(local_rank))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    try:
+        rows = bench(cfg, device)
+        if dist.get_rank() == 0:
+            result = {"meta": _meta(cfg, device), "rows": rows}
+            print_table(result)
+            if cfg.json_path:
+                with open(cfg.json_path, "w") as f:
+                    json.dump(result, f, indent=2)
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- bench
+
+
+@dataclass
+class Buffers:
+    """Per-size tensors; ops that run at once never share one."""
+
+    full: torch.Tensor   # size: inner RS input, inner AG output
+    shard: torch.Tensor  # size/inner: inner RS output, inner AG input, serial AR
+    other: torch.Tensor  # size/inner: overlapped AR, outer RS input, outer AG output
+    small: torch.Tensor  # size/(inner*outer): outer RS output, outer AG input
+
+    @staticmethod
+    def allocate(size: int, g: CommGroups, dtype: torch.dtype,
+                 device: torch.device) -> Buffers:
+        """``size`` bytes, rounded down to a multiple of the world's elements."""
+        numel = size // dtype.itemsize // g.world * g.world
+        if numel == 0:
+            raise SystemExit(f"hsdp bench collectives: size {size} B is below one "
+                             f"{dtype} element per rank")
+
+        def zeros(n: int) -> torch.Tensor:  # zeros: repeated sums stay finite
+            return torch.zeros(n, dtype=dtype, device=device)
+
+        return Buffers(zeros(numel), zeros(numel // g.inner_size),
+                       zeros(numel // g.inner_size), zeros(numel // g.world))
+
+
+def variants(s: Streams, coll: Collectives, g: CommGroups,
+             b: Buffers) -> dict[str, list[Part]]:
+    """Each variant: the ops to start together; ops on one stream run in order."""
+    rs = partial(coll.reduce_scatter, b.shard, b.full, g.inner_rs, "inner")
+    ar_shard = partial(coll.all_reduce, b.shard, g.outer, "outer")
+    ar_other = partial(coll.all_reduce, b.other, g.outer, "outer")
+    outer_rs = partial(coll.reduce_scatter, b.small, b.other, g.outer, "outer")
+    ag = partial(coll.all_gather, b.full, b.shard, g.inner_ag, "inner")
+    outer_ag = partial(coll.all_gather, b.other, b.small, g.outer, "outer")
+    return {
+        "rs": [(s.rs, "RS", rs)],
+        "ar": [(s.outer, "OUTER_AR", ar_shard)],
+        "serial": [(s.rs, "RS", rs), (s.rs, "OUTER_AR", ar_shard)],
+        "overlap": [(s.rs, "RS", rs), (s.outer, "OUTER_AR", ar_other)],
+        "outer_rs": [(s.outer, "OUTER_RS", outer_rs)],
+        "hfsdp_pair": [(s.rs, "RS", rs), (s.outer, "OUTER_RS", outer_rs)],
+        "ag": [(s.ag, "AG", ag)],
+        "outer_ag": [(s.outer, "OUTER_AG", outer_ag)],
+        "fwd_pair": [(s.ag, "AG", ag), (s.outer, "OUTER_AG", outer_ag)],
+    }
+
+
+def time_ms(parts: list[Part], s: Streams, cuda: bool) -> float:
+    """Start ``parts`` together from the compute stream and time until all have finished."""
+    dist.barrier()
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    else:
+        t0 = time.perf_counter()
+    ready = s.compute.record()
+    for ev in [stream.submit(op, after=[ready], label=label) for stream, label, op in parts]:
+        s.compute.wait(ev)
+    if cuda:
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end)
+    else:
+        ms = (time.perf_counter() - t0) * 1e3
+    dist.barrier()
+    return ms
+
+
+def bench(cfg: Config, device: torch.device) -> list[dict]:
+    """All sizes on this rank; returns the rows (same on every rank)."""
+    mesh = init_mesh(cfg.outer, cfg.inner, device.type, nccl=cfg.max_ctas)
+    g = comm_groups(mesh)
+    s = Streams.create(device)
+    coll = Collectives()
+    rows = []
+    for size in cfg.sizes:
+        b = Buffers.allocate(size, g, DTYPES[cfg.dtype], device)
+        todo = variants(s, coll, g, b)
+        samples: dict[str, list[float]] = {name: [] for name in todo}
+        for it in range(cfg.warmup + cfg.iters):
+            for name, parts in todo.items():  # interleaved: A B C ... A B C ...
+                ms = time_ms(parts, s, device.type == "cuda")
+                if it >= cfg.warmup:
+                    samples[name].append(ms)
+        worst = torch.tensor([samples[n] for n in VARIANTS], dtype=torch.float64,
+                             device=device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # slowest rank, per iteration
+        rows.append(make_row(b.full.numel() * b.full.element_size(),
+                             dict(zip(VARIANTS, worst.tolist(), strict=True))))
+    return rows
+
+
+def make_row(size_bytes: int, samples: dict[str, list[float]]) -> dict:
+    """One JSON row: ``t_{variant}_ms`` (median), ``_min_ms``, ``_max_ms`` and ratios."""
+    row: dict = {"size_bytes": size_bytes}
+    for name in VARIANTS:
+        row[f"t_{name}_ms"] = statistics.median(samples[name])
+        row[f"t_{name}_min_ms"] = min(samples[name])
+        row[f"t_{name}_max_ms"] = max(samples[name])
+
+    def t(name: str) -> float:
+        return row[f"t_{name}_ms"]
+
+    row["saving_pct"] = 100.0 * (1.0 - t("overlap") / t("serial"))
+    row["overlap_over_max"] = t("overlap") / max(t("rs"), t("ar"))
+    row["hfsdp_pair_over_max"] = t("hfsdp_pair") / max(t("rs"), t("outer_rs"))
+    row["fwd_pair_over_max"] = t("fwd_pair") / max(t("ag"), t("outer_ag"))
+    return row
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _meta(cfg: Config, device: torch.device) -> dict:
+    meta = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "backend": str(dist.get_backend()),
+        "device": device.type,
+        "timing": ("CUDA events" if device.type == "cuda" else "wall clock") +
+                  "; median/min/max over iterations of the max over ranks",
+        "env": {k: os.environ.get(k) for k in NCCL_ENV},
+        **{k: v for k, v in asdict(cfg).items() if k != "json_path"},
+    }
+    if device.type == "cuda":
+        nccl = torch.cuda.nccl.version()
+        meta.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                    nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl))
+    return meta
+
+
+COLUMNS = (  # (header, row key, format)
+    ("size", "size_bytes", format_size),
+    ("RS ms", "t_rs_ms", "{:.3f}".format),
+    ("AR ms", "t_ar_ms", "{:.3f}".format),
+    ("serial ms", "t_serial_ms", "{:.3f}".format),
+    ("overlapped ms", "t_overlap_ms", "{:.3f}".format),
+    ("saving %", "saving_pct", "{:.1f}".format),
+    ("ovl/max", "overlap_over_max", "{:.2f}".format),
+    ("hfsdp pair ms", "t_hfsdp_pair_ms", "{:.3f}".format),
+    ("hfsdp/max", "hfsdp_pair_over_max", "{:.2f}".format),
+    ("fwd pair ms", "t_fwd_pair_ms", "{:.3f}".format),
+    ("fwd/max", "fwd_pair_over_max", "{:.2f}".format),
+)
+
+
+def print_table(result: dict) -> None:
+    """Rank 0's summary table (``rich`` when importable)."""
+    m = result["meta"]
+    title = (f"collectives: mesh {m['outer']}x{m['inner']} (outer x inner), {m['dtype']}, "
+             f"{m['backend']}, median of {m['iters']}, slowest rank")
+    cells = [[fmt(row[key]) for _, key, fmt in COLUMNS] for row in result["rows"]]
+    headers = [h for h, _, _ in COLUMNS]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+        print(title)
+        for line in [headers, *cells]:
+            print("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)))
+        return
+    table = Table(title=title)
+    for h in headers:
+        table.add_column(h, justify="right", no_wrap=True)
+    for c in cells:
+        table.add_row(*c)
+    console = Console()
+    if not console.is_terminal:  # logs and pipes: rich would cut the table at 80 columns
+        console.width = 200
+    console.print(table)

@@ -1,0 +1,154 @@
+"""Turn what the runtime records into ``Interval``s for ``metrics.step_metrics``.
+
+Two sources:
+
+- CPU: ``hsdp.streams.OpRecord``s from the ``Tracer`` (host start/end of each op on each
+  stream thread). The compute "stream" is the calling thread, busy except while it blocks
+  on a side stream; the runtime records those waits on stream ``"compute"`` with labels
+  starting ``"wait"``, and compute busy time is their complement within the step.
+- CUDA: a ``torch.profiler`` Chrome trace. The runtime wraps each side-stream op in
+  ``record_function("hsdp:{stream}:{label}")``; GPU activity is tied to an op through the
+  launch call (same correlation id) made inside that annotation's host time range.
+
+Why not HolisticTraceAnalysis: its comm/compute overlap classifies kernels by name and
+merges all communication kernels into one set of intervals, so two collectives running
+at once (inner and outer, on different communicators) become one busy span and their
+overlap, the quantity we care about, cannot be read from it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gzip
+import json
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+from hsdp.bench.metrics import Interval, subtract, union
+from hsdp.streams import OpRecord
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")  # NCCL may launch through the driver API
+ANNOTATION_PREFIX = "hsdp:"
+
+
+def intervals_from_records(records: Iterable[OpRecord], t0: float,
+                           t1: float | None = None) -> list[Interval]:
+    """Intervals in us since ``t0`` (host seconds, ``time.perf_counter``) of CPU records.
+
+    Side-stream records map one to one. Compute records labelled ``"wait..."`` are the
+    compute thread blocked on another stream: compute is busy over ``[t0, t1]`` minus the
+    union of those waits (``t1`` defaults to the last end of any record). Other compute
+    records add nothing: that time is already busy in the complement.
+    """
+    recs = list(records)
+    if t1 is None:
+        t1 = max((r.end_s for r in recs), default=t0)
+
+    def us(t: float) -> float:
+        return (t - t0) * 1e6
+
+    out = [Interval(r.stream, r.label, us(r.start_s), us(r.end_s))
+           for r in recs if r.stream != "compute"]
+    waits = union((us(r.start_s), us(r.end_s)) for r in recs
+                  if r.stream == "compute" and r.label.startswith("wait"))
+    busy = subtract([(0.0, us(t1))], waits) if t1 > t0 else []
+    out += [Interval("compute", "compute", lo, hi) for lo, hi in busy]
+    return sorted(out, key=lambda iv: (iv.start_us, iv.stream))
+
+
+def load_chrome_trace(path: str | Path) -> dict:
+    """Read a Chrome trace as written by ``prof.export_chrome_trace`` (``.gz`` allowed)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def intervals_from_chrome_trace(trace: dict | str | Path) -> list[Interval]:
+    """One ``Interval`` per hsdp op that ran on the GPU, plus compute kernels.
+
+    An op's interval spans its first to its last GPU event (kernel, memcpy, memset); its
+    GPU events are those whose launch (``cuda_runtime`` / ``cuda_driver`` event with the
+    same ``args.correlation``) lies inside the op's ``hsdp:`` annotation on the same host
+    thread (the innermost one if nested). GPU events outside every hsdp op, on a CUDA
+    stream that carries no hsdp op, become ``"compute"`` intervals labelled with the
+    kernel name; those on a hsdp stream are dropped. Times are the trace's (us).
+    """
+    if not isinstance(trace, dict):
+        trace = load_chrome_trace(trace)
+    by_thread: dict[tuple, list[dict]] = defaultdict(list)
+    launches: dict[int, dict] = {}
+    gpu: list[dict] = []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X":
+            continue
+        cat, args = e.get("cat"), e.get("args") or {}
+        if cat == "user_annotation" and e.get("name", "").startswith(ANNOTATION_PREFIX):
+            by_thread[_thread(e)].append(e)
+        elif cat in LAUNCH_CATS and "correlation" in args:
+            launches[args["correlation"]] = e
+        elif cat in GPU_CATS:
+            gpu.append(e)
+    threads = {t: _Annotations(notes) for t, notes in by_thread.items()}
+
+    spans: dict[int, tuple[dict, float, float]] = {}  # id(annotation) -> (it, first, last)
+    hsdp_lanes: set[tuple] = set()
+    loose: list[dict] = []
+    for e in gpu:
+        launch = launches.get((e.get("args") or {}).get("correlation"))
+        notes = threads.get(_thread(launch)) if launch else None
+        note = notes.owner(launch["ts"]) if notes else None
+        if note is None:
+            loose.append(e)
+            continue
+        hsdp_lanes.add(_lane(e))
+        _, lo, hi = spans.get(id(note), (note, e["ts"], _end(e)))
+        spans[id(note)] = (note, min(lo, e["ts"]), max(hi, _end(e)))
+
+    out = []
+    for note, lo, hi in spans.values():
+        _, stream, label = note["name"].split(":", 2)
+        out.append(Interval(stream, label, lo, hi))
+    out += [Interval("compute", e.get("name", ""), e["ts"], _end(e))
+            for e in loose if _lane(e) not in hsdp_lanes]
+    return sorted(out, key=lambda iv: (iv.start_us, iv.stream))
+
+
+class _Annotations:
+    """One host thread's hsdp annotations, nested like the record_function stack."""
+
+    def __init__(self, events: list[dict]) -> None:
+        self.events = sorted(events, key=lambda e: (e["ts"], -_end(e)))
+        self.starts = [e["ts"] for e in self.events]
+        self.parent: list[int | None] = []  # index of the enclosing annotation
+        stack: list[int] = []
+        for i, e in enumerate(self.events):
+            while stack and _end(self.events[stack[-1]]) <= e["ts"]:
+                stack.pop()
+            self.parent.append(stack[-1] if stack else None)
+            stack.append(i)
+
+    def owner(self, ts: float) -> dict | None:
+        """The innermost annotation whose time range contains ``ts``."""
+        i: int | None = bisect.bisect_right(self.starts, ts) - 1
+        while i is not None and i >= 0:
+            if _end(self.events[i]) >= ts:
+                return self.events[i]
+            i = self.parent[i]
+        return None
+
+
+def _end(e: dict) -> float:
+    return e["ts"] + e.get("dur", 0)
+
+
+def _thread(e: dict) -> tuple:
+    return e.get("pid"), e.get("tid")
+
+
+def _lane(e: dict) -> tuple:
+    """The CUDA stream a GPU event ran on: (device, stream)."""
+    args = e.get("args") or {}
+    return args.get("device", e.get("pid")), args.get("stream", e.get("tid"))

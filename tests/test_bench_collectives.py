@@ -1,0 +1,97 @@
+"""bench collectives: argument parsing, row arithmetic, and one real 2x2 gloo job."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hsdp.bench.collectives import (
+    VARIANTS,
+    default_mesh,
+    format_size,
+    make_row,
+    parse_max_ctas,
+    parse_mesh,
+    parse_size,
+    parse_sizes,
+)
+from hsdp.mesh import NcclConfig
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def test_sizes():
+    assert parse_size("64MiB") == 64 << 20
+    assert parse_size("1GiB") == 1 << 30
+    assert parse_size("256KiB") == 256 << 10
+    assert parse_size("100") == parse_size("100B") == 100
+    assert parse_sizes("64KiB, 256KiB,") == [64 << 10, 256 << 10]
+    for bad in ("64MB", "1.5GiB", "MiB", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_size(bad)
+    assert [format_size(n) for n in (1 << 30, 3 << 20, 1536, 100)] == [
+        "1GiB", "3MiB", "1536B", "100B"]
+
+
+def test_mesh_and_max_ctas():
+    assert parse_mesh("2x4") == (2, 4)
+    assert parse_mesh("1X8") == (1, 8)
+    for bad in ("2", "0x4", "2x4x1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_mesh(bad)
+    assert default_mesh(8) == (2, 4)
+    assert default_mesh(1) == (1, 1)
+    assert default_mesh(3) == (1, 3)
+    assert parse_max_ctas("inner=8,outer=2") == {
+        "inner_ag": NcclConfig(max_ctas=8), "inner_rs": NcclConfig(max_ctas=8),
+        "outer": NcclConfig(max_ctas=2)}
+    assert parse_max_ctas("outer=4") == {"outer": NcclConfig(max_ctas=4)}
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_max_ctas("middle=3")
+
+
+def test_make_row_arithmetic():
+    samples = {name: [2.0, 1.0, 3.0] for name in VARIANTS}
+    samples.update(rs=[1.0, 2.0, 9.0], ar=[4.0, 3.0, 5.0], serial=[6.0, 8.0, 7.0],
+                   overlap=[5.0, 4.0, 4.5], outer_rs=[1.0, 1.0, 1.0], hfsdp_pair=[3.0] * 3,
+                   ag=[6.0] * 3, outer_ag=[2.0] * 3, fwd_pair=[9.0] * 3)
+    row = make_row(1 << 20, samples)
+    assert row["size_bytes"] == 1 << 20
+    assert (row["t_rs_ms"], row["t_rs_min_ms"], row["t_rs_max_ms"]) == (2.0, 1.0, 9.0)
+    assert row["t_ar_ms"] == 4.0 and row["t_serial_ms"] == 7.0 and row["t_overlap_ms"] == 4.5
+    assert row["saving_pct"] == pytest.approx(100 * (1 - 4.5 / 7.0))
+    assert row["overlap_over_max"] == pytest.approx(4.5 / 4.0)
+    assert row["hfsdp_pair_over_max"] == pytest.approx(3.0 / 2.0)
+    assert row["fwd_pair_over_max"] == pytest.approx(9.0 / 6.0)
+
+
+def test_bench_collectives_cli_writes_json(tmp_path):
+    out = tmp_path / "collectives.json"
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)  # spawn its own ranks, as outside torchrun
+    proc = subprocess.run(
+        [sys.executable, "-m", "hsdp", "bench", "collectives", "--nproc", "4", "--mesh", "2x2",
+         "--sizes", "64KiB,256KiB", "--iters", "3", "--warmup", "1", "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "saving %" in proc.stdout
+    result = json.loads(out.read_text())
+    meta = result["meta"]
+    assert (meta["outer"], meta["inner"], meta["world"]) == (2, 2, 4)
+    assert meta["dtype"] == "fp32" and meta["backend"] == "gloo" and meta["iters"] == 3
+    assert meta["torch"] and meta["date"]
+    rows = result["rows"]
+    assert [r["size_bytes"] for r in rows] == [64 << 10, 256 << 10]
+    for row in rows:
+        for name in VARIANTS:
+            lo, mid, hi = (row[f"t_{name}_min_ms"], row[f"t_{name}_ms"],
+                           row[f"t_{name}_max_ms"])
+            assert 0 < lo <= mid <= hi, (name, row)
+        for key in ("saving_pct", "overlap_over_max", "hfsdp_pair_over_max",
+                    "fwd_pair_over_max"):
+            assert isinstance(row[key], float)

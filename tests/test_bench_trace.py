@@ -2,17 +2,19 @@
 
 import gzip
 import json
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from hsdp.bench.metrics import Interval, step_metrics
+from hsdp.bench.metrics import Interval, intersect, step_metrics, total
 from hsdp.bench.trace import (
     intervals_from_chrome_trace,
     intervals_from_records,
     load_chrome_trace,
 )
-from hsdp.streams import OpRecord
+from hsdp.streams import OpRecord, Streams, Tracer
 
 
 def spans(ivs: list[Interval]) -> list[tuple]:
@@ -186,3 +188,21 @@ def test_real_trace_matches_kineto_gpu_annotation_spans(name):
     m = step_metrics(ivs)
     assert m["busy_ms"]["by_kind"]["outer"] == pytest.approx(1.449, abs=0.01)
     assert ("outer" in m["busy_ms"]["by_stream"]) == (name == "overlap")
+
+
+def test_records_from_cpu_streams_tracer():
+    """The CPU runtime's own records: compute waits on rs become idle compute time."""
+    tracer = Tracer(enabled=True)
+    s = Streams.create(torch.device("cpu"), tracer)
+    t0 = time.perf_counter()
+    s.compute.wait(s.rs.submit(lambda: time.sleep(0.01), label="RS:x"))
+    records = tracer.take()
+    assert {(r.stream, r.label) for r in records} == {("rs", "RS:x"), ("compute", "wait:RS:x")}
+    ivs = intervals_from_records(records, t0)
+    wait = next(r for r in records if r.stream == "compute")
+    wait_us = ((wait.start_s - t0) * 1e6, (wait.end_s - t0) * 1e6)
+    rs = next((iv.start_us, iv.end_us) for iv in ivs if iv.stream == "rs")
+    compute = [(iv.start_us, iv.end_us) for iv in ivs if iv.stream == "compute"]
+    assert intersect(compute, [wait_us]) == []
+    exposed = total(intersect([rs], [wait_us])) / 1e3
+    assert step_metrics(ivs)["exposed_comm_ms"] == pytest.approx(exposed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -14,6 +15,8 @@ from hsdp.group import ParamGroup, Slot
 from hsdp.mesh import comm_groups
 from hsdp.policy import MixedPrecision, check_strategy
 from hsdp.schedule import Unit, units_below
+
+_UNIT_IDS = itertools.count()
 
 
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
@@ -41,9 +44,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
         ps, ss = keyed.setdefault((p.dtype, p.requires_grad), ([], []))
         ps.append(p)
         ss.append(s)
+    label = f"{type(module).__name__}{next(_UNIT_IDS)}"  # same on every rank
     groups = [
-        ParamGroup(f"{type(module).__name__}#{id(module) % 10000}/{k}", ps, ss, comms, device,
-                   strategy == "hfsdp", mp)
+        ParamGroup(f"{label}/{k}", ps, ss, comms, device, strategy == "hfsdp", mp)
         for k, (ps, ss) in enumerate(keyed.values())]
     for g in groups:
         g.use_sharded()
@@ -51,7 +54,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
         for name, b in m._buffers.items():
             if b is not None and b.device != device:
                 m._buffers[name] = b.to(device)
-    module._hsdp_unit = Unit(module, groups, mesh, device, overlap_outer)
+    module._hsdp_unit = Unit(module, label, groups, mesh, device, overlap_outer)
     return module
 
 

@@ -42,7 +42,7 @@ def _in_backward() -> bool:
 class Unit:
     """The state and hooks of one fully_shard-ed module."""
 
-    def __init__(self, module: nn.Module, groups: list[ParamGroup], mesh: DeviceMesh,
+    def __init__(self, module: nn.Module, label: str, groups: list[ParamGroup], mesh: DeviceMesh,
                  device: torch.device, overlap_outer: bool) -> None:
         self.module = module
         self.groups = groups
@@ -53,7 +53,7 @@ class Unit:
         self.collectives = Collectives()  # root's is used; bench swaps in an emulated one
         self.tracer = Tracer()
         self.is_last_override: bool | None = None  # set by hsdp.microbatch on the root
-        self.label = type(module).__name__
+        self.label = label
         self.backward_started = False
         self.backward_done = False
         module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)

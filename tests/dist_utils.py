@@ -6,6 +6,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,10 +35,22 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir:
         dist.destroy_process_group()
 
 
+TIMEOUT_S = 900
+
+
 def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; returns their results."""
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; returns their results.
+    A job that hangs (a schedule deadlock) fails after TIMEOUT_S instead of blocking CI."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(world, free_port(), fn, args, d), nprocs=world, join=True)
+        ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args, d), nprocs=world,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + TIMEOUT_S
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish in "
+                                   f"{TIMEOUT_S} s")
         results = []
         for r in range(world):
             with open(os.path.join(d, f"{r}.pkl"), "rb") as f:

@@ -108,7 +108,9 @@ _GROUPS: dict[tuple, CommGroups] = {}
 
 
 def _key(mesh: DeviceMesh) -> tuple:
-    return (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape))
+    world = id(dist.distributed_c10d._get_default_group())  # a re-initialized world is new
+    return (world, mesh.device_type, tuple(mesh.mesh.flatten().tolist()),
+            tuple(mesh.mesh.shape))
 
 
 def _create_groups(mesh: DeviceMesh, nccl: dict[str, NcclConfig]) -> CommGroups:

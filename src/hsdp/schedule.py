@@ -196,7 +196,10 @@ class Runtime:
         if _in_backward():
             return output
         expects_backward = self._register_pre_backward(unit, output)
-        if unit is not self.root or not expects_backward:
+        # The root and the last unit of the forward are the first the backward needs:
+        # keep them gathered (once the order is known) instead of re-gathering at once.
+        keep = unit is self.root or (unit is self.order[-1] and self._recording is None)
+        if not (keep and expects_backward):
             self._reshard(unit)
         if unit is self.root:
             if self._recording is not None:

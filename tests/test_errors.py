@@ -3,7 +3,6 @@
 import pytest
 import torch
 import torch.nn as nn
-from fake_world import fake_world_8  # noqa: F401
 from torch.distributed.device_mesh import init_device_mesh
 
 import hsdp

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from fake_world import fake_world_8  # noqa: F401
 
 import hsdp
 from hsdp.bench.emulate import emulate

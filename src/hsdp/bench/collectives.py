@@ -69,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=20, help="timed iterations")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations first")
     p.add_argument("--json", default=None, metavar="PATH", help="write results here")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cpu: gloo ranks even where GPUs exist (default: cuda when present)")
     p.add_argument("--max-ctas", type=parse_max_ctas, default=None, metavar="inner=N,outer=M",
                    help="NCCL max CTAs per communicator (inner applies to inner_ag and "
                         "inner_rs)")
@@ -138,6 +140,7 @@ class Config:
     warmup: int
     max_ctas: dict[str, NcclConfig] | None
     json_path: str | None
+    cuda: bool
 
 
 def resolve(args: argparse.Namespace, cuda: bool, world: int) -> Config:
@@ -152,7 +155,7 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int) -> Config:
         raise SystemExit("hsdp bench collectives: need --iters >= 1 and --warmup >= 0")
     sizes = args.sizes or parse_sizes("64MiB,256MiB,1GiB" if cuda else "256KiB,1MiB,4MiB")
     return Config(world, outer, inner, tuple(sizes), args.dtype or ("bf16" if cuda else "fp32"),
-                  args.iters, args.warmup, args.max_ctas, args.json)
+                  args.iters, args.warmup, args.max_ctas, args.json, cuda)
 
 
 # --------------------------------------------------------------------------- launch
@@ -162,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     """Entry point: run in place under torchrun, else spawn local ranks."""
     for k, v in NCCL_ENV.items():
         os.environ.setdefault(k, v)
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         cfg = resolve(args, cuda, int(os.environ["WORLD_SIZE"]))
         _worker(int(os.environ.get("LOCAL_RANK", 0)), cfg, None)
@@ -189,9 +192,8 @@ def _worker(local_rank: int, cfg: Config, port: int | None) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                           RANK=str(local_rank), WORLD_SIZE=str(cfg.world),
                           LOCAL_RANK=str(local_rank))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
+    device = torch.device("cuda", local_rank) if cfg.cuda else torch.device("cpu")
+    if cfg.cuda:
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
     else:

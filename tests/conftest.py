@@ -1,4 +1,5 @@
-"""An in-process fake world (torch's fake process group): collectives do nothing."""
+"""Shared fixtures. fake_world_8: an in-process fake world of 8 ranks (torch's fake process
+group): collectives do nothing."""
 
 from __future__ import annotations
 

@@ -1,0 +1,132 @@
+"""CUDA checks run in a fresh process each (one process group per process).
+
+    python tests/cuda_child.py world1|trace|memory [args]   -> prints one JSON line
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import hsdp
+from hsdp.bench.emulate import emulate, fake_mesh
+from hsdp.bench.metrics import step_metrics
+from hsdp.bench.model import GPT, GPTConfig, lm_loss
+from hsdp.bench.trace import intervals_from_chrome_trace
+from hsdp.fabric import Fabric
+
+DEV = torch.device("cuda", 0)
+
+
+def _shard(model: GPT, mesh, **kw) -> GPT:
+    for blk in model.blocks:
+        hsdp.fully_shard(blk, mesh=mesh, **kw)
+    return hsdp.fully_shard(model, mesh=mesh, **kw)
+
+
+def world1() -> dict:
+    """Real NCCL, world size 1: every strategy equals the unsharded reference."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29561"),
+                      RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("nccl", device_id=DEV)
+    mesh = hsdp.init_mesh(1, 1, "cuda")
+    cfg = GPTConfig(vocab=101, hidden=96, heads=4, ffn=200, layers=3, seq=32,
+                    checkpoint="non_reentrant")
+    out = {}
+    for strategy in ("hsdp", "hfsdp"):
+        for overlap in (True, False):
+            torch.manual_seed(0)
+            ref = GPT(cfg).to(DEV)
+            model = _shard(copy.deepcopy(ref), mesh, strategy=strategy, overlap_outer=overlap)
+            opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
+            for step in range(4):
+                tokens = torch.randint(0, cfg.vocab, (4, cfg.seq), device=DEV,
+                                       generator=torch.Generator(DEV).manual_seed(step))
+                for m, opt in zip((ref, model), opts):
+                    lm_loss(m(tokens), tokens).backward()
+                    opt.step()
+                    opt.zero_grad()
+            full = hsdp.full_state_dict(model)
+            out[f"{strategy}/{int(overlap)}"] = max(
+                ((full[k] - v.cpu()).norm() / v.norm().clamp_min(1e-12)).item()
+                for k, v in ref.state_dict().items())
+    return out
+
+
+def trace(strategy: str) -> dict:
+    """Fake 2x4 world, emulated collectives: which stream runs what, and overlap."""
+    mesh = fake_mesh(2, 4, "cuda")
+    cfg = GPTConfig(vocab=512, hidden=2048, heads=16, ffn=8192, layers=6, seq=1024)
+    torch.manual_seed(0)
+    model = _shard(GPT(cfg).to(DEV), mesh, strategy=strategy,
+                   mp_policy=hsdp.MixedPrecision(torch.bfloat16, torch.float32))
+    calib = emulate(model, Fabric(), DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    tokens = torch.randint(0, cfg.vocab, (2, cfg.seq), device=DEV)
+
+    def step() -> None:
+        lm_loss(model(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    model._hsdp_unit.tracer.enabled = True
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+        torch.cuda.synchronize()
+    path = os.path.join(os.environ.get("OUT", "/tmp"), f"cuda_trace_{strategy}.json")
+    prof.export_chrome_trace(path)
+    ivs = intervals_from_chrome_trace(path)
+    rs = sorted((i for i in ivs if i.label.startswith("RS:")), key=lambda i: i.start_us)
+    outer = sorted((i for i in ivs if i.label.startswith(("OUTER_AR", "OUTER_RS"))),
+                   key=lambda i: i.start_us)
+    overlaps = sum(o.start_us < n.end_us and n.start_us < o.end_us
+                   for o, n in zip(outer, rs[1:]))
+    m = step_metrics(ivs)
+    return {"calibration_error": calib, "rs_streams": sorted({i.stream for i in rs}),
+            "outer_streams": sorted({i.stream for i in outer}), "n_rs": len(rs),
+            "n_outer": len(outer), "outer_overlapping_next_rs": overlaps,
+            "comm_comm_overlap_ms": m["comm_comm_overlap_ms"],
+            "outer_tail_ms": m["outer_tail_ms"], "trace": path}
+
+
+def memory(n: int) -> dict:
+    """Peak CUDA memory of n identical units on a fake 2x4 mesh."""
+    mesh = fake_mesh(2, 4, "cuda")
+    model = nn.Sequential(*(nn.Linear(4096, 4096, bias=False) for _ in range(n))).to(DEV)
+    for layer in model:
+        hsdp.fully_shard(layer, mesh=mesh)
+    hsdp.fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(64, 4096, device=DEV)
+    for i in range(3):
+        if i == 1:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            steady = torch.cuda.memory_allocated()
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    return {"peak": torch.cuda.max_memory_allocated(), "steady": steady}
+
+
+if __name__ == "__main__":
+    mode, args = sys.argv[1], sys.argv[2:]
+    torch.cuda.set_device(DEV)
+    try:
+        result = {"world1": world1, "trace": trace, "memory": lambda n: memory(int(n))}[mode](
+            *args)
+        print(json.dumps(result))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

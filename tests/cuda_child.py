@@ -19,7 +19,7 @@ from hsdp.bench.emulate import emulate, fake_mesh
 from hsdp.bench.metrics import step_metrics
 from hsdp.bench.model import GPT, GPTConfig, lm_loss
 from hsdp.bench.trace import intervals_from_chrome_trace
-from hsdp.fabric import Fabric
+from hsdp.fabric import Fabric, Link
 
 DEV = torch.device("cuda", 0)
 
@@ -60,13 +60,14 @@ def world1() -> dict:
 
 
 def trace(strategy: str) -> dict:
-    """Fake 2x4 world, emulated collectives: which stream runs what, and overlap."""
+    """Fake 2x4 world, emulated collectives: which stream runs what, and overlap. The
+    outer link is slow (10 GB/s) so that outer(i) is still running when RS(i-1) starts."""
     mesh = fake_mesh(2, 4, "cuda")
     cfg = GPTConfig(vocab=512, hidden=2048, heads=16, ffn=8192, layers=6, seq=1024)
     torch.manual_seed(0)
     model = _shard(GPT(cfg).to(DEV), mesh, strategy=strategy,
                    mp_policy=hsdp.MixedPrecision(torch.bfloat16, torch.float32))
-    calib = emulate(model, Fabric(), DEV)
+    calib = emulate(model, Fabric(outer=Link(10.0)), DEV)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     tokens = torch.randint(0, cfg.vocab, (2, cfg.seq), device=DEV)
 

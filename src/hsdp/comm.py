@@ -45,14 +45,19 @@ class SleepClock:
             end.synchronize()
         return SleepClock(probe_cycles / (start.elapsed_time(end) * 1e-3))
 
-    def check(self, seconds: float) -> float:
-        """Relative error of a calibrated delay of ``seconds`` measured again now."""
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        self(seconds)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e-3 / seconds - 1.0
+    def check(self, seconds: float = 2e-3, repeats: int = 5) -> float:
+        """Relative error of a calibrated delay of ``seconds`` measured again now (median
+        of ``repeats``)."""
+        errs = []
+        for _ in range(repeats):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self(seconds)
+            end.record()
+            end.synchronize()
+            errs.append(start.elapsed_time(end) * 1e-3 / seconds - 1.0)
+        return sorted(errs)[len(errs) // 2]
 
     def __call__(self, seconds: float) -> None:
         if seconds > 0:

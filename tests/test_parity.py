@@ -24,6 +24,10 @@ CASES_4 = [
     Case(2, 2, strategy, overlap, 3, "reentrant")
     for strategy, overlap in itertools.product(["hsdp", "hfsdp"], [True, False])
 ] + [
+    Case(2, 2, strategy, overlap, mb, ac)
+    for strategy, overlap, mb, ac in itertools.product(
+        ["hsdp", "hfsdp"], [True, False], [1, 3], ["unit_reentrant", "unit_non_reentrant"])
+] + [
     Case(2, 2, "hsdp", True, mb, fsdp2=True) for mb in (1, 3)
 ] + [
     Case(2, 2, strategy, True, 1, mp=True, fsdp2=strategy == "hsdp")

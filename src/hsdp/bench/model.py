@@ -9,6 +9,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+CHECKPOINT_MODES = ("none", "reentrant", "non_reentrant", "unit_reentrant",
+                    "unit_non_reentrant")
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -18,12 +21,14 @@ class GPTConfig:
     ffn: int = 50
     layers: int = 3
     seq: int = 8
-    checkpoint: str = "none"  # "none" | "reentrant" | "non_reentrant" (inside each block)
+    # Activation checkpointing: "reentrant" / "non_reentrant" inside each block's forward;
+    # "unit_reentrant" / "unit_non_reentrant" around each block call (the whole unit).
+    checkpoint: str = "none"
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
-        if self.checkpoint not in ("none", "reentrant", "non_reentrant"):
+        if self.checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"unknown checkpoint mode {self.checkpoint!r}")
 
     @property
@@ -53,7 +58,7 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cfg.checkpoint == "none":
+        if self.cfg.checkpoint not in ("reentrant", "non_reentrant"):
             return self._forward(x)
         return checkpoint(self._forward, x, use_reentrant=self.cfg.checkpoint == "reentrant")
 
@@ -71,8 +76,12 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        mode = self.cfg.checkpoint
         for blk in self.blocks:
-            x = blk(x)
+            if mode.startswith("unit_"):
+                x = checkpoint(blk, x, use_reentrant=mode == "unit_reentrant")
+            else:
+                x = blk(x)
         return self.head(self.ln_f(x)) * self.logit_scale
 
 

@@ -1,5 +1,5 @@
 """The schedule itself, observed on CPU: a fake 2x4 world whose collectives are emulated
-by host sleeps on hsdp's stream threads (inner 3 ms, outer 2 ms per collective), so that
+by host sleeps on hsdp's stream threads (inner 20 ms, outer 12 ms per collective), so that
 the order and overlap of operations can be read off the streams' records."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hsdp.fabric import Fabric, Link
 from hsdp.streams import OpRecord
 
 UNITS = 4
-FABRIC = Fabric(Link(1e6, 3000.0), Link(1e6, 2000.0))
+FABRIC = Fabric(Link(1e6, 20_000.0), Link(1e6, 12_000.0))
 
 
 class Net(nn.Module):

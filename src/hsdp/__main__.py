@@ -12,6 +12,8 @@ import sys
 # and add ``("bench", "step"): "hsdp.bench.step"`` or ``("demo",): "hsdp.demo"`` here.
 COMMANDS: dict[tuple[str, ...], str] = {
     ("bench", "collectives"): "hsdp.bench.collectives",
+    ("bench", "step"): "hsdp.bench.step",
+    ("demo",): "hsdp.demo",
 }
 
 

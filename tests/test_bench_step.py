@@ -1,0 +1,120 @@
+"""bench step / demo: fabric fitting, options, and real runs on tiny models (4 gloo ranks;
+one process emulating a 2x4 mesh). Shapes and sanity of the results only, never speed."""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hsdp.__main__ import COMMANDS, build_parser
+from hsdp.bench.step import fabric_from_collectives, parse_schedules
+from hsdp.fabric import Fabric, Link
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--ffn", "64", "--vocab", "64",
+        "--seq", "16", "--steps", "2", "--warmup", "1"]
+METRICS = ("exposed_comm_ms", "outer_tail_ms", "comm_comm_overlap_ms", "lower_bound_ms")
+
+
+def bench_step(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)  # spawn its own ranks, as outside torchrun
+    argv = ("--device", "cpu", *argv)  # the CPU path (gloo ranks) on any machine
+    return subprocess.run([sys.executable, "-m", "hsdp", "bench", "step", *argv], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def check_result(path: Path, out_dir: Path, schedules: list[str]) -> dict:
+    result = json.loads(path.read_text())
+    meta = result["meta"]
+    for key in ("hardware", "torch", "nccl", "mesh", "emulate", "fabric",
+                "calibration_error", "model", "num_params", "date"):
+        assert key in meta, key
+    assert meta["num_params"] > 0 and meta["model"]["layers"] == 2
+    assert list(result["schedules"]) == schedules
+    for name, s in result["schedules"].items():
+        lo, mid, hi = s["t_step_min_ms"], s["t_step_ms"], s["t_step_max_ms"]
+        assert 0 < lo <= mid <= hi and math.isfinite(hi), (name, s)
+        assert len(s["t_step_samples_ms"]) == 2
+        assert s["tokens_per_s"] > 0 and math.isfinite(s["tokens_per_s"])
+        assert s["peak_mem_bytes"] is None  # CPU
+        for key in METRICS:  # fsdp2 included: its collectives are wrapped and traced
+            assert s[key] >= 0 and math.isfinite(s[key]), (name, key, s[key])
+        assert s["lower_bound_ms"] > 0
+        assert Path(s["trace"]).is_file()
+        by_kind = s["metrics"]["busy_ms"]["by_kind"]
+        assert by_kind["compute"] > 0 and by_kind["inner"] > 0 and by_kind["outer"] > 0
+    assert (out_dir / "timeline.png").stat().st_size > 0
+    return result
+
+
+def test_gloo_ranks(tmp_path):
+    out = tmp_path / "step.json"
+    proc = bench_step("--nproc", "4", "--mesh", "2x2", *TINY, "--json", str(out),
+                      "--out-dir", str(tmp_path / "traces"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "overlap vs serial" in proc.stdout
+    result = check_result(out, tmp_path / "traces", ["overlap", "serial", "fsdp2"])
+    meta = result["meta"]
+    assert meta["mesh"] == {"outer": 2, "inner": 2, "world": 4}
+    assert meta["backend"] == "gloo" and meta["emulate"] is False and meta["fabric"] is None
+    assert meta["model"]["dtype"] == "fp32"
+    assert set(result["summary"]) == {"overlap_vs_serial"}
+
+
+def test_emulated_mesh(tmp_path):
+    out = tmp_path / "step.json"
+    schedules = ["overlap", "serial", "hfsdp", "fsdp2"]
+    proc = bench_step("--emulate", "--mesh", "2x4", *TINY, "--microbatches", "2",
+                      "--schedules", ",".join(schedules), "--json", str(out),
+                      "--out-dir", str(tmp_path / "traces"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = check_result(out, tmp_path / "traces", schedules)
+    meta = result["meta"]
+    assert meta["emulate"] is True and meta["backend"] == "fake"
+    assert meta["mesh"] == {"outer": 2, "inner": 4, "world": 8}
+    assert meta["fabric"]["inner"]["bus_gbps"] == 370.0
+    assert meta["fabric"]["outer"]["latency_us"] == 20.0
+    assert meta["global_tokens_per_step"] == 8 * 2 * 16 * 2
+
+
+def test_mesh_not_matching_world_is_a_clear_error():
+    proc = bench_step("--nproc", "4", "--mesh", "2x3", *TINY, timeout=60)
+    assert proc.returncode != 0
+    assert "mesh 2x3 has 6 ranks but the job has 4" in proc.stderr
+
+
+def test_fabric_from_collectives_reproduces_largest_row(tmp_path):
+    rows = [{"size_bytes": 1 << 20, "t_rs_ms": 9.0, "t_ar_ms": 9.0},
+            {"size_bytes": 64 << 20, "t_rs_ms": 0.5, "t_ar_ms": 2.0}]
+    path = tmp_path / "collectives.json"
+    path.write_text(json.dumps({"meta": {"outer": 2, "inner": 4}, "rows": rows}))
+    fabric = fabric_from_collectives(path, latency_us=20.0)
+    assert fabric.seconds("reduce_scatter", "inner", 64 << 20, 4) == pytest.approx(0.5e-3)
+    assert fabric.seconds("all_reduce", "outer", 16 << 20, 2) == pytest.approx(2.0e-3)
+    assert fabric.inner.latency_us == fabric.outer.latency_us == 20.0
+    assert isinstance(fabric, Fabric) and isinstance(fabric.inner, Link)
+    path.write_text(json.dumps({"meta": {"outer": 1, "inner": 4}, "rows": rows}))
+    with pytest.raises(SystemExit, match="outer group of 1 rank"):
+        fabric_from_collectives(path, latency_us=20.0)
+
+
+def test_options_and_registration():
+    assert COMMANDS[("bench", "step")] == "hsdp.bench.step"
+    assert COMMANDS[("demo",)] == "hsdp.demo"
+    assert parse_schedules("overlap, fsdp2") == ("overlap", "fsdp2")
+    for bad in ("overlap,overlap", "ddp", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_schedules(bad)
+    parser = build_parser()
+    step = parser.parse_args(["bench", "step"])
+    demo = parser.parse_args(["demo"])
+    assert step.schedules == ("overlap", "serial", "fsdp2")
+    assert demo.schedules == step.schedules and demo.steps < step.steps
+    assert demo.model_defaults["cpu"]["hidden"] <= step.model_defaults["cpu"]["hidden"]

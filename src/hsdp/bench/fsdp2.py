@@ -16,8 +16,8 @@ wrappers that, for calls on the mesh's "inner" or "outer" group:
 
 Streams and labels follow hsdp's names: inner all-gather "AG" on "ag", inner
 reduce-scatter "RS" on "rs", outer all-reduce "OUTER_AR" on "outer" (FSDP2 runs these on
-three different CUDA streams). Calls on any other group pass through untouched, and so
-does hsdp itself: its collectives were bound when ``hsdp.comm`` was imported.
+three different CUDA streams). Calls on any other group pass through untouched, hsdp's
+own included: its runtime uses its own communicators, never the mesh's groups.
 """
 
 from __future__ import annotations

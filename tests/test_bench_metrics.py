@@ -140,3 +140,9 @@ def test_empty():
     for key in ("span_ms", "comm_busy_ms", "comm_comm_overlap_ms", "exposed_comm_ms",
                 "outer_tail_ms", "lower_bound_ms"):
         assert m[key] == 0
+
+
+def test_outer_tail_ignores_hfsdp_parameter_all_gather():
+    ivs = [iv("compute", "k", 0, 100), iv("outer", "OUTER_RS:u", 90, 130),
+           iv("outer", "OUTER_AG:u", 200, 260)]
+    assert step_metrics(ivs)["outer_tail_ms"] == pytest.approx(0.03)

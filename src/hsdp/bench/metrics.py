@@ -20,6 +20,7 @@ from dataclasses import dataclass
 Span = tuple[float, float]
 
 KINDS = ("compute", "inner", "outer")
+OUTER_REDUCTIONS = ("OUTER_AR", "OUTER_RS")
 OP_KINDS = ("compute", "inner_ag", "inner_rs", "outer", "other")
 
 
@@ -151,7 +152,9 @@ def step_metrics(intervals: Iterable[Interval], window: Span | None = None) -> d
         spans[k] = busy(lambda iv, k=k: op_kind(iv) == k)
     comm = union(spans["inner"] + spans["outer"])
 
-    outer_ends = [e for _, e in spans["outer"]]
+    # The tail is the gradient path's: hfsdp's outer all-gather after the optimizer step
+    # is not part of it.
+    outer_ends = [e for _, e in busy(lambda iv: iv.label.startswith(OUTER_REDUCTIONS))]
     tail = 0.0
     if outer_ends:
         last = outer_ends[-1]

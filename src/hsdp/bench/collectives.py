@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import re
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -35,15 +34,13 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from hsdp.bench.launch import NCCL_ENV, launch, rank_process_group, select_cuda
 from hsdp.comm import Collectives
 from hsdp.mesh import CommGroups, NcclConfig, comm_groups, init_mesh
 from hsdp.streams import SideStream, Streams
 
 # Multicast (NVLS) off on multi-GPU machines: see shared/design/testing.md.
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 VARIANTS = ("rs", "ar", "serial", "overlap", "outer_rs", "hfsdp_pair", "ag", "outer_ag",
@@ -163,42 +160,13 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int) -> Config:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point: run in place under torchrun, else spawn local ranks."""
-    for k, v in NCCL_ENV.items():
-        os.environ.setdefault(k, v)
-    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        cfg = resolve(args, cuda, int(os.environ["WORLD_SIZE"]))
-        _worker(int(os.environ.get("LOCAL_RANK", 0)), cfg, None)
-        return 0
-    nproc = args.nproc if args.nproc is not None else (
-        torch.cuda.device_count() if cuda else 4)
-    if cuda and nproc > torch.cuda.device_count():
-        raise SystemExit(f"hsdp bench collectives: --nproc {nproc} but only "
-                         f"{torch.cuda.device_count()} GPUs (NCCL needs one GPU per rank)")
-    cfg = resolve(args, cuda, nproc)
-    mp.spawn(_worker, args=(cfg, _free_port()), nprocs=nproc, join=True)
-    return 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    cuda = select_cuda(args.device, "bench collectives")
+    return launch("bench collectives", _worker, lambda world: resolve(args, cuda, world),
+                  args.nproc, cuda)
 
 
 def _worker(local_rank: int, cfg: Config, port: int | None) -> None:
-    """One rank. ``port`` is set when spawned (rank = local rank), None under torchrun."""
-    if port is not None:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                          RANK=str(local_rank), WORLD_SIZE=str(cfg.world),
-                          LOCAL_RANK=str(local_rank))
-    device = torch.device("cuda", local_rank) if cfg.cuda else torch.device("cpu")
-    if cfg.cuda:
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
-    try:
+    with rank_process_group(local_rank, cfg.world, port, cfg.cuda) as device:
         rows = bench(cfg, device)
         if dist.get_rank() == 0:
             result = {"meta": _meta(cfg, device), "rows": rows}
@@ -206,8 +174,6 @@ def _worker(local_rank: int, cfg: Config, port: int | None) -> None:
             if cfg.json_path:
                 with open(cfg.json_path, "w") as f:
                     json.dump(result, f, indent=2)
-    finally:
-        dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------- bench

@@ -51,7 +51,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -62,14 +61,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import hsdp
-from hsdp.bench.collectives import DTYPES, NCCL_ENV, _free_port, default_mesh, parse_mesh
+from hsdp.bench.collectives import DTYPES, default_mesh, parse_mesh
 from hsdp.bench.emulate import emulate, fake_mesh
 from hsdp.bench.fsdp2 import fsdp2_collectives, shard_fsdp2
+from hsdp.bench.launch import NCCL_ENV, launch, rank_process_group, select_cuda
 from hsdp.bench.metrics import Interval, op_kind, step_metrics
 from hsdp.bench.model import CHECKPOINT_MODES, GPT, GPTConfig, lm_loss
 from hsdp.bench.timeline import plot_timeline
@@ -262,11 +261,7 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point: one emulating process, in place under torchrun, or spawned ranks."""
-    for k, v in NCCL_ENV.items():
-        os.environ.setdefault(k, v)
-    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("hsdp bench step: --device cuda but no GPU is visible")
+    cuda = select_cuda(args.device, "bench step")
     if args.emulate:
         cfg = resolve(args, cuda, None)
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -278,46 +273,16 @@ def run(args: argparse.Namespace) -> int:
         finally:
             dist.destroy_process_group()
         return 0
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        cfg = resolve(args, cuda, int(os.environ["WORLD_SIZE"]))
-        _worker(int(os.environ.get("LOCAL_RANK", 0)), cfg, None)
-        return 0
-    nproc = args.nproc if args.nproc is not None else (
-        torch.cuda.device_count() if cuda else 4)
-    if cuda and nproc > torch.cuda.device_count():
-        raise SystemExit(f"hsdp bench step: --nproc {nproc} but only "
-                         f"{torch.cuda.device_count()} GPUs (NCCL needs one GPU per rank)")
-    cfg = resolve(args, cuda, nproc)
-    try:
-        mp.spawn(_worker, args=(cfg, _free_port()), nprocs=nproc, join=True)
-    except mp.ProcessExitedException as e:  # its message went to stderr already
-        print(f"hsdp bench step: rank {e.error_index} exited with code {e.exit_code}",
-              file=sys.stderr)
-        return e.exit_code or 1
-    return 0
+    return launch("bench step", _worker, lambda world: resolve(args, cuda, world), args.nproc,
+                  cuda)
 
 
 def _worker(local_rank: int, cfg: Config, port: int | None) -> None:
-    """One rank. ``port`` is set when spawned (rank = local rank), None under torchrun."""
-    if port is not None:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                          RANK=str(local_rank), WORLD_SIZE=str(cfg.world),
-                          LOCAL_RANK=str(local_rank))
-    device = torch.device("cuda", local_rank) if cfg.cuda else torch.device("cpu")
-    if cfg.cuda:
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        if "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.world))
-        dist.init_process_group("gloo")
-    try:
+    with rank_process_group(local_rank, cfg.world, port, cfg.cuda) as device:
         mesh = hsdp.init_mesh(cfg.outer, cfg.inner, device.type)
         result = bench(cfg, device, mesh)
         if dist.get_rank() == 0:
             _report(result, cfg)
-    finally:
-        dist.destroy_process_group()
 
 
 @contextmanager

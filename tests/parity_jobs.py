@@ -169,3 +169,31 @@ def odd_job(rank: int, world: int, outer: int, strategy: str) -> dict[str, float
     local = sum(p.numel() for p in model.parameters())
     return {"param": _rel_err(hsdp.full_state_dict(model), ref_state), "norm": max(norms),
             "local_numel": local, "full_numel": sum(p.numel() for p in ref.parameters())}
+
+
+def checkpoint_job(rank: int, world: int, outer: int) -> dict[str, float]:
+    """full_state_dict -> load_full_state_dict into a differently initialized model:
+    the loaded model equals the saved one, also after training both one more step."""
+    mesh = hsdp.init_mesh(outer, world // outer, "cpu")
+    cfg = GPTConfig()
+    out = {}
+    for strategy, mp in (("hsdp", None), ("hfsdp", None),
+                         ("hfsdp", hsdp.MixedPrecision(torch.bfloat16, torch.float32))):
+        models = []
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            m = GPT(cfg)
+            for blk in m.blocks:
+                hsdp.fully_shard(blk, mesh=mesh, strategy=strategy, mp_policy=mp)
+            models.append(hsdp.fully_shard(m, mesh=mesh, strategy=strategy, mp_policy=mp))
+        src, dst = models
+        case = Case(outer, world // outer, strategy)
+        _train(src, rank, world, cfg, case, "hsdp")
+        saved = hsdp.full_state_dict(src)
+        hsdp.load_full_state_dict(dst, saved)
+        key = f"{strategy}/{'bf16' if mp else 'fp32'}"
+        out[f"{key}/loaded"] = _rel_err(hsdp.full_state_dict(dst), saved)
+        for m in models:
+            _train(m, rank, world, cfg, case, "hsdp")
+        out[f"{key}/trained"] = _rel_err(hsdp.full_state_dict(dst), hsdp.full_state_dict(src))
+    return out

@@ -1,9 +1,9 @@
 """hsdp: hybrid-sharded data parallel with the DP-outer reduction on its own stream."""
 
-from hsdp.api import clip_grad_norm_, fully_shard, microbatch
+from hsdp.api import clip_grad_norm_, fully_shard, microbatch, synchronize
 from hsdp.mesh import NcclConfig, init_mesh
 from hsdp.policy import MixedPrecision
-from hsdp.state import full_state_dict
+from hsdp.state import full_state_dict, load_full_state_dict
 
 __all__ = [
     "MixedPrecision",
@@ -12,5 +12,7 @@ __all__ = [
     "full_state_dict",
     "fully_shard",
     "init_mesh",
+    "load_full_state_dict",
     "microbatch",
+    "synchronize",
 ]

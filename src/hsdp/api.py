@@ -111,6 +111,16 @@ def microbatch(model: nn.Module, is_last: bool) -> Iterator[None]:
         unit.is_last_override = None
 
 
+def synchronize(model: nn.Module) -> None:
+    """Block until hsdp's pending work for ``model`` has finished, e.g. the HFSDP outer
+    all-gather that ``optimizer.step()`` issued. Call it before
+    ``torch.distributed.destroy_process_group()``: destroying a process group under a
+    running collective aborts the process."""
+    rt = _root_unit(model).runtime
+    if rt is not None:
+        rt.synchronize()
+
+
 def _sharded_grads(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(grads replicated over outer, grads sharded over outer), each element once."""
     rep, sharded, seen = [], [], set()

@@ -74,8 +74,10 @@ class ParamGroup:
         # Sharded parameters: views of ``main``; registered on the modules.
         self.sharded: list[nn.Parameter] = []
         self._grad_slices: list[tuple[int, int]] = []
+        self.shard_starts: list[int] = []  # first element of each parameter held here
         for piece in lay.pieces(owned_lo, owned_hi):
             a, n = (piece.range_offset, piece.length) if piece else (0, 0)
+            self.shard_starts.append(piece.param_start if piece else 0)
             sp = nn.Parameter(self.main[a:a + n], requires_grad=self.requires_grad)
             sp._hsdp_group = self  # marks the parameter as managed by hsdp
             self.sharded.append(sp)

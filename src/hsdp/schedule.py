@@ -51,7 +51,6 @@ class Unit:
         self.overlap_outer = overlap_outer
         self.runtime: Runtime | None = None
         self.collectives = Collectives()  # root's is used; bench swaps in an emulated one
-        self.tracer = Tracer()
         self.is_last_override: bool | None = None  # set by hsdp.microbatch on the root
         self.label = label
         self.backward_started = False
@@ -59,6 +58,11 @@ class Unit:
         module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward_hook, always_call=False,
                                      with_kwargs=True)
+
+    @property
+    def tracer(self) -> Tracer:
+        """Records the ops of every model on this device while enabled (see streams.py)."""
+        return Streams.for_device(self.device).tracer
 
     @property
     def trainable(self) -> list[ParamGroup]:
@@ -110,7 +114,7 @@ class Runtime:
                 raise ValueError("hsdp: overlap_outer must be the same for every unit of a model")
             u.runtime = self
         self.coll = root.collectives
-        self.streams = Streams.create(root.device, root.tracer)
+        self.streams = Streams.for_device(root.device)
         self.overlap = root.overlap_outer
         self._set_order(list(self.units))  # module order: a first guess until step 1 ends
         self._recording: list[Unit] | None = []

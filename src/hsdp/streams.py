@@ -236,6 +236,15 @@ class Streams:
         return Streams(InlineCompute(tracer), ThreadSideStream("ag", tracer),
                        ThreadSideStream("rs", tracer), ThreadSideStream("outer", tracer), tracer)
 
+    @staticmethod
+    def for_device(device: torch.device) -> Streams:
+        """The process's streams for ``device``, shared by every hsdp model on it. Models
+        share the communicators, so their collectives must go through one queue per
+        stream (on CPU, one worker thread) to be issued in the same order on every rank."""
+        if device not in _SHARED:
+            _SHARED[device] = Streams.create(device)
+        return _SHARED[device]
+
     def side(self) -> tuple[SideStream, SideStream, SideStream]:
         return self.ag, self.rs, self.outer
 
@@ -244,3 +253,6 @@ class Streams:
         for s in self.side():
             # Why: callers (state dict, teardown) need every collective finished.
             self.compute.wait(s.submit(lambda: None, label="drain"))
+
+
+_SHARED: dict[torch.device, Streams] = {}

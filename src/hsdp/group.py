@@ -15,6 +15,9 @@ Buffers (S = inner shard, C = optimizer chunk, N = whole group; see ``layout.py`
 - ``accum``      [S] original dtype: the inner reduce-scatter accumulates microbatches here;
                  hsdp's outer all-reduce runs on it in place, so it is also hsdp's grad.
 - ``grad_buf``   [C]: hfsdp's outer reduce-scatter output (hsdp: ``accum``).
+``accum`` and ``grad_buf`` exist from the step's first reduce-scatter until the user has
+cleared the gradients (``zero_grad``) and the next step starts: allocated by the stream
+that first writes them, freed by ``release_grads``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,20 @@ def _alias(storage_of: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
     through the base (collectives) do not bump it."""
     return torch.empty(0, dtype=storage_of.dtype, device=storage_of.device).set_(
         storage_of.untyped_storage(), storage_of.storage_offset() + offset, (numel,))
+
+
+def _unallocated(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``numel`` elements whose storage is allocated later (``_allocate``)."""
+    t = torch.empty(numel, dtype=dtype, device=device)
+    t.untyped_storage().resize_(0)
+    return t
+
+
+def _allocate(t: torch.Tensor) -> None:
+    """Give ``t`` back its storage (on the current stream) if it was freed."""
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().nbytes() < nbytes:
+        t.untyped_storage().resize_(nbytes)
 
 
 class ParamGroup:
@@ -95,9 +112,10 @@ class ParamGroup:
         self.gathered.untyped_storage().resize_(0)
 
         if self.requires_grad:
-            self.accum = torch.zeros(S, dtype=self.orig_dtype, device=device)
-            self.grad_buf = (torch.zeros(C, dtype=self.orig_dtype, device=device)
-                             if self.shard_outer else self.accum)
+            self.accum = _unallocated(S, self.orig_dtype, device)
+            self.grad_buf = (_unallocated(C, self.orig_dtype, device) if self.shard_outer
+                             else self.accum)
+            self.grads_live = False  # host view: buffers allocated (or about to be)
             self._gaps = lay.gaps()
             self.received: set[int] = set()
             self.reduced = False
@@ -200,6 +218,7 @@ class ParamGroup:
         """Inner reduce-scatter of ``rs_in`` into ``accum`` (overwrite on the first
         microbatch of a step, accumulate after)."""
         def run() -> None:
+            _allocate(self.accum)
             direct = first and self.reduce_dtype == self.accum.dtype
             out = self.accum if direct else torch.empty(
                 self.layout.shard_numel, dtype=self.reduce_dtype, device=rs_in.device)
@@ -209,6 +228,7 @@ class ParamGroup:
             elif not first:
                 self.accum.add_(out)
         self.reduced = True
+        self.grads_live = True
         return stream.submit(run, after, f"RS:{self.label}")
 
     def outer_reduce(self, stream: SideStream, coll: Collectives,
@@ -217,6 +237,7 @@ class ParamGroup:
         def run() -> None:
             src = self.accum.to(self.reduce_dtype)  # no copy when dtypes match
             if self.shard_outer:
+                _allocate(self.grad_buf)
                 out = self.grad_buf if self.grad_buf.dtype == src.dtype else torch.empty(
                     self.grad_buf.numel(), dtype=src.dtype, device=src.device)
                 coll.reduce_scatter(out, src, self.comms.outer, "outer")
@@ -228,6 +249,19 @@ class ParamGroup:
                     self.accum.copy_(src)
         kind = "OUTER_RS" if self.shard_outer else "OUTER_AR"
         return stream.submit(run, after, f"{kind}:{self.label}")
+
+    def release_grads(self, rs: SideStream, outer: SideStream, after: Sequence[Event]) -> None:
+        """Free ``accum`` (on rs) and ``grad_buf`` (on outer), the streams that allocate
+        them; ``after`` must cover every reader (the optimizer on compute)."""
+        for buf, stream in ((self.accum, rs), (self.grad_buf, outer)):
+            stream.submit(lambda b=buf: b.untyped_storage().resize_(0), after,
+                          f"FREE_GRAD:{self.label}")
+            if not self.shard_outer:
+                break
+        self.grads_live = False
+
+    def grads_exposed(self) -> bool:
+        return any(p.grad is not None for p in self.sharded)
 
     def reset_backward(self) -> None:
         self.received.clear()

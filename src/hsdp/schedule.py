@@ -173,6 +173,19 @@ class Runtime:
             self._reshard(u)
         self._params_written = self.streams.compute.record()
         self._refresh_outer_shards()
+        if self.first_microbatch:
+            self._release_cleared_grads()
+
+    def _release_cleared_grads(self) -> None:
+        """Once the user has cleared the gradients (zero_grad), free their buffers until
+        the next reduce-scatter needs them, so they are not held through the forward."""
+        groups = [g for u in self.units for g in u.trainable
+                  if g.grads_live and not g.grads_exposed()]
+        if groups:
+            # rs / outer wait: the optimizer on compute may still read the gradients.
+            read = self.streams.compute.record()
+            for g in groups:
+                g.release_grads(self.streams.rs, self.streams.outer, [read])
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict):
         if _in_backward():  # recomputation: gather again, keep it until unit's backward

@@ -35,7 +35,9 @@ def world1() -> dict:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29561"),
                       RANK="0", WORLD_SIZE="1")
     dist.init_process_group("nccl", device_id=DEV)
-    mesh = hsdp.init_mesh(1, 1, "cuda")
+    cfg_ctas = hsdp.NcclConfig(max_ctas=8, min_ctas=1)  # exercises per-communicator options
+    mesh = hsdp.init_mesh(1, 1, "cuda", nccl={"inner_ag": cfg_ctas, "inner_rs": cfg_ctas,
+                                              "outer": hsdp.NcclConfig(max_ctas=4)})
     cfg = GPTConfig(vocab=101, hidden=96, heads=4, ffn=200, layers=3, seq=32,
                     checkpoint="non_reentrant")
     out = {}
@@ -84,6 +86,15 @@ def trace(strategy: str) -> dict:
     with torch.profiler.profile(activities=acts) as prof:
         step()
         torch.cuda.synchronize()
+    recs = model._hsdp_unit.tracer.take()
+    model._hsdp_unit.tracer.enabled = False
+    order = [(r.stream, r.label) for r in recs]  # host issue order of device-side waits
+    rs_waits = [lbl for s, lbl in order if s == "rs"]
+    outer_waits = [i for i, (s, lbl) in enumerate(order)
+                   if s == "compute" and lbl.startswith("wait:OUTER_")]
+    # Each outer reduction first makes the outer stream wait for its RS.
+    outer_issued = [i for i, (s, lbl) in enumerate(order)
+                    if s == "outer" and lbl.startswith("wait:RS:")]
     path = os.path.join(os.environ.get("OUT", "/tmp"), f"cuda_trace_{strategy}.json")
     prof.export_chrome_trace(path)
     ivs = intervals_from_chrome_trace(path)
@@ -97,7 +108,11 @@ def trace(strategy: str) -> dict:
             "outer_streams": sorted({i.stream for i in outer}), "n_rs": len(rs),
             "n_outer": len(outer), "outer_overlapping_next_rs": overlaps,
             "comm_comm_overlap_ms": m["comm_comm_overlap_ms"],
-            "outer_tail_ms": m["outer_tail_ms"], "trace": path}
+            "outer_tail_ms": m["outer_tail_ms"], "trace": path,
+            "rs_waits_on_outer": sum(lbl.startswith("wait:OUTER_") for lbl in rs_waits),
+            "compute_waits_on_outer": len(outer_waits),
+            "compute_waits_on_outer_before_last_outer_issue": sum(
+                i < max(outer_issued) for i in outer_waits)}
 
 
 def memory(n: int) -> dict:

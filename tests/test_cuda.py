@@ -40,6 +40,11 @@ def test_outer_runs_on_its_own_stream_and_overlaps_previous_rs(strategy):
     assert r["n_outer"] == r["n_rs"] > 2
     assert r["outer_overlapping_next_rs"] >= 1, r
     assert r["comm_comm_overlap_ms"] > 0
+    # The rs stream never waits on outer; compute waits on outer only in the finalize,
+    # i.e. after the last outer reduction was issued (end of backward).
+    assert r["rs_waits_on_outer"] == 0, r
+    assert r["compute_waits_on_outer"] >= r["n_outer"], r
+    assert r["compute_waits_on_outer_before_last_outer_issue"] == 0, r
 
 
 def test_peak_memory_grows_only_by_sharded_state():

@@ -42,7 +42,9 @@ class OpRecord:
 
 @dataclass
 class Tracer:
-    """Collects ``OpRecord``s while ``enabled``; CUDA ops get profiler ranges instead."""
+    """Collects ``OpRecord``s while ``enabled``. CPU: each op's run time and each blocking
+    compute wait. CUDA: each op gets a profiler range instead, and device-side waits are
+    recorded as zero-length ``wait:<label>`` records in host issue order."""
 
     enabled: bool = False
     records: list[OpRecord] = field(default_factory=list)
@@ -95,7 +97,8 @@ class SideStream(ABC):
 
 
 class CudaEvent(Event):
-    def __init__(self, stream: torch.cuda.Stream) -> None:
+    def __init__(self, stream: torch.cuda.Stream, label: str = "") -> None:
+        self.label = label
         self.event = torch.cuda.Event()
         self.event.record(stream)
 
@@ -106,12 +109,23 @@ class CudaEvent(Event):
         self.event.synchronize()
 
 
+def _trace_wait(tracer: Tracer, stream: str, event: Event) -> None:
+    """CUDA: a (zero-length) record of a device-side wait, in host issue order."""
+    if tracer.enabled:
+        now = time.perf_counter()
+        tracer.add(OpRecord(stream, f"wait:{getattr(event, 'label', '')}", now, now))
+
+
 class CudaCompute(ComputeStream):
+    def __init__(self, tracer: Tracer) -> None:
+        self.tracer = tracer
+
     def record(self) -> Event:
         return CudaEvent(torch.cuda.current_stream())
 
     def wait(self, event: Event) -> None:
         assert isinstance(event, CudaEvent)
+        _trace_wait(self.tracer, self.name, event)
         torch.cuda.current_stream().wait_event(event.event)
 
 
@@ -128,9 +142,10 @@ class CudaSideStream(SideStream):
         with rng, torch.cuda.stream(self.stream):
             for ev in after:
                 assert isinstance(ev, CudaEvent)
+                _trace_wait(self.tracer, self.name, ev)
                 self.stream.wait_event(ev.event)
             fn()
-            return CudaEvent(self.stream)
+            return CudaEvent(self.stream, label)
 
 
 # --------------------------------------------------------------------------- CPU
@@ -230,7 +245,7 @@ class Streams:
     def create(device: torch.device, tracer: Tracer | None = None) -> Streams:
         tracer = tracer or Tracer()
         if device.type == "cuda":
-            return Streams(CudaCompute(), CudaSideStream("ag", tracer, device),
+            return Streams(CudaCompute(tracer), CudaSideStream("ag", tracer, device),
                            CudaSideStream("rs", tracer, device),
                            CudaSideStream("outer", tracer, device), tracer)
         return Streams(InlineCompute(tracer), ThreadSideStream("ag", tracer),

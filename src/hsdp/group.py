@@ -43,13 +43,6 @@ def _alias(storage_of: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
         storage_of.untyped_storage(), storage_of.storage_offset() + offset, (numel,))
 
 
-def _unallocated(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of ``numel`` elements whose storage is allocated later (``_allocate``)."""
-    t = torch.empty(numel, dtype=dtype, device=device)
-    t.untyped_storage().resize_(0)
-    return t
-
-
 def _allocate(t: torch.Tensor) -> None:
     """Give ``t`` back its storage (on the current stream) if it was freed."""
     nbytes = t.numel() * t.element_size()
@@ -112,9 +105,13 @@ class ParamGroup:
         self.gathered.untyped_storage().resize_(0)
 
         if self.requires_grad:
-            self.accum = _unallocated(S, self.orig_dtype, device)
-            self.grad_buf = (_unallocated(C, self.orig_dtype, device) if self.shard_outer
-                             else self.accum)
+            self.accum = torch.empty(S, dtype=self.orig_dtype, device=device)
+            self.grad_buf = (torch.empty(C, dtype=self.orig_dtype, device=device)
+                             if self.shard_outer else self.accum)
+            # The sharded .grad views, made once (while the storage exists), then freed.
+            self._grad_views = [self.grad_buf[a:a + n] for a, n in self._grad_slices]
+            for buf in {id(b): b for b in (self.accum, self.grad_buf)}.values():
+                buf.untyped_storage().resize_(0)
             self.grads_live = False  # host view: buffers allocated (or about to be)
             self._gaps = lay.gaps()
             self.received: set[int] = set()
@@ -268,8 +265,8 @@ class ParamGroup:
         self.reduced = False
 
     def expose_grads(self) -> None:
-        for p, (a, n) in zip(self.sharded, self._grad_slices):
-            p.grad = self.grad_buf[a:a + n]
+        for p, v in zip(self.sharded, self._grad_views):
+            p.grad = v
 
     def hide_grads(self) -> bool:
         """Drop the sharded ``.grad``s; True if any was still set (not zeroed by the user)."""

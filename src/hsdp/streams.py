@@ -171,10 +171,8 @@ class ThreadEvent(Event):
                                f"{self.error!r}") from self.error
 
 
-def _done_event() -> ThreadEvent:
-    ev = ThreadEvent()
-    ev.set()
-    return ev
+_DONE = ThreadEvent("done")
+_DONE.set()
 
 
 class InlineCompute(ComputeStream):
@@ -185,7 +183,7 @@ class InlineCompute(ComputeStream):
         self.tracer = tracer
 
     def record(self) -> Event:
-        return _done_event()
+        return _DONE
 
     def wait(self, event: Event) -> None:
         if not self.tracer.enabled or event.query():

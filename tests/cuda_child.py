@@ -61,17 +61,21 @@ def world1() -> dict:
     return out
 
 
-def trace(strategy: str) -> dict:
-    """Fake 2x4 world, emulated collectives: which stream runs what, and overlap. The
-    outer link is slow (10 GB/s) so that outer(i) is still running when RS(i-1) starts."""
-    mesh = fake_mesh(2, 4, "cuda")
+def trace(strategy: str, mesh=None) -> dict:
+    """Which stream runs what, the overlap, and who waits on whom, from one profiled step.
+    Without ``mesh``: a fake 2x4 world with emulated collectives and a slow (10 GB/s) outer
+    link, so that outer(i) is still running when RS(i-1) starts; with a real mesh
+    (tests/test_multi_gpu.py): real NCCL."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    fake = mesh is None
+    mesh = fake_mesh(2, 4, "cuda") if fake else mesh
     cfg = GPTConfig(vocab=512, hidden=2048, heads=16, ffn=8192, layers=6, seq=1024)
     torch.manual_seed(0)
-    model = _shard(GPT(cfg).to(DEV), mesh, strategy=strategy,
+    model = _shard(GPT(cfg).to(dev), mesh, strategy=strategy,
                    mp_policy=hsdp.MixedPrecision(torch.bfloat16, torch.float32))
-    calib = emulate(model, Fabric(outer=Link(10.0)), DEV)
+    calib = emulate(model, Fabric(outer=Link(10.0)), dev) if fake else 0.0
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    tokens = torch.randint(0, cfg.vocab, (2, cfg.seq), device=DEV)
+    tokens = torch.randint(0, cfg.vocab, (2, cfg.seq), device=dev)
 
     def step() -> None:
         lm_loss(model(tokens), tokens).backward()
@@ -95,7 +99,8 @@ def trace(strategy: str) -> dict:
     # Each outer reduction first makes the outer stream wait for its RS.
     outer_issued = [i for i, (s, lbl) in enumerate(order)
                     if s == "outer" and lbl.startswith("wait:RS:")]
-    path = os.path.join(os.environ.get("OUT", "/tmp"), f"cuda_trace_{strategy}.json")
+    rank = dist.get_rank()
+    path = os.path.join(os.environ.get("OUT", "/tmp"), f"cuda_trace_{strategy}_r{rank}.json")
     prof.export_chrome_trace(path)
     ivs = intervals_from_chrome_trace(path)
     rs = sorted((i for i in ivs if i.label.startswith("RS:")), key=lambda i: i.start_us)

@@ -21,11 +21,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str,
+           backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world,
+                                device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
         with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
@@ -38,11 +44,13 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir:
 TIMEOUT_S = 900
 
 
-def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; returns their results.
-    A job that hangs (a schedule deadlock) fails after TIMEOUT_S instead of blocking CI."""
+def run_ranks(fn: Callable, world: int, *args: Any, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` ranks (gloo on CPU, or nccl with one
+    GPU each); returns their results. A job that hangs (a schedule deadlock) fails after
+    TIMEOUT_S instead of blocking CI."""
     with tempfile.TemporaryDirectory() as d:
-        ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args, d), nprocs=world,
+        ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args, d, backend),
+                                 nprocs=world,
                                  join=False, start_method="spawn")
         deadline = time.monotonic() + TIMEOUT_S
         while not ctx.join(timeout=5):

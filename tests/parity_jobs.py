@@ -32,6 +32,13 @@ class Case:
     checkpoint: str = "none"
     mp: bool = False  # MixedPrecision(bf16, fp32)
     fsdp2: bool = False  # also train torch FSDP2 HSDP and compare
+    device: str = "cpu"  # "cuda": NCCL ranks, one GPU each (tests/test_multi_gpu.py)
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device)
 
 
 def _batches(step: int, micro: int, world: int, cfg: GPTConfig) -> torch.Tensor:
@@ -41,8 +48,8 @@ def _batches(step: int, micro: int, world: int, cfg: GPTConfig) -> torch.Tensor:
 
 def _rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max(((a[k].float() - b[k].float()).norm() / b[k].float().norm().clamp_min(1e-12))
-               .item() for k in a)
+    return max(((a[k].float().cpu() - b[k].float().cpu()).norm()
+                / b[k].float().cpu().norm().clamp_min(1e-12)).item() for k in a)
 
 
 def _train(model: nn.Module, rank: int, world: int, cfg: GPTConfig, case: Case,
@@ -52,7 +59,7 @@ def _train(model: nn.Module, rank: int, world: int, cfg: GPTConfig, case: Case,
     M = case.microbatches
     for step in range(STEPS):
         for m in range(M):
-            tokens = _batches(step, m, world, cfg)
+            tokens = _batches(step, m, world, cfg).to(case.torch_device)
             if sharded != "ref":
                 tokens = tokens[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK]
             last = m == M - 1
@@ -77,13 +84,13 @@ def parity_job(rank: int, world: int, cases: list[Case]) -> dict[Case, dict[str,
     meshes = {}
     out = {}
     for case in cases:
-        key = (case.outer, case.inner)
+        key = (case.outer, case.inner, case.device)
         if key not in meshes:
-            meshes[key] = hsdp.init_mesh(case.outer, case.inner, "cpu")
+            meshes[key] = hsdp.init_mesh(case.outer, case.inner, case.device)
         mesh = meshes[key]
         cfg = GPTConfig(checkpoint=case.checkpoint)
         torch.manual_seed(0)
-        ref = GPT(cfg)
+        ref = GPT(cfg).to(case.torch_device)
         model = copy.deepcopy(ref)
         fsdp2 = copy.deepcopy(ref) if case.fsdp2 else None
         mp = hsdp.MixedPrecision(torch.bfloat16, torch.float32) if case.mp else None

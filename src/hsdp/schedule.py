@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from hsdp.comm import Collectives
 from hsdp.group import ParamGroup
 from hsdp.streams import Event, Streams, Tracer
+
+MAX_PENDING_RS = 4  # RS inputs awaiting release (a unit's post-backward releases them)
 
 
 def _in_backward() -> bool:
@@ -122,7 +124,7 @@ class Runtime:
         self.first_microbatch = True  # the next backward starts a new step's accumulation
         self.awaiting_last = False  # a non-last microbatch ran; grads are not final
         self.is_last = True
-        self._pending_rs: list[tuple[torch.Tensor, Event]] = []
+        self._pending_rs: list[tuple[ParamGroup, torch.Tensor, Event]] = []
         self._outer_events: list[Event] = []
         self._params_written: Event | None = None
         self.param_ids = {id(p) for u in self.units for g in u.groups for p in g.sharded}
@@ -171,10 +173,10 @@ class Runtime:
     def _begin_forward(self) -> None:
         for u in self.units:  # a forward whose backward never ran leaves buffers behind
             self._reshard(u)
-        self._params_written = self.streams.compute.record()
-        self._refresh_outer_shards()
-        if self.first_microbatch:
+        if self.first_microbatch:  # shards unchanged between microbatches of a step
+            self._params_written = self.streams.compute.record()
             self._release_cleared_grads()
+        self._refresh_outer_shards()
 
     def _release_cleared_grads(self) -> None:
         """Once the user has cleared the gradients (zero_grad), free their buffers until
@@ -276,12 +278,15 @@ class Runtime:
         if unit.backward_done:
             return
         unit.backward_done = True
+        for g in unit.groups:
+            g.use_sharded()
+        # Free first: the FREE (and every all-gather queued behind it on ag) then waits
+        # for this unit's backward only, not for the reduce-scatter waits below.
+        self._reshard(unit)
         for g in unit.trainable:
             if not g.reduced:
                 self._reduce(g)
-        for g in unit.groups:
-            g.use_sharded()
-        self._reshard(unit)
+        self._release_rs_inputs(keep=unit.groups)
 
     def _reduce(self, g: ParamGroup) -> None:
         if self.phase != "backward":
@@ -291,19 +296,26 @@ class Runtime:
         # rs waits: the reduce-scatter reads rs_in, written on compute by the copy-in.
         ev_rs = g.reduce_scatter(self.streams.rs, self.coll, rs_in, self.first_microbatch,
                                  [copied])
-        self._release_rs_inputs()
-        self._pending_rs.append((rs_in, ev_rs))
+        if len(self._pending_rs) >= MAX_PENDING_RS:  # bound, for units never post-backward'd
+            self._release_rs_inputs(keep=[e[0] for e in self._pending_rs[1:]])
+        self._pending_rs.append((g, rs_in, ev_rs))
         if self.is_last:
             stream = self.streams.outer if self.overlap else self.streams.rs
             # outer waits: it reduces the inner shard that RS_i has just accumulated.
             self._outer_events.append(g.outer_reduce(stream, self.coll, [ev_rs]))
 
-    def _release_rs_inputs(self) -> None:
-        for _rs_in, ev in self._pending_rs:
+    def _release_rs_inputs(self, keep: Sequence[ParamGroup] = ()) -> None:
+        """Drop the RS inputs of every group but ``keep``'s (normally: the previous unit's,
+        one unit after their reduce-scatter was issued)."""
+        kept = []
+        for g, rs_in, ev in self._pending_rs:
+            if g in keep:
+                kept.append((g, rs_in, ev))
+                continue
             # compute waits: rs_in was allocated on compute and is read by RS on rs; its
             # memory may only return to compute's pool once that RS has finished.
             self.streams.compute.wait(ev)
-        self._pending_rs.clear()
+        self._pending_rs = kept
 
     def _finalize(self) -> None:
         """End of backward (autograd engine callback): leftovers, then stream waits."""

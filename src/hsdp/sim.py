@@ -12,11 +12,13 @@ Modelled as in the runtime:
 
 - the zero-length FREE of a gathered buffer on ag, after the compute that read it: later
   all-gathers queue behind it, which bounds the prefetch to one unit ahead;
-- compute waits the previous unit's RS after each copy-in (release of its input), and
-  waits every RS and outer reduction at the end of the backward (finalize);
+- after a unit's backward: copy-in and RS, then its FREE, then compute waits the
+  previous unit's RS (release of its input); compute waits every RS and outer reduction
+  at the end of the backward (finalize);
 - the outer reduction on the last microbatch only, on the outer stream (on rs when
   ``overlap_outer=False``); hfsdp's outer all-gathers after the optimizer;
-- each microbatch's first all-gather waits the compute issued before its forward.
+- a step's all-gathers wait the compute issued before its first forward (the optimizer);
+  those of later microbatches do not (the shards have not changed).
 
 Simplifications (documented, deliberate):
 
@@ -174,13 +176,13 @@ class _Step:
         self.next_bwd = dict(zip(bwd, bwd[1:]))
         self.gathered: dict[str, float] = {}  # unit -> end of its all-gather
         self.params_written = 0.0
-        self.pending_rs: list[float] = []
+        self.pending_rs: list[tuple[str, float]] = []
         self.outer_events: list[float] = []
         self.outer_kind = "OUTER_RS" if cfg.strategy == "hfsdp" else "OUTER_AR"
 
     def run(self) -> SimResult:
         for m in range(self.cfg.microbatches):
-            self.forward()
+            self.forward(first=m == 0)
             self.backward(is_last=m == self.cfg.microbatches - 1)
         s = self.s
         s.submit("compute", "OPTIMIZER", self.cfg.optimizer_ms * 1e3)
@@ -213,8 +215,9 @@ class _Step:
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self) -> None:
-        self.params_written = self.s.record()  # _begin_forward
+    def forward(self, first: bool) -> None:
+        if first:  # _begin_forward: a new step's shards were written on compute
+            self.params_written = self.s.record()
         self.unshard(self.root)
         self.issue_unshard(self.next_fwd.get(self.root))
         for name in self.order[1:]:
@@ -235,25 +238,32 @@ class _Step:
             self.unshard(name)
             self.issue_unshard(self.next_bwd.get(name))  # prefetch before RS is issued
             self.compute("BWD", name)
-            self.reduce(name, is_last)
-            self.reshard(name)  # _post_backward
-        self.reduce(self.root, is_last)  # _finalize
-        self.reshard(self.root)
-        for ev in [*self.pending_rs, *self.outer_events]:
+            self.reduce(name, is_last)  # the gradient hooks fire before _post_backward
+            self.reshard(name)  # _post_backward: free first, then release older RS inputs
+            self.release(keep=name)
+        self.reshard(self.root)  # _finalize: the root's _post_backward, then waits
+        self.reduce(self.root, is_last)
+        self.release()
+        for ev in self.outer_events:
             self.s.wait(ev)
-        self.pending_rs, self.outer_events = [], []
+        self.outer_events = []
 
     def reduce(self, name: str, is_last: bool) -> None:
         s, c = self.s, self.cost[name]
         copied = s.submit("compute", f"COPY_IN:{name}", c.copy_in)
         ev_rs = s.submit("rs", f"RS:{name}", c.rs, (copied,))
-        for ev in self.pending_rs:  # _release_rs_inputs: compute waits the previous RS
-            s.wait(ev)
-        self.pending_rs = [ev_rs]
+        self.pending_rs.append((name, ev_rs))
         if is_last:
             stream = "outer" if self.cfg.overlap_outer else "rs"
             self.outer_events.append(
                 s.submit(stream, f"{self.outer_kind}:{name}", c.outer, (ev_rs,)))
+
+    def release(self, keep: str | None = None) -> None:
+        """_release_rs_inputs: compute waits the RS of every unit but ``keep``."""
+        for name, ev in self.pending_rs:
+            if name != keep:
+                self.s.wait(ev)
+        self.pending_rs = [(n, ev) for n, ev in self.pending_rs if n == keep]
 
 
 def simulate(cfg: SimConfig) -> SimResult:

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from hsdp.bench.collectives import parse_mesh
-from hsdp.bench.metrics import OUTER_REDUCTIONS, Interval, step_metrics
+from hsdp.bench.metrics import Interval, step_metrics
 from hsdp.bench.model import GPTConfig
 from hsdp.bench.step import MODEL_DEFAULTS
 from hsdp.fabric import Fabric, Link
@@ -271,16 +271,6 @@ def simulate(cfg: SimConfig) -> SimResult:
     return _Step(cfg).run()
 
 
-def lower_bound_ms(r: SimResult) -> float:
-    """``bench step``'s lower bound: max(compute + the last outer reduction, inner, outer)
-    busy time."""
-    reductions = [iv for iv in r.intervals if iv.label.startswith(OUTER_REDUCTIONS)]
-    last = max(reductions, key=lambda iv: iv.end_us, default=None)
-    floor = (last.end_us - last.start_us) / 1e3 if last else 0.0
-    busy = r.metrics["busy_ms"]["by_kind"]
-    return max(busy["compute"] + floor, busy["inner"], busy["outer"])
-
-
 # --------------------------------------------------------------------------- GPT
 
 
@@ -392,8 +382,9 @@ def run(args: argparse.Namespace) -> int:
                  "units": [asdict(u) for u in units]},
         "schedules": {name: {"t_step_ms": r.t_step_ms,
                              **{k: r.metrics[k] for k in ("exposed_comm_ms", "outer_tail_ms",
-                                                          "comm_comm_overlap_ms")},
-                             "lower_bound_ms": lower_bound_ms(r), "metrics": r.metrics,
+                                                          "comm_comm_overlap_ms",
+                                                          "lower_bound_ms")},
+                             "metrics": r.metrics,
                              "intervals": [asdict(iv) for iv in r.intervals]}
                       for name, r in results.items()},
     }

@@ -130,11 +130,11 @@ def step_metrics(intervals: Iterable[Interval], window: Span | None = None) -> d
       ``max(0, E - C)`` with E the end of the last outer interval and C the latest end of
       a compute interval starting before E (the window start if there is none); 0 when
       there is no outer interval.
-    - ``lower_bound_ms``: ``max(compute, inner, outer busy)``. Each kind owns its own
-      resource (SMs, inner links, outer links), so no schedule of the same work can be
-      shorter. It leaves out the unavoidable tail (at least the last unit's outer
-      reduction after the last backward kernel), which intervals alone cannot size;
-      compare ``outer_tail_ms`` against it separately.
+    - ``tail_floor_ms``: duration of the last outer reduction (OUTER_AR / OUTER_RS): it
+      needs the last gradients, so it cannot overlap the compute that produces them.
+    - ``lower_bound_ms``: ``max(compute + tail_floor, inner, outer busy)``. Each kind owns
+      its own resource (SMs, inner links, outer links), so no schedule of the same work
+      can be shorter.
     """
     ivs = list(intervals)
     if window is None:
@@ -154,6 +154,9 @@ def step_metrics(intervals: Iterable[Interval], window: Span | None = None) -> d
 
     # The tail is the gradient path's: hfsdp's outer all-gather after the optimizer step
     # is not part of it.
+    reductions = [iv for iv in ivs if iv.label.startswith(OUTER_REDUCTIONS)]
+    last = max(reductions, key=lambda iv: iv.end_us, default=None)
+    floor = last.end_us - last.start_us if last else 0.0
     outer_ends = [e for _, e in busy(lambda iv: iv.label.startswith(OUTER_REDUCTIONS))]
     tail = 0.0
     if outer_ends:
@@ -174,5 +177,7 @@ def step_metrics(intervals: Iterable[Interval], window: Span | None = None) -> d
         "comm_comm_overlap_ms": ms(total(intersect(spans["inner"], spans["outer"]))),
         "exposed_comm_ms": ms(total(subtract(comm, spans["compute"]))),
         "outer_tail_ms": ms(tail),
-        "lower_bound_ms": max(by_kind[k] for k in KINDS),
+        "tail_floor_ms": ms(floor),
+        "lower_bound_ms": max(by_kind["compute"] + ms(floor), by_kind["inner"],
+                              by_kind["outer"]),
     }

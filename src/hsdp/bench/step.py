@@ -69,7 +69,7 @@ from hsdp.bench.collectives import DTYPES, default_mesh, parse_mesh
 from hsdp.bench.emulate import emulate, fake_mesh
 from hsdp.bench.fsdp2 import fsdp2_collectives, shard_fsdp2
 from hsdp.bench.launch import NCCL_ENV, launch, rank_process_group, select_cuda
-from hsdp.bench.metrics import Interval, op_kind, step_metrics
+from hsdp.bench.metrics import Interval, step_metrics
 from hsdp.bench.model import CHECKPOINT_MODES, GPT, GPTConfig, lm_loss
 from hsdp.bench.timeline import plot_timeline
 from hsdp.bench.trace import intervals_from_chrome_trace, intervals_from_records
@@ -522,20 +522,13 @@ def _results(cfg: Config, device: torch.device, trainees: list[Trainee],
 
 
 def _trace_metrics(intervals: list[Interval]) -> dict:
-    """step_metrics of the traced step plus the lower bound (module docstring)."""
+    """step_metrics of the traced step, lower bound included (module docstring)."""
+    keys = ("exposed_comm_ms", "outer_tail_ms", "comm_comm_overlap_ms", "lower_bound_ms",
+            "tail_floor_ms")
     if not intervals:
-        return {"exposed_comm_ms": None, "outer_tail_ms": None, "comm_comm_overlap_ms": None,
-                "lower_bound_ms": None, "tail_floor_ms": None, "metrics": None}
+        return dict.fromkeys((*keys, "metrics"))
     m = step_metrics(intervals)
-    reductions = [iv for iv in intervals
-                  if op_kind(iv) == "outer" and not iv.label.startswith("OUTER_AG")]
-    last = max(reductions, key=lambda iv: iv.end_us, default=None)
-    floor = (last.end_us - last.start_us) / 1e3 if last else 0.0
-    busy = m["busy_ms"]["by_kind"]
-    return {"exposed_comm_ms": m["exposed_comm_ms"], "outer_tail_ms": m["outer_tail_ms"],
-            "comm_comm_overlap_ms": m["comm_comm_overlap_ms"],
-            "lower_bound_ms": max(busy["compute"] + floor, busy["inner"], busy["outer"]),
-            "tail_floor_ms": floor, "metrics": m}
+    return {**{k: m[k] for k in keys}, "metrics": m}
 
 
 def _summary(schedules: dict[str, dict]) -> dict:

@@ -50,6 +50,7 @@ from hsdp.bench.collectives import parse_mesh
 from hsdp.bench.metrics import Interval, step_metrics
 from hsdp.bench.model import GPTConfig
 from hsdp.bench.step import MODEL_DEFAULTS
+from hsdp.bench.table import print_table as print_rows
 from hsdp.fabric import Fabric, Link
 from hsdp.layout import FlatLayout
 from hsdp.policy import STRATEGIES, check_strategy
@@ -410,11 +411,9 @@ def _print(report: dict) -> None:
           f"microbatches; mesh {m['mesh']['outer']}x{m['mesh']['inner']} (outer x inner), "
           f"{m['strategy']}; {m['tflops']:.0f} TFLOP/s; inner {f['inner']['bus_gbps']:g} "
           f"GB/s, outer {f['outer']['bus_gbps']:g} GB/s, {f['inner']['latency_us']:g} us")
-    print(f"{'schedule':>14}" + "".join(f"{c:>22}" for c in METRIC_KEYS))
-    for name, s in report["schedules"].items():
-        print(f"{name:>14}" + "".join(f"{s[c]:>22.2f}" for c in METRIC_KEYS))
-    for pair, v in report["summary"].items():
-        fast, slow = pair.split("_vs_")
-        print(f"{fast} vs {slow}: saves {v['saving_ms']:.2f} ms per step "
-              f"({v['saving_pct']:.1f}%)")
-    print("lower bound = max(compute + last outer reduction, inner, outer busy)")
+    rows = [[name, *(f"{s[c]:.2f}" for c in METRIC_KEYS)]
+            for name, s in report["schedules"].items()]
+    notes = [f"{pair.replace('_vs_', ' vs ')}: saves {v['saving_ms']:.2f} ms per step "
+             f"({v['saving_pct']:.1f}%)" for pair, v in report["summary"].items()]
+    print_rows("predicted step", ["schedule", *METRIC_KEYS], rows,
+               [*notes, "lower bound = max(compute + last outer reduction, inner, outer busy)"])

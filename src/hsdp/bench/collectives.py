@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from hsdp.bench.launch import NCCL_ENV, launch, rank_process_group, select_cuda
+from hsdp.bench.table import print_table as print_rows
 from hsdp.comm import Collectives
 from hsdp.mesh import CommGroups, NcclConfig, comm_groups, init_mesh
 from hsdp.streams import SideStream, Streams
@@ -336,21 +337,4 @@ def print_table(result: dict) -> None:
              f"{m['backend']}, median of {m['iters']}, slowest rank")
     cells = [[fmt(row[key]) for _, key, fmt in COLUMNS] for row in result["rows"]]
     headers = [h for h, _, _ in COLUMNS]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-        print(title)
-        for line in [headers, *cells]:
-            print("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)))
-        return
-    table = Table(title=title)
-    for h in headers:
-        table.add_column(h, justify="right", no_wrap=True)
-    for c in cells:
-        table.add_row(*c)
-    console = Console()
-    if not console.is_terminal:  # logs and pipes: rich would cut the table at 80 columns
-        console.width = 200
-    console.print(table)
+    print_rows(title, headers, cells)

@@ -71,6 +71,7 @@ from hsdp.bench.fsdp2 import fsdp2_collectives, shard_fsdp2
 from hsdp.bench.launch import NCCL_ENV, launch, rank_process_group, select_cuda
 from hsdp.bench.metrics import Interval, step_metrics
 from hsdp.bench.model import CHECKPOINT_MODES, GPT, GPTConfig, lm_loss
+from hsdp.bench.table import print_table as print_rows
 from hsdp.bench.timeline import plot_timeline
 from hsdp.bench.trace import intervals_from_chrome_trace, intervals_from_records
 from hsdp.comm import SleepClock
@@ -622,23 +623,4 @@ def print_table(result: dict) -> None:
                      f"{f['inner']['latency_us']:.0f} us"
                      + (f"; sleep calibration error {max(map(abs, errs.values())):.2%}"
                         if errs else ""))
-    try:
-        from rich.console import Console
-        from rich.markup import escape
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-        print(title)
-        for line in [headers, *cells]:
-            print("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)))
-        print("\n".join(notes))
-        return
-    table = Table(title=escape(title), caption=escape("\n".join(notes)))
-    for h in headers:
-        table.add_column(h, justify="right", no_wrap=True)
-    for c in cells:
-        table.add_row(*map(escape, c))
-    console = Console()
-    if not console.is_terminal:  # logs and pipes: rich would cut the table at 80 columns
-        console.width = 200
-    console.print(table)
+    print_rows(title, headers, cells, notes)

@@ -83,7 +83,7 @@ class ParamGroup:
 
         # Sharded parameters: views of ``main``; registered on the modules.
         self.sharded: list[nn.Parameter] = []
-        self._grad_slices: list[tuple[int, int]] = []
+        grad_slices: list[tuple[int, int]] = []
         self.shard_starts: list[int] = []  # first element of each parameter held here
         for piece in lay.pieces(owned_lo, owned_hi):
             a, n = (piece.range_offset, piece.length) if piece else (0, 0)
@@ -91,7 +91,7 @@ class ParamGroup:
             sp = nn.Parameter(self.main[a:a + n], requires_grad=self.requires_grad)
             sp._hsdp_group = self  # marks the parameter as managed by hsdp
             self.sharded.append(sp)
-            self._grad_slices.append((a, n))
+            grad_slices.append((a, n))
 
         # Unsharded parameters: windows of the gathered buffer, whose storage comes and
         # goes; own version counters, so re-gathering for backward does not look like an
@@ -109,7 +109,7 @@ class ParamGroup:
             self.grad_buf = (torch.empty(C, dtype=self.orig_dtype, device=device)
                              if self.shard_outer else self.accum)
             # The sharded .grad views, made once (while the storage exists), then freed.
-            self._grad_views = [self.grad_buf[a:a + n] for a, n in self._grad_slices]
+            self._grad_views = [self.grad_buf[a:a + n] for a, n in grad_slices]
             for buf in {id(b): b for b in (self.accum, self.grad_buf)}.values():
                 buf.untyped_storage().resize_(0)
             self.grads_live = False  # host view: buffers allocated (or about to be)

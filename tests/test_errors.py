@@ -86,3 +86,21 @@ def test_gradients_from_a_previous_step_are_reported(fake_world_8):
     m(torch.randn(2, 5)).sum().backward()
     with pytest.warns(UserWarning, match="not cleared"):
         m(torch.randn(2, 5)).sum().backward()
+
+
+def test_user_device_mesh_and_nccl_settings_on_gloo(fake_world_8):
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("outer", "inner"))
+    m = _sharded(mesh)  # hsdp's communicators are created on first use
+    m(torch.randn(2, 5)).sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
+    with pytest.warns(UserWarning, match="no effect"):
+        hsdp.init_mesh(2, 4, "cpu", nccl={"outer": hsdp.NcclConfig(max_ctas=2)})
+
+
+def test_overlap_outer_must_match_across_units(fake_world_8):
+    mesh = hsdp.init_mesh(2, 4, "cpu")
+    m = _model()
+    hsdp.fully_shard(m[0], mesh=mesh, overlap_outer=False)
+    hsdp.fully_shard(m, mesh=mesh)
+    with pytest.raises(ValueError, match="overlap_outer"):
+        m(torch.randn(2, 5))

@@ -147,6 +147,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float,
     inf = norm_type == float("inf")
 
     def local(grads: list[torch.Tensor]) -> torch.Tensor:
+        grads = [g for g in grads if g.numel()]  # a rank may hold none of a parameter
         if not grads:
             return torch.zeros((), device=unit.device)
         norms = torch._foreach_norm(grads, norm_type)

@@ -30,7 +30,7 @@ class Case:
     overlap: bool = True
     microbatches: int = 1
     checkpoint: str = "none"
-    mp: bool = False  # MixedPrecision(bf16, fp32)
+    mp: str = ""  # "" (fp32), or "bf16-fp32" / "bf16-bf16": param dtype - reduce dtype
     fsdp2: bool = False  # also train torch FSDP2 HSDP and compare
     device: str = "cpu"  # "cuda": NCCL ranks, one GPU each (tests/test_multi_gpu.py)
 
@@ -39,6 +39,10 @@ class Case:
         if self.device == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.device)
+
+
+_MP_DTYPES = {"bf16-fp32": (torch.bfloat16, torch.float32),
+              "bf16-bf16": (torch.bfloat16, torch.bfloat16)}
 
 
 def _batches(step: int, micro: int, world: int, cfg: GPTConfig) -> torch.Tensor:
@@ -93,7 +97,8 @@ def parity_job(rank: int, world: int, cases: list[Case]) -> dict[Case, dict[str,
         ref = GPT(cfg).to(case.torch_device)
         model = copy.deepcopy(ref)
         fsdp2 = copy.deepcopy(ref) if case.fsdp2 else None
-        mp = hsdp.MixedPrecision(torch.bfloat16, torch.float32) if case.mp else None
+        dtypes = _MP_DTYPES.get(case.mp)
+        mp = hsdp.MixedPrecision(*dtypes) if dtypes else None
         for blk in model.blocks:
             hsdp.fully_shard(blk, mesh=mesh, strategy=case.strategy, mp_policy=mp,
                              overlap_outer=case.overlap)
@@ -106,8 +111,7 @@ def parity_job(rank: int, world: int, cases: list[Case]) -> dict[Case, dict[str,
         if fsdp2 is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy
             from torch.distributed.fsdp import fully_shard as fsdp2_shard
-            policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if case.mp else \
-                MixedPrecisionPolicy()
+            policy = MixedPrecisionPolicy(*dtypes) if dtypes else MixedPrecisionPolicy()
             for blk in fsdp2.blocks:
                 fsdp2_shard(blk, mesh=mesh, mp_policy=policy)
             fsdp2_shard(fsdp2, mesh=mesh, mp_policy=policy)

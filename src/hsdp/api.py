@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hsdp.group import ParamGroup, Slot
+from hsdp.group import ParamGroup, Slot, owner
 from hsdp.mesh import comm_groups
 from hsdp.policy import MixedPrecision, check_strategy
 from hsdp.schedule import Unit, units_below
@@ -67,8 +67,9 @@ def _owned_params(module: nn.Module) -> tuple[list[nn.Parameter], list[list[Slot
         for name, p in m._parameters.items():
             if p is None:
                 continue
-            if _owner(p) is not None:
-                if _owner(p) not in nested:
+            managed = owner(p)
+            if managed is not None:
+                if managed[0] not in nested:
                     raise RuntimeError(
                         f"fully_shard: {type(m).__name__}.{name} is already sharded by an "
                         f"enclosing unit; apply fully_shard bottom-up (submodules first, the "
@@ -84,10 +85,6 @@ def _owned_params(module: nn.Module) -> tuple[list[nn.Parameter], list[list[Slot
                 slots[id(p)] = []
             slots[id(p)].append((m, name))
     return params, [slots[id(p)] for p in params]
-
-
-def _owner(p: nn.Parameter) -> ParamGroup | None:
-    return getattr(p, "_hsdp_group", None)
 
 
 def _root_unit(model: nn.Module) -> Unit:
@@ -122,14 +119,14 @@ def synchronize(model: nn.Module) -> None:
 
 
 def _sharded_grads(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(grads replicated over outer, grads sharded over outer), each element once."""
-    rep, sharded, seen = [], [], set()
+    """(grads replicated over outer, grads sharded over outer), each element once
+    (``parameters()`` yields a shared parameter once)."""
+    rep, sharded = [], []
     for p in model.parameters():
-        g = _owner(p)
-        if g is None or p.grad is None or id(p) in seen:
+        managed = owner(p)
+        if managed is None or p.grad is None:
             continue
-        seen.add(id(p))
-        (sharded if g.shard_outer else rep).append(p.grad)
+        (sharded if managed[0].shard_outer else rep).append(p.grad)
     return rep, sharded
 
 

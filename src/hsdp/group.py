@@ -50,6 +50,12 @@ def _allocate(t: torch.Tensor) -> None:
         t.untyped_storage().resize_(nbytes)
 
 
+def owner(p: torch.Tensor) -> tuple[ParamGroup, int] | None:
+    """(group, index in the group) of a sharded parameter hsdp manages, else None."""
+    group = getattr(p, "_hsdp_group", None)
+    return None if group is None else (group, p._hsdp_index)
+
+
 class ParamGroup:
     def __init__(self, label: str, params: list[nn.Parameter], slots: list[list[Slot]],
                  comms: CommGroups, device: torch.device, shard_outer: bool,
@@ -89,7 +95,8 @@ class ParamGroup:
             a, n = (piece.range_offset, piece.length) if piece else (0, 0)
             self.shard_starts.append(piece.param_start if piece else 0)
             sp = nn.Parameter(self.main[a:a + n], requires_grad=self.requires_grad)
-            sp._hsdp_group = self  # marks the parameter as managed by hsdp
+            sp._hsdp_group = self  # marks the parameter as managed by hsdp (see owner())
+            sp._hsdp_index = len(self.sharded)
             self.sharded.append(sp)
             grad_slices.append((a, n))
 

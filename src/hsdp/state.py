@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from hsdp.comm import Collectives
+from hsdp.group import owner
 
 
 def _quiesce(model: nn.Module, what: str) -> None:
@@ -25,13 +26,13 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     flats: dict[int, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        group = getattr(p, "_hsdp_group", None)
-        if group is None:
+        managed = owner(p)
+        if managed is None:
             out[name] = p.detach().cpu().clone()
             continue
+        group, idx = managed
         if id(group) not in flats:
             flats[id(group)] = group.full_flat(coll)
-        idx = next(i for i, sp in enumerate(group.sharded) if sp is p)
         off, shape = group.layout.offsets[idx], group.layout.shapes[idx]
         n = group.unsharded[idx].numel()
         out[name] = flats[id(group)][off:off + n].view(shape).cpu().clone()
@@ -52,12 +53,12 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
         raise KeyError(f"hsdp.load_full_state_dict: missing keys {missing}, unexpected keys "
                        f"{unexpected}")
     for name, t in own.items():
-        group = getattr(t, "_hsdp_group", None)
+        managed = owner(t)
         full = state[name]
-        if group is None:
+        if managed is None:
             t.copy_(full)
             continue
-        idx = next(i for i, sp in enumerate(group.sharded) if sp is t)
+        group, idx = managed
         if tuple(full.shape) != group.layout.shapes[idx]:
             raise ValueError(f"hsdp.load_full_state_dict: {name} has shape "
                              f"{tuple(full.shape)}, the model's is {group.layout.shapes[idx]}")

@@ -17,9 +17,9 @@ import torch.nn as nn
 import hsdp
 from hsdp.bench.emulate import emulate, fake_mesh
 from hsdp.bench.metrics import step_metrics
-from hsdp.bench.model import GPT, GPTConfig, lm_loss
 from hsdp.bench.trace import intervals_from_chrome_trace
 from hsdp.fabric import Fabric, Link
+from hsdp.models import GPT, GPTConfig, lm_loss
 
 DEV = torch.device("cuda", 0)
 

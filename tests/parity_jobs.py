@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import hsdp
-from hsdp.bench.model import GPT, GPTConfig, lm_loss
+from hsdp.models import GPT, GPTConfig, lm_loss
 
 ROWS_PER_RANK = 2
 STEPS = 4

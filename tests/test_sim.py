@@ -9,8 +9,8 @@ import torch
 
 import hsdp
 from hsdp.__main__ import main
-from hsdp.bench.model import GPT, GPTConfig, lm_loss
 from hsdp.fabric import Fabric, Link
+from hsdp.models import GPT, GPTConfig, lm_loss
 from hsdp.sim import SimConfig, UnitSpec, gpt_units, simulate, tflops_from_results
 
 # Units of P elements on a 2x2 mesh, no latency: AG 1 ms, RS 2 ms (inner 1 GB/s);

@@ -43,16 +43,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hsdp.bench.collectives import parse_mesh
 from hsdp.bench.metrics import Interval, step_metrics
-from hsdp.bench.model import GPTConfig
 from hsdp.bench.step import MODEL_DEFAULTS
 from hsdp.bench.table import print_table as print_rows
 from hsdp.fabric import Fabric, Link
 from hsdp.layout import FlatLayout
+from hsdp.models import GPTConfig, config_from_dict
 from hsdp.policy import STRATEGIES, check_strategy
 from hsdp.streams import STREAM_NAMES
 
@@ -276,13 +276,13 @@ def simulate(cfg: SimConfig) -> SimResult:
 
 
 def block_params(cfg: GPTConfig) -> int:
-    """Parameters of one ``hsdp.bench.model.Block``: two norms, qkv, proj, fc1, fc2."""
+    """Parameters of one ``hsdp.models.Block``: two norms, qkv, proj, fc1, fc2."""
     h, f = cfg.hidden, cfg.ffn
     return 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
 
 
 def gpt_units(cfg: GPTConfig, mbs: int, tflops: float) -> tuple[UnitSpec, ...]:
-    """The units of ``hsdp.bench.model.GPT`` sharded as ``bench step`` does (each block,
+    """The units of ``hsdp.models.GPT`` sharded as ``bench step`` does (each block,
     then the root: embedding, positions, final norm, head, logit scale).
 
     Compute at ``tflops`` achieved TFLOP/s, tokens = ``mbs * seq`` per rank: forward
@@ -318,7 +318,7 @@ def tflops_from_results(path: str | Path) -> float:
         busy = data["schedules"]["overlap"]["metrics"]["busy_ms"]["by_kind"]["compute"]
     except (KeyError, TypeError):
         raise ValueError(f"{path}: no traced overlap schedule to calibrate on") from None
-    cfg = GPTConfig(**{f.name: meta[f.name] for f in fields(GPTConfig)})
+    cfg = config_from_dict(meta)
     at_one = gpt_units(cfg, meta["mbs"], 1.0)  # ms at 1 TFLOP/s
     return meta["microbatches"] * sum(u.fwd_ms + u.bwd_ms for u in at_one) / busy
 

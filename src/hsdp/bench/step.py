@@ -70,12 +70,12 @@ from hsdp.bench.emulate import emulate, fake_mesh
 from hsdp.bench.fsdp2 import fsdp2_collectives, shard_fsdp2
 from hsdp.bench.launch import NCCL_ENV, launch, rank_process_group, select_cuda
 from hsdp.bench.metrics import Interval, step_metrics
-from hsdp.bench.model import CHECKPOINT_MODES, GPT, GPTConfig, lm_loss
 from hsdp.bench.table import print_table as print_rows
 from hsdp.bench.timeline import plot_timeline
 from hsdp.bench.trace import intervals_from_chrome_trace, intervals_from_records
 from hsdp.comm import SleepClock
 from hsdp.fabric import Fabric, Link
+from hsdp.models import CHECKPOINT_MODES, GPTConfig, build_model, lm_loss
 from hsdp.streams import OpRecord, Tracer
 
 # schedule -> (strategy, overlap_outer); None: torch FSDP2
@@ -119,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser,
         d = f"{model_defaults['cuda'][name]} / {model_defaults['cpu'][name]}"
         model.add_argument(f"--{name}", type=int, default=None, help=f"{help_} ({d})")
     model.add_argument("--checkpoint", choices=CHECKPOINT_MODES, default="none",
-                       help="activation checkpointing (see hsdp.bench.model.GPTConfig)")
+                       help="activation checkpointing (see hsdp.models.GPTConfig)")
     p.add_argument("--microbatches", type=int, default=1,
                    help="microbatches per step (outer reduction on the last only)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -342,7 +342,7 @@ def build(name: str, cfg: Config, mesh: DeviceMesh, device: torch.device) -> Tra
     """The schedule's sharded model (seed 0) and its AdamW."""
     torch.manual_seed(0)
     with torch.device(device):
-        model = GPT(cfg.model)
+        model = build_model(cfg.model)
     mpol = hsdp.MixedPrecision(DTYPES[cfg.dtype], DTYPES[cfg.reduce_dtype])
     schedule = SCHEDULES[name]
     tracer = Tracer()

@@ -1,0 +1,261 @@
+"""The model zoo shared by tests, the demo, ``bench`` and ``sim``: a small GPT and a
+Llama-style transformer (RMSNorm, grouped-query attention with RoPE, SwiGLU), with named
+sizes (``PRESETS``).
+
+Both models have the same outline, which ``bench`` and ``sim`` rely on: ``model.blocks``
+(an ``nn.ModuleList``: one ``fully_shard`` unit each) and a root that owns the rest
+(embedding, final norm, head). ``build_model(cfg)`` builds either from its config, also
+on the meta device (``with torch.device("meta"):``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+# Activation checkpointing: "reentrant" / "non_reentrant" inside each block's forward;
+# "unit_reentrant" / "unit_non_reentrant" around each block call (the whole unit).
+CHECKPOINT_MODES = ("none", "reentrant", "non_reentrant", "unit_reentrant",
+                    "unit_non_reentrant")
+
+
+def _check(cfg: GPTConfig | LlamaConfig) -> None:
+    if cfg.hidden % cfg.heads:
+        raise ValueError(f"hidden={cfg.hidden} is not divisible by heads={cfg.heads}")
+    if cfg.checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"unknown checkpoint mode {cfg.checkpoint!r}")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """GPT-2 style: LayerNorm, biased linears, learned positions, GELU MLP."""
+
+    vocab: int = 37
+    hidden: int = 36
+    heads: int = 3
+    ffn: int = 50
+    layers: int = 3
+    seq: int = 8
+    checkpoint: str = "none"
+    arch: str = field(default="gpt", init=False)
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    @property
+    def block_params(self) -> int:
+        h, f = self.hidden, self.ffn
+        return 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
+
+    @property
+    def num_params(self) -> int:
+        h = self.hidden
+        root = self.vocab * h + self.seq * h + 2 * h + h * self.vocab + 1
+        return root + self.layers * self.block_params
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Llama style: RMSNorm, no biases, RoPE, grouped-query attention (``kv_heads`` key /
+    value heads shared by ``heads / kv_heads`` query heads each), SwiGLU MLP of width
+    ``ffn``, untied embedding and head."""
+
+    vocab: int = 37
+    hidden: int = 32
+    heads: int = 4
+    kv_heads: int = 2
+    ffn: int = 48
+    layers: int = 3
+    seq: int = 8
+    checkpoint: str = "none"
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    arch: str = field(default="llama", init=False)
+
+    def __post_init__(self) -> None:
+        _check(self)
+        if self.kv_heads < 1 or self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
+        if (self.hidden // self.heads) % 2:
+            raise ValueError(f"head dim {self.hidden // self.heads} must be even (RoPE)")
+
+    @property
+    def kv_dim(self) -> int:
+        return self.hidden // self.heads * self.kv_heads
+
+    @property
+    def block_params(self) -> int:
+        h = self.hidden
+        return 2 * h + 2 * h * h + 2 * h * self.kv_dim + 3 * h * self.ffn
+
+    @property
+    def num_params(self) -> int:
+        return 2 * self.vocab * self.hidden + self.hidden + self.layers * self.block_params
+
+
+ModelConfig = GPTConfig | LlamaConfig
+
+# Named sizes. "gpt": bench step's GPU model until now (Llama-8B-sized layers without SwiGLU
+# or GQA); "gpt-1b": the model of docs/sim_vs_measured.md's emulated runs.
+PRESETS: dict[str, ModelConfig] = {
+    "gpt": GPTConfig(vocab=32768, hidden=4096, heads=32, ffn=14336, layers=8, seq=2048),
+    "gpt-1b": GPTConfig(vocab=32000, hidden=2048, heads=16, ffn=8192, layers=16, seq=4096),
+    "llama-8b": LlamaConfig(vocab=128256, hidden=4096, heads=32, kv_heads=8, ffn=14336,
+                            layers=32, seq=8192),
+    "llama-70b": LlamaConfig(vocab=128256, hidden=8192, heads=64, kv_heads=8, ffn=28672,
+                             layers=80, seq=8192),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """``PRESETS[name]`` with some fields replaced (e.g. ``layers=8, seq=4096``)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def config_from_dict(d: dict) -> ModelConfig:
+    """The config ``dataclasses.asdict`` wrote (extra keys ignored; no ``arch``: GPT)."""
+    cls = LlamaConfig if d.get("arch", "gpt") == "llama" else GPTConfig
+    return cls(**{f.name: d[f.name] for f in fields(cls) if f.init and f.name in d})
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """The model of ``cfg`` (on the current default device)."""
+    return GPT(cfg) if isinstance(cfg, GPTConfig) else Llama(cfg)
+
+
+# --------------------------------------------------------------------------- common
+
+
+class _Block(nn.Module):
+    """A transformer block whose ``_forward`` runs under the config's in-block checkpoint
+    mode, if any."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.checkpoint not in ("reentrant", "non_reentrant"):
+            return self._forward(x)
+        return checkpoint(self._forward, x, use_reentrant=self.cfg.checkpoint == "reentrant")
+
+
+def _run_blocks(blocks: nn.ModuleList, x: torch.Tensor, mode: str) -> torch.Tensor:
+    for blk in blocks:
+        if mode.startswith("unit_"):
+            x = checkpoint(blk, x, use_reentrant=mode == "unit_reentrant")
+        else:
+            x = blk(x)
+    return x
+
+
+def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy (mean over positions)."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                           tokens[:, 1:].reshape(-1))
+
+
+# --------------------------------------------------------------------------- GPT
+
+
+class Block(_Block):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        self.ln1 = nn.LayerNorm(cfg.hidden)
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.ln2 = nn.LayerNorm(cfg.hidden)
+        self.fc1 = nn.Linear(cfg.hidden, cfg.ffn)
+        self.fc2 = nn.Linear(cfg.ffn, cfg.hidden)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.cfg.heads, -1).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, h))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos = nn.Parameter(torch.randn(cfg.seq, cfg.hidden) * 0.02)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self.logit_scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        x = _run_blocks(self.blocks, x, self.cfg.checkpoint)
+        return self.head(self.ln_f(x)) * self.logit_scale
+
+
+# --------------------------------------------------------------------------- Llama
+
+
+def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding of ``x`` [batch, heads, seq, head_dim] (rotate-half form)."""
+    t, d = x.shape[-2], x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    angles = torch.outer(torch.arange(t, device=x.device, dtype=torch.float32), inv_freq)
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(x.dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class LlamaBlock(_Block):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__(cfg)
+        h = cfg.hidden
+        self.attn_norm = nn.RMSNorm(h, eps=cfg.norm_eps)
+        self.wq = nn.Linear(h, h, bias=False)
+        self.wk = nn.Linear(h, cfg.kv_dim, bias=False)
+        self.wv = nn.Linear(h, cfg.kv_dim, bias=False)
+        self.wo = nn.Linear(h, h, bias=False)
+        self.mlp_norm = nn.RMSNorm(h, eps=cfg.norm_eps)
+        self.w1 = nn.Linear(h, cfg.ffn, bias=False)  # gate
+        self.w3 = nn.Linear(h, cfg.ffn, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn, h, bias=False)  # down
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        cfg = self.cfg
+        y = self.attn_norm(x)
+        q = self.wq(y).view(b, t, cfg.heads, -1).transpose(1, 2)
+        k = self.wk(y).view(b, t, cfg.kv_heads, -1).transpose(1, 2)
+        v = self.wv(y).view(b, t, cfg.kv_heads, -1).transpose(1, 2)
+        q, k = _rope(q, cfg.rope_theta), _rope(k, cfg.rope_theta)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=cfg.kv_heads != cfg.heads)
+        x = x + self.wo(a.transpose(1, 2).reshape(b, t, h))
+        y = self.mlp_norm(x)
+        return x + self.w2(F.silu(self.w1(y)) * self.w3(y))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.layers))
+        self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = _run_blocks(self.blocks, self.embed(tokens), self.cfg.checkpoint)
+        return self.head(self.norm(x))

@@ -16,10 +16,10 @@ import torch.nn as nn
 
 import hsdp
 from hsdp.bench.emulate import emulate, fake_mesh
-from hsdp.bench.metrics import step_metrics
 from hsdp.bench.trace import intervals_from_chrome_trace
 from hsdp.fabric import Fabric, Link
 from hsdp.models import GPT, GPTConfig, lm_loss
+from hsdp.report.metrics import step_metrics
 
 DEV = torch.device("cuda", 0)
 

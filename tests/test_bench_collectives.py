@@ -15,11 +15,11 @@ from hsdp.bench.collectives import (
     format_size,
     make_row,
     parse_max_ctas,
-    parse_mesh,
     parse_size,
     parse_sizes,
 )
 from hsdp.mesh import NcclConfig
+from hsdp.report.args import parse_mesh
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hsdp.bench.metrics import (
+from hsdp.report.metrics import (
     Interval,
     intersect,
     kind,

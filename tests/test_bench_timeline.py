@@ -2,8 +2,8 @@
 
 import pytest
 
-from hsdp.bench.metrics import Interval
-from hsdp.bench.timeline import plot_timeline
+from hsdp.report.metrics import Interval
+from hsdp.report.timeline import plot_timeline
 
 pytest.importorskip("matplotlib")
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsdp.bench.metrics import Interval, intersect, step_metrics, total
 from hsdp.bench.trace import (
     intervals_from_chrome_trace,
     intervals_from_records,
     load_chrome_trace,
 )
+from hsdp.report.metrics import Interval, intersect, step_metrics, total
 from hsdp.streams import OpRecord, Streams, Tracer
 
 

@@ -46,14 +46,14 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hsdp.bench.collectives import parse_mesh
-from hsdp.bench.metrics import Interval, step_metrics
 from hsdp.bench.step import MODEL_DEFAULTS
-from hsdp.bench.table import print_table as print_rows
 from hsdp.fabric import Fabric, Link
 from hsdp.layout import FlatLayout
 from hsdp.models import GPTConfig, config_from_dict
 from hsdp.policy import STRATEGIES, check_strategy
+from hsdp.report.args import parse_mesh
+from hsdp.report.metrics import Interval, step_metrics
+from hsdp.report.table import print_table as print_rows
 from hsdp.streams import STREAM_NAMES
 
 # (overlapped, serialized) schedule names per strategy, as in ``bench step``
@@ -397,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     if args.png:
-        from hsdp.bench.timeline import plot_timeline
+        from hsdp.report.timeline import plot_timeline
 
         plot_timeline({name: r.intervals for name, r in results.items()}, args.png)
     return 0

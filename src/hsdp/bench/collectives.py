@@ -36,9 +36,10 @@ import torch
 import torch.distributed as dist
 
 from hsdp.bench.launch import NCCL_ENV, launch, rank_process_group, select_cuda
-from hsdp.bench.table import print_table as print_rows
 from hsdp.comm import Collectives
 from hsdp.mesh import CommGroups, NcclConfig, comm_groups, init_mesh
+from hsdp.report.args import parse_mesh
+from hsdp.report.table import print_table as print_rows
 from hsdp.streams import SideStream, Streams
 
 # Multicast (NVLS) off on multi-GPU machines: see shared/design/testing.md.
@@ -94,13 +95,6 @@ def format_size(nbytes: int) -> str:
         if nbytes % UNITS[unit] == 0 and nbytes >= UNITS[unit]:
             return f"{nbytes // UNITS[unit]}{unit}"
     return f"{nbytes}B"
-
-
-def parse_mesh(text: str) -> tuple[int, int]:
-    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
-    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-        raise argparse.ArgumentTypeError(f"bad mesh {text!r}: expected OUTERxINNER, e.g. 2x4")
-    return int(m.group(1)), int(m.group(2))
 
 
 def parse_max_ctas(text: str) -> dict[str, NcclConfig]:

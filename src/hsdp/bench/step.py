@@ -27,7 +27,7 @@ Trace: one more step per schedule under ``torch.profiler`` with the schedule's t
 ``hsdp.bench.fsdp2``). GPU: its Chrome trace gives the intervals. CPU: the intervals come
 from the stream records of one extra step per schedule without the profiler (whose per-op
 cost is large next to small CPU ops), all taken before the first profiled step. Rank 0
-measures them with ``hsdp.bench.metrics.step_metrics`` and writes the Chrome traces and
+measures them with ``hsdp.report.metrics.step_metrics`` and writes the Chrome traces and
 one timeline PNG to ``--out-dir``.
 
 Lower bound: ``max(compute + tail, inner, outer)`` from each schedule's traced step,
@@ -65,17 +65,18 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import hsdp
-from hsdp.bench.collectives import DTYPES, default_mesh, parse_mesh
+from hsdp.bench.collectives import DTYPES, default_mesh
 from hsdp.bench.emulate import emulate, fake_mesh
 from hsdp.bench.fsdp2 import fsdp2_collectives, shard_fsdp2
 from hsdp.bench.launch import NCCL_ENV, launch, rank_process_group, select_cuda
-from hsdp.bench.metrics import Interval, step_metrics
-from hsdp.bench.table import print_table as print_rows
-from hsdp.bench.timeline import plot_timeline
 from hsdp.bench.trace import intervals_from_chrome_trace, intervals_from_records
 from hsdp.comm import SleepClock
 from hsdp.fabric import Fabric, Link
 from hsdp.models import CHECKPOINT_MODES, GPTConfig, build_model, lm_loss
+from hsdp.report.args import parse_mesh
+from hsdp.report.metrics import Interval, step_metrics
+from hsdp.report.table import print_table as print_rows
+from hsdp.report.timeline import plot_timeline
 from hsdp.streams import OpRecord, Tracer
 
 # schedule -> (strategy, overlap_outer); None: torch FSDP2

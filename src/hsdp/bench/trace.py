@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
-from hsdp.bench.metrics import Interval, subtract, union
+from hsdp.report.metrics import Interval, subtract, union
 from hsdp.streams import OpRecord
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")

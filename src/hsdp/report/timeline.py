@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hsdp.bench.metrics import Interval, op_kind
+from hsdp.report.metrics import Interval, op_kind
 from hsdp.streams import STREAM_NAMES
 
 COLORS = {"compute": "#4c72b0", "inner_ag": "#55a868", "inner_rs": "#dd8452",

@@ -1,0 +1,1 @@
+"""What ``bench`` and ``sim`` share to report a step: metrics, tables, timelines, CLI types."""

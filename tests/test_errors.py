@@ -1,5 +1,7 @@
 """Bad input and calls in the wrong phase fail with clear errors."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -104,3 +106,61 @@ def test_overlap_outer_must_match_across_units(fake_world_8):
     hsdp.fully_shard(m, mesh=mesh)
     with pytest.raises(ValueError, match="overlap_outer"):
         m(torch.randn(2, 5))
+
+
+def test_mesh_errors_are_hsdps(fake_world_8, monkeypatch):
+    with pytest.raises(ValueError, match="positive ints"):
+        hsdp.init_mesh(True, 8, "cpu")
+    with pytest.raises(ValueError, match="world has 8 ranks"):
+        hsdp.init_mesh(3, 2, "cpu")
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        hsdp.init_mesh(2, 4, "xpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        hsdp.init_mesh(2, 2, "cuda")
+
+
+def test_mesh_without_process_group_or_torchrun(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(RuntimeError, match="launch with torchrun"):
+        hsdp.init_mesh(1, 1, "cpu")
+
+
+def test_version():
+    assert isinstance(hsdp.__version__, str) and hsdp.__version__.count(".") == 2
+
+
+def test_dtype_and_device_changes_after_sharding(fake_world_8):
+    mesh = hsdp.init_mesh(2, 4, "cpu")
+    m = _sharded(mesh)
+    before = list(m.parameters())
+    for convert in (m.double, m.half, lambda: m.to_empty(device="cpu")):
+        with pytest.raises(RuntimeError, match="after fully_shard would replace"):
+            convert()
+    # Refused before anything changed; conversions that change nothing are fine.
+    m.float().to("cpu").cpu().to(torch.float32)
+    assert [p for p in m.parameters()] == before
+    assert all(p.dtype == torch.float32 for p in m.parameters())
+    m(torch.randn(2, 5)).sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in m.parameters())
+
+
+def test_zero_grad_in_place_counts_as_cleared(fake_world_8):
+    mesh = hsdp.init_mesh(2, 4, "cpu")
+    m = _sharded(mesh)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(torch.randn(2, 5)).sum().backward()
+    for clear in (lambda: opt.zero_grad(set_to_none=False),
+                  lambda: m.zero_grad(set_to_none=False)):
+        hsdp.clip_grad_norm_(m, 1.0)  # writes the gradients in place too
+        opt.step()
+        clear()
+        assert all(p.grad is not None and not p.grad.any() for p in m.parameters())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            m(torch.randn(2, 5)).sum().backward()
+    # Still reported when the gradients really were left as they were.
+    opt.step()
+    with pytest.warns(UserWarning, match="not cleared"):
+        m(torch.randn(2, 5)).sum().backward()

@@ -5,6 +5,8 @@ from hsdp.mesh import NcclConfig, init_mesh
 from hsdp.policy import MixedPrecision
 from hsdp.state import full_state_dict, load_full_state_dict
 
+__version__ = "0.1.0"
+
 __all__ = [
     "MixedPrecision",
     "NcclConfig",

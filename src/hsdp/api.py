@@ -9,10 +9,12 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp.group import ParamGroup, Slot, owner
 from hsdp.mesh import comm_groups
+from hsdp.module import adopt
 from hsdp.policy import MixedPrecision, check_strategy
 from hsdp.schedule import Unit, units_below
 
@@ -38,13 +40,16 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
     device = (torch.device("cuda", torch.cuda.current_device())
               if mesh.device_type == "cuda" else torch.device(mesh.device_type))
 
+    # torch.compile(module) made before fully_shard: hooks go on the wrapper (outside the
+    # compiled region), the unit and the hsdp methods on the module it wraps.
+    inner = module._orig_mod if isinstance(module, OptimizedModule) else module
     params, slots = _owned_params(module)
     keyed: dict[tuple, tuple[list[nn.Parameter], list[list[Slot]]]] = {}
     for p, s in zip(params, slots):
         ps, ss = keyed.setdefault((p.dtype, p.requires_grad), ([], []))
         ps.append(p)
         ss.append(s)
-    label = f"{type(module).__name__}{next(_UNIT_IDS)}"  # same on every rank
+    label = f"{type(inner).__name__}{next(_UNIT_IDS)}"  # same on every rank
     groups = [
         ParamGroup(f"{label}/{k}", ps, ss, comms, device, strategy == "hfsdp", mp)
         for k, (ps, ss) in enumerate(keyed.values())]
@@ -54,7 +59,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
         for name, b in m._buffers.items():
             if b is not None and b.device != device:
                 m._buffers[name] = b.to(device)
-    module._hsdp_unit = Unit(module, label, groups, mesh, device, overlap_outer)
+    unit = Unit(module, label, groups, mesh, device, overlap_outer)
+    adopt(inner)
+    inner._hsdp_unit = unit
     return module
 
 

@@ -120,6 +120,7 @@ class ParamGroup:
             for buf in {id(b): b for b in (self.accum, self.grad_buf)}.values():
                 buf.untyped_storage().resize_(0)
             self.grads_live = False  # host view: buffers allocated (or about to be)
+            self._marked_version = -1
             self._gaps = lay.gaps()
             self.received: set[int] = set()
             self.reduced = False
@@ -274,13 +275,20 @@ class ParamGroup:
     def expose_grads(self) -> None:
         for p, v in zip(self.sharded, self._grad_views):
             p.grad = v
+        self.mark_grads()
+
+    def mark_grads(self) -> None:
+        """Remember the gradients' version (after they were exposed, after the optimizer
+        step): a later in-place write (``zero_grad(set_to_none=False)``) counts as cleared."""
+        self._marked_version = self.grad_buf._version
 
     def hide_grads(self) -> bool:
-        """Drop the sharded ``.grad``s; True if any was still set (not zeroed by the user)."""
+        """Drop the sharded ``.grad``s; True if any was still set and not written since the
+        last mark (not cleared by the user, neither set to None nor zeroed in place)."""
         was_set = any(p.grad is not None for p in self.sharded)
         for p in self.sharded:
             p.grad = None
-        return was_set
+        return was_set and self.grad_buf._version == self._marked_version
 
     # ------------------------------------------------------------------ state
 

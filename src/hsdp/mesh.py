@@ -9,6 +9,7 @@ use the DeviceMesh's own per-dim groups and never touch these three.
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -63,7 +64,8 @@ def init_mesh(outer: int, inner: int, device_type: str | None = None, *,
     the NCCL backend. Initializes the default process group from the environment (torchrun)
     when none exists yet.
     """
-    if not (isinstance(outer, int) and isinstance(inner, int)) or outer < 1 or inner < 1:
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+               for n in (outer, inner)):
         raise ValueError(f"init_mesh: outer and inner must be positive ints, "
                          f"got outer={outer!r} inner={inner!r}")
     nccl = dict(nccl or {})
@@ -71,9 +73,9 @@ def init_mesh(outer: int, inner: int, device_type: str | None = None, *,
     if unknown:
         raise ValueError(f"init_mesh: unknown communicator(s) {sorted(unknown)} in nccl=; "
                          f"expected keys among {COMMUNICATORS}")
-    if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    if dist.is_initialized() and dist.get_world_size() != outer * inner:
+    device_type = _check_device_type(device_type)
+    _init_default_group()
+    if dist.get_world_size() != outer * inner:
         raise ValueError(
             f"init_mesh: outer*inner = {outer}*{inner} = {outer * inner} but the world has "
             f"{dist.get_world_size()} ranks; choose outer and inner whose product is the "
@@ -81,6 +83,33 @@ def init_mesh(outer: int, inner: int, device_type: str | None = None, *,
     mesh = init_device_mesh(device_type, (outer, inner), mesh_dim_names=DIM_NAMES)
     _GROUPS[_key(mesh)] = _create_groups(mesh, nccl)
     return mesh
+
+
+def _check_device_type(device_type: str | None) -> str:
+    if device_type is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"init_mesh: device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"init_mesh: device_type='cuda' but CUDA is not available (torch "
+            f"{torch.__version__}, {torch.cuda.device_count()} GPUs visible); use "
+            f"device_type='cpu' (gloo) or a CUDA build of torch on a GPU machine")
+    return device_type
+
+
+def _init_default_group() -> None:
+    """Initialize the default process group from torchrun's environment if needed."""
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_mesh: no default process group and no torchrun environment (missing "
+            f"{', '.join(missing)}); launch with torchrun or call "
+            f"torch.distributed.init_process_group() first")
+    dist.init_process_group()
 
 
 def comm_groups(mesh: DeviceMesh) -> CommGroups:

@@ -70,18 +70,24 @@ class Unit:
     def trainable(self) -> list[ParamGroup]:
         return [g for g in self.groups if g.requires_grad]
 
+    # Hooks run eagerly, outside any compiled region (torch.compile(block), block.compile()):
+    # dynamo neither traces them nor breaks the block's graph on them.
+    @torch.compiler.disable
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         if self.runtime is None:
             Runtime(self)
         return self.runtime._pre_forward(self, args, kwargs)
 
+    @torch.compiler.disable
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
         return self.runtime._post_forward(self, output)
 
 
 def units_below(module: nn.Module) -> Iterator[Unit]:
     for m in module.modules():
-        unit = getattr(m, "_hsdp_unit", None)
+        # vars, not getattr: a torch.compile wrapper forwards attribute reads to the module
+        # it wraps, which would yield that module's unit twice.
+        unit = vars(m).get("_hsdp_unit")
         if unit is not None:
             yield unit
 
@@ -256,8 +262,8 @@ class Runtime:
         override = self.root.is_last_override
         self.is_last = True if override is None else override
         if self.first_microbatch:
-            cleared = [g.hide_grads() for u in self.units for g in u.trainable]
-            if any(cleared):
+            stale = [g.hide_grads() for u in self.units for g in u.trainable]
+            if any(stale):
                 warnings.warn("hsdp: gradients from the previous step were not cleared; "
                               "hsdp overwrites them (accumulate with hsdp.microbatch)",
                               stacklevel=2)
@@ -354,6 +360,10 @@ class Runtime:
                 "hsdp.microbatch context) before optimizer.step().")
 
     def _after_optimizer_step(self) -> None:
+        for u in self.units:
+            for g in u.trainable:
+                if g.grads_exposed():
+                    g.mark_grads()
         self._refresh_outer_shards()
 
     def _refresh_outer_shards(self) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hsdp.__main__ import COMMANDS, build_parser
-from hsdp.bench.step import fabric_from_collectives, parse_schedules
+from hsdp.bench.step import compare, fabric_from_collectives, parse_schedules
 from hsdp.fabric import Fabric, Link
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -43,7 +43,8 @@ def check_result(path: Path, out_dir: Path, schedules: list[str]) -> dict:
         assert 0 < lo <= mid <= hi and math.isfinite(hi), (name, s)
         assert len(s["t_step_samples_ms"]) == 2
         assert s["tokens_per_s"] > 0 and math.isfinite(s["tokens_per_s"])
-        assert s["peak_mem_bytes"] is None  # CPU
+        assert 0 < s["t_host_min_ms"] <= s["t_host_ms"] <= s["t_host_max_ms"]
+        assert s["peak_mem_bytes"] is None and s["peak_mem_phase_bytes"] is None  # CPU
         for key in METRICS:  # fsdp2 included: its collectives are wrapped and traced
             assert s[key] >= 0 and math.isfinite(s[key]), (name, key, s[key])
         assert s["lower_bound_ms"] > 0
@@ -54,18 +55,29 @@ def check_result(path: Path, out_dir: Path, schedules: list[str]) -> dict:
     return result
 
 
+def check_output(proc: subprocess.CompletedProcess) -> None:
+    """A progress line per phase, where the files went, no profiler start/stop lines."""
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for phase in ("built", "warm-up:", "timed:", "traced:"):
+        assert f"bench step: {phase}" in proc.stderr, phase
+    assert "profiler_start" not in proc.stderr + proc.stdout
+    assert "timeline.png" in proc.stdout and "trace_<schedule>.json.gz" in proc.stdout
+
+
 def test_gloo_ranks(tmp_path):
     out = tmp_path / "step.json"
     proc = bench_step("--nproc", "4", "--mesh", "2x2", *TINY, "--json", str(out),
                       "--out-dir", str(tmp_path / "traces"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "overlap vs serial" in proc.stdout
+    check_output(proc)
+    assert "overlap vs serial" in proc.stdout and "overlap vs fsdp2" in proc.stdout
     result = check_result(out, tmp_path / "traces", ["overlap", "serial", "fsdp2"])
     meta = result["meta"]
     assert meta["mesh"] == {"outer": 2, "inner": 2, "world": 4}
     assert meta["backend"] == "gloo" and meta["emulate"] is False and meta["fabric"] is None
     assert meta["model"]["dtype"] == "fp32"
-    assert set(result["summary"]) == {"overlap_vs_serial"}
+    assert set(result["summary"]) == {"overlap_vs_serial", "overlap_vs_fsdp2"}
+    assert result["reference"] is None  # the collective-free step needs --emulate
+    assert all(s["t_free_ms"] is None for s in result["schedules"].values())
 
 
 def test_emulated_mesh(tmp_path):
@@ -74,14 +86,44 @@ def test_emulated_mesh(tmp_path):
     proc = bench_step("--emulate", "--mesh", "2x4", *TINY, "--microbatches", "2",
                       "--schedules", ",".join(schedules), "--json", str(out),
                       "--out-dir", str(tmp_path / "traces"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    check_output(proc)
+    assert "bench step: collective-free:" in proc.stderr
     result = check_result(out, tmp_path / "traces", schedules)
+    ref = result["reference"]
+    assert ref["name"] == "unsharded" and 0 < ref["t_step_min_ms"] <= ref["t_step_ms"]
+    for s in result["schedules"].values():  # every schedule's collective-free step
+        assert 0 < s["t_free_min_ms"] <= s["t_free_ms"] <= s["t_free_max_ms"]
+        assert s["free_over_unsharded"] == pytest.approx(s["t_free_ms"] / ref["t_step_ms"])
     meta = result["meta"]
     assert meta["emulate"] is True and meta["backend"] == "fake"
     assert meta["mesh"] == {"outer": 2, "inner": 4, "world": 8}
     assert meta["fabric"]["inner"]["bus_gbps"] == 370.0
     assert meta["fabric"]["outer"]["latency_us"] == 20.0
     assert meta["global_tokens_per_step"] == 8 * 2 * 16 * 2
+
+
+def test_missing_or_unsupported_peer_is_a_clear_error():
+    proc = bench_step("--emulate", "--mesh", "2x2", *TINY, "--schedules", "overlap,mfsdp",
+                      timeout=60)
+    assert proc.returncode != 0
+    try:
+        import megatron_fsdp  # noqa: F401
+    except ImportError:
+        assert "needs Megatron-FSDP, which is not installed" in proc.stderr, proc.stderr
+        assert "pip install 'hsdp[mfsdp]'" in proc.stderr
+    else:
+        assert "Megatron-FSDP runs on CUDA only" in proc.stderr, proc.stderr
+
+
+def test_compare_flags_overlapping_ranges_as_noise():
+    def entry(lo: float, mid: float, hi: float) -> dict:
+        return {"t_step_ms": mid, "t_step_min_ms": lo, "t_step_max_ms": hi}
+
+    clear = compare(entry(8, 9, 10), entry(11, 12, 13))
+    assert clear["ratio"] == pytest.approx(0.75) and clear["saving_ms"] == pytest.approx(3)
+    assert clear["saving_pct"] == pytest.approx(25) and not clear["within_noise"]
+    assert compare(entry(8, 9, 11), entry(11, 12, 13))["within_noise"]
+    assert compare(entry(11, 12, 13), entry(8, 9, 11.5))["within_noise"]
 
 
 def test_mesh_not_matching_world_is_a_clear_error():

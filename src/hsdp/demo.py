@@ -1,7 +1,7 @@
-"""Demo: train a small GPT on local ranks with hsdp's schedules and torch FSDP2 side by side.
+"""Demo: train a small transformer on local ranks with hsdp's schedules and torch FSDP2 side by side.
 
 This is ``bench step`` with demo-sized defaults: on CPU, 4 gloo ranks on a 2x2 mesh and a
-small GPT (well under two minutes on two cores); with GPUs, every local GPU on a
+small Llama-style model (well under two minutes on two cores); with GPUs, every local GPU on a
 2 x N/2 mesh and bench step's GPU model. Any ``bench step`` option can be given.
 """
 
@@ -13,8 +13,8 @@ from hsdp.bench import step
 
 DEMO_MODEL = {
     "cuda": step.MODEL_DEFAULTS["cuda"],
-    "cpu": {"layers": 4, "hidden": 64, "heads": 4, "ffn": 256, "vocab": 512, "seq": 64,
-            "mbs": 2},
+    "cpu": {"arch": "llama", "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 192,
+            "vocab": 512, "seq": 64, "mbs": 2},
 }
 
 

@@ -1,34 +1,37 @@
-"""Step bench: training step time of hsdp's schedules and torch FSDP2 on one GPT.
+"""Step bench: training step time and memory of hsdp's schedules and its peers on one model.
 
-Schedules (same outer x inner mesh, same seed, same synthetic tokens; each block is a
-unit, the root last):
+Schedules: see ``hsdp.bench.trainee`` (hsdp overlap / serial, hfsdp, torch FSDP2,
+Megatron-FSDP).
 
-- ``overlap``: hsdp, outer all-reduce on its own stream (``overlap_outer=True``);
-- ``serial``: hsdp, outer all-reduce on the rs stream (the baseline of schedule.md);
-- ``hfsdp`` / ``hfsdp-serial``: the same with strategy hfsdp;
-- ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on the same 2-D mesh (HSDP).
+Phases (one progress line each on rank 0):
 
-Timing: every model is built first; then ``--warmup`` untimed steps per schedule, one
-schedule at a time (which also sizes each model's resident memory); then the schedules
-take turns, one step each (A B C A B C ...), ``--steps`` times. A step (all microbatches,
-``optimizer.step()``) is timed on the wall clock from a barrier to the point where every
-stream of its schedule is idle (hsdp's side streams drained, ``torch.cuda.synchronize``
-on GPU) and a barrier; the slowest rank counts. hfsdp's outer all-gather after the
-optimizer step therefore counts in full: interleaving leaves it nothing to overlap.
-tokens/s = global tokens per step (world x mbs x seq x microbatches) / median step time.
-
-Memory (GPU): ``torch.cuda.max_memory_allocated`` over the schedule's timed steps, less
-what the other schedules' models hold meanwhile: each model's resident memory (after it
-was built and warmed up, one at a time) is known, so the figure is what this schedule
-would need alone. On CPU: null.
-
-Trace: one more step per schedule under ``torch.profiler`` with the schedule's tracer on
-(hsdp's root unit tracer; for fsdp2 its collectives are wrapped, see
-``hsdp.bench.fsdp2``). GPU: its Chrome trace gives the intervals. CPU: the intervals come
-from the stream records of one extra step per schedule without the profiler (whose per-op
-cost is large next to small CPU ops), all taken before the first profiled step. Rank 0
-measures them with ``hsdp.report.metrics.step_metrics`` and writes the Chrome traces and
-one timeline PNG to ``--out-dir``.
+1. build every schedule's model (its resident memory is measured one at a time);
+2. ``--warmup`` untimed steps per schedule, one schedule at a time;
+3. timing: the schedules take turns, one step each (A B C A B C ...), ``--steps`` times. A
+   step (all microbatches, ``optimizer.step()``, clearing the gradients) is timed on the
+   wall clock from a barrier to the point where every stream of its schedule is idle
+   (hsdp's side streams drained, ``torch.cuda.synchronize`` on GPU) and a barrier; the
+   slowest rank counts. hfsdp's outer all-gather after the optimizer step therefore counts
+   in full: interleaving leaves it nothing to overlap. Host time: from the start of the step
+   until the host has issued all of it (the optimizer step and clearing of gradients
+   returned), before it waits for the device; on GPU, a host time close to the step time
+   means the step is host-bound. tokens/s = global tokens per step / median step time;
+4. memory per phase (GPU): one more step per schedule with the peak of each phase
+   (forward, backward, optimizer: ``torch.cuda.max_memory_allocated`` between phase ends)
+   less what the other schedules' models hold, so each figure is what the schedule would
+   need alone; the peak over the timed steps is reported the same way;
+5. collective-free (``--emulate`` only): ``--steps`` more interleaved steps with the
+   emulated delays off, so collectives take no time at all (torch's fake process group
+   launches nothing), next to the ``unsharded`` reference: the same layers unsharded plus
+   AdamW over one rank's shard (``hsdp.bench.trainee``). Their ratio is the overhead of the
+   sharding machinery itself;
+6. trace: one more step per schedule under ``torch.profiler`` with the schedule's tracer
+   on (hsdp's root unit tracer; the peers' collectives are intercepted, see
+   ``hsdp.bench.intercept``). GPU: its Chrome trace gives the intervals. CPU: the intervals
+   come from the stream records of one extra step per schedule without the profiler (whose
+   per-op cost is large next to small CPU ops), all taken before the first profiled step.
+   Rank 0 measures them with ``hsdp.report.metrics.step_metrics`` and writes the Chrome
+   traces and one timeline PNG to ``--out-dir``.
 
 Lower bound: ``max(compute + tail, inner, outer)`` from each schedule's traced step,
 with compute / inner / outer the busy time of each resource and tail the duration of
@@ -37,11 +40,15 @@ floor of ``outer_tail`` in schedule.md). This is schedule.md's ``max(compute, in
 outer) + tail`` with the tail attached to the compute chain it must follow, which keeps
 it a true bound when communication dominates.
 
+Comparisons: overlapped vs serialized, and each hsdp schedule vs each peer, with "within
+noise" when the two schedules' min-max step-time ranges overlap.
+
 ``--emulate``: one process posing as rank 0 of the mesh (torch's fake process group);
 every collective first waits its modelled duration (``hsdp.fabric.Fabric``) on its own
 stream: ``torch.cuda._sleep`` on GPU (calibrated; the error is reported), host sleeps on
 hsdp's stream threads on CPU. ``--fabric-json`` fits the fabric to a ``bench
-collectives`` JSON (see ``fabric_from_collectives``).
+collectives`` JSON (see ``fabric_from_collectives``). ``--share-gpus``: several ranks per
+GPU (``hsdp.bench.launch``), for correctness only.
 """
 
 from __future__ import annotations
@@ -50,49 +57,70 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
-from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import hsdp
 from hsdp.bench.collectives import DTYPES, default_mesh
-from hsdp.bench.emulate import emulate, fake_mesh
-from hsdp.bench.fsdp2 import fsdp2_collectives, shard_fsdp2
-from hsdp.bench.launch import NCCL_ENV, launch, rank_process_group, select_cuda
+from hsdp.bench.emulate import fake_mesh
+from hsdp.bench.launch import (
+    RECORDED_ENV,
+    SHARED_LAYOUT_NOTE,
+    add_layout_argument,
+    bookkeeping_device,
+    check_shared_layout,
+    host_barrier,
+    launch,
+    rank_process_group,
+    select_cuda,
+)
+from hsdp.bench.mfsdp import PeerUnavailable, import_mfsdp
 from hsdp.bench.trace import intervals_from_chrome_trace, intervals_from_records
-from hsdp.comm import SleepClock
+from hsdp.bench.trainee import (
+    PEERS,
+    PHASES,
+    SCHEDULES,
+    Trainee,
+    build,
+    build_unsharded,
+    synthetic_batches,
+)
 from hsdp.fabric import Fabric, Link
-from hsdp.models import CHECKPOINT_MODES, GPTConfig, build_model, lm_loss
+from hsdp.models import CHECKPOINT_MODES, GPTConfig, LlamaConfig, ModelConfig
 from hsdp.report.args import parse_mesh
 from hsdp.report.metrics import Interval, step_metrics
 from hsdp.report.table import print_table as print_rows
 from hsdp.report.timeline import plot_timeline
-from hsdp.streams import OpRecord, Tracer
+from hsdp.streams import OpRecord
 
-# schedule -> (strategy, overlap_outer); None: torch FSDP2
-SCHEDULES: dict[str, tuple[str, bool] | None] = {
-    "overlap": ("hsdp", True), "serial": ("hsdp", False),
-    "hfsdp": ("hfsdp", True), "hfsdp-serial": ("hfsdp", False), "fsdp2": None}
 # (overlapped, serialized) pairs whose saving is reported
 PAIRS = (("overlap", "serial"), ("hfsdp", "hfsdp-serial"))
-# Model sizes when not given. GPU: Llama-8B-sized layers (no SwiGLU, no GQA), enough
-# compute per layer that an H200 is not waiting on the host; CPU: quick.
+# Model when not given (hsdp.models). GPU: 8 Llama-8B layers (SwiGLU, grouped-query
+# attention, RMSNorm), what users run, with enough compute per layer that an H200 is not
+# waiting on the host; CPU: the same architecture, quick.
 MODEL_DEFAULTS = {
-    "cuda": {"layers": 8, "hidden": 4096, "heads": 32, "ffn": 14336, "vocab": 32768,
-             "seq": 2048, "mbs": 1},
-    "cpu": {"layers": 4, "hidden": 128, "heads": 4, "ffn": 512, "vocab": 1024, "seq": 128,
-            "mbs": 2},
+    "cuda": {"arch": "llama", "layers": 8, "hidden": 4096, "heads": 32, "kv_heads": 8,
+             "ffn": 14336, "vocab": 32768, "seq": 2048, "mbs": 1},
+    "cpu": {"arch": "llama", "layers": 4, "hidden": 128, "heads": 4, "kv_heads": 2,
+            "ffn": 384, "vocab": 1024, "seq": 128, "mbs": 2},
 }
+ARCHS = {"llama": LlamaConfig, "gpt": GPTConfig}
+MODEL_SIZES = (("layers", "transformer blocks"), ("hidden", "hidden size"),
+               ("heads", "attention heads"), ("kv_heads", "key/value heads (llama)"),
+               ("ffn", "MLP size"), ("vocab", "vocabulary size"), ("seq", "sequence length"),
+               ("mbs", "micro-batch size (sequences per rank)"))
 EMULATED_MESH = {"cuda": (16, 8), "cpu": (2, 4)}  # --emulate without --mesh
 GIB = 1 << 30
 
@@ -105,22 +133,26 @@ def add_arguments(p: argparse.ArgumentParser,
     """The options; ``model_defaults`` (per device type) fill the model sizes not given."""
     p.set_defaults(model_defaults=model_defaults)
     p.add_argument("--nproc", type=int, default=None,
-                   help="local ranks to spawn (default: all GPUs, or 4 on CPU); "
-                        "ignored under torchrun and with --emulate")
+                   help="local ranks to spawn (default: all GPUs, twice that with "
+                        "--share-gpus, or 4 on CPU); ignored under torchrun and with "
+                        "--emulate")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cpu: gloo ranks even where GPUs exist (default: cuda when present)")
     p.add_argument("--mesh", type=parse_mesh, default=None,
                    help="OUTERxINNER (default: 2 x world/2; with --emulate 16x8 on GPU, "
                         "2x4 on CPU)")
-    model = p.add_argument_group("model (defaults: GPU / CPU)")
-    for name, help_ in (("layers", "transformer blocks"), ("hidden", "hidden size"),
-                        ("heads", "attention heads"), ("ffn", "MLP size"),
-                        ("vocab", "vocabulary size"), ("seq", "sequence length"),
-                        ("mbs", "micro-batch size (sequences per rank)")):
+    add_layout_argument(p)
+    model = p.add_argument_group("model (hsdp.models; defaults: GPU / CPU)")
+    d = f"{model_defaults['cuda']['arch']} / {model_defaults['cpu']['arch']}"
+    model.add_argument("--arch", choices=sorted(ARCHS), default=None,
+                       help=f"llama: RMSNorm, grouped-query attention, SwiGLU; gpt: "
+                            f"LayerNorm, GELU MLP ({d})")
+    for name, help_ in MODEL_SIZES:
         d = f"{model_defaults['cuda'][name]} / {model_defaults['cpu'][name]}"
-        model.add_argument(f"--{name}", type=int, default=None, help=f"{help_} ({d})")
+        model.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                           help=f"{help_} ({d})")
     model.add_argument("--checkpoint", choices=CHECKPOINT_MODES, default="none",
-                       help="activation checkpointing (see hsdp.models.GPTConfig)")
+                       help="activation checkpointing (see hsdp.models)")
     p.add_argument("--microbatches", type=int, default=1,
                    help="microbatches per step (outer reduction on the last only)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -190,7 +222,7 @@ class Config:
     world: int
     outer: int
     inner: int
-    model: GPTConfig
+    model: ModelConfig
     mbs: int
     microbatches: int
     dtype: str
@@ -204,15 +236,21 @@ class Config:
     json_path: str | None
     out_dir: str
     cuda: bool
+    share_gpus: bool = False
 
     @property
     def global_tokens(self) -> int:
         return self.world * self.mbs * self.model.seq * self.microbatches
 
+    @property
+    def mp(self) -> hsdp.MixedPrecision:
+        return hsdp.MixedPrecision(DTYPES[self.dtype], DTYPES[self.reduce_dtype])
+
     def describe(self) -> str:
         m = self.model
-        return (f"GPT {m.layers} layers, hidden {m.hidden}, ffn {m.ffn}, heads {m.heads}, "
-                f"vocab {m.vocab}, seq {m.seq}, mbs {self.mbs}, {self.dtype}: "
+        kv = f" ({m.kv_heads} kv)" if isinstance(m, LlamaConfig) else ""
+        return (f"{m.arch} {m.layers} layers, hidden {m.hidden}, ffn {m.ffn}, heads "
+                f"{m.heads}{kv}, vocab {m.vocab}, seq {m.seq}, mbs {self.mbs}, {self.dtype}: "
                 f"{m.num_params / 1e6:.1f} M params")
 
 
@@ -234,14 +272,28 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
             raise fail(f"mesh {outer}x{inner} has {outer * inner} ranks but the job has "
                        f"{world}; pick --mesh OUTERxINNER with OUTER*INNER = {world} "
                        f"(or --nproc {outer * inner})")
+    share = bool(args.share_gpus) and cuda and not args.emulate
+    if share:
+        check_shared_layout("bench step", outer, inner, torch.cuda.device_count())
     if args.steps < 1 or args.warmup < 1 or args.microbatches < 1:
         raise fail("need --steps >= 1, --warmup >= 1 (the first step records the unit "
                    "order and creates optimizer state) and --microbatches >= 1")
-    sizes = {k: getattr(args, k) if getattr(args, k) is not None else v
+    if "mfsdp" in args.schedules:
+        try:
+            import_mfsdp()
+        except PeerUnavailable as e:
+            raise fail(str(e)) from None
+        if not cuda:
+            raise fail("schedule 'mfsdp': Megatron-FSDP runs on CUDA only")
+    sizes = {k: getattr(args, k) if getattr(args, k, None) is not None else v
              for k, v in args.model_defaults[device].items()}
-    mbs = sizes.pop("mbs")
+    mbs, arch = sizes.pop("mbs"), sizes.pop("arch")
+    if arch == "gpt":
+        if args.kv_heads is not None:
+            raise fail("--kv-heads applies to --arch llama only")
+        sizes.pop("kv_heads", None)
     try:
-        model = GPTConfig(checkpoint=args.checkpoint, **sizes)
+        model = ARCHS[arch](checkpoint=args.checkpoint, **sizes)
     except ValueError as e:
         raise fail(str(e)) from None
     fabric, source = None, None
@@ -255,7 +307,7 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
     return Config(world, outer, inner, model, mbs, args.microbatches,
                   args.dtype or ("bf16" if cuda else "fp32"), args.reduce_dtype,
                   tuple(args.schedules), args.steps, args.warmup, args.emulate, fabric,
-                  source, args.json, args.out_dir, cuda)
+                  source, args.json, args.out_dir, cuda, share)
 
 
 # --------------------------------------------------------------------------- launch
@@ -276,11 +328,12 @@ def run(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
         return 0
     return launch("bench step", _worker, lambda world: resolve(args, cuda, world), args.nproc,
-                  cuda)
+                  cuda, bool(args.share_gpus))
 
 
 def _worker(local_rank: int, cfg: Config, port: int | None) -> None:
-    with rank_process_group(local_rank, cfg.world, port, cfg.cuda) as device:
+    with rank_process_group(local_rank, cfg.world, port, cfg.cuda,
+                            cfg.inner if cfg.share_gpus else None) as device:
         mesh = hsdp.init_mesh(cfg.outer, cfg.inner, device.type)
         result = bench(cfg, device, mesh)
         if dist.get_rank() == 0:
@@ -298,85 +351,6 @@ def _oom_guard(schedule: str, cfg: Config) -> Iterator[None]:
                          f"{cfg.outer}x{cfg.inner}: {str(e).splitlines()[0]}") from None
 
 
-# --------------------------------------------------------------------------- trainees
-
-
-@dataclass
-class Trainee:
-    """One schedule's model, optimizer and measurements on this rank."""
-
-    name: str
-    model: nn.Module
-    opt: torch.optim.Optimizer
-    tracer: Tracer
-    comm: Callable[[], AbstractContextManager]  # around each step (fsdp2's wrappers)
-    calibration_error: float | None
-    samples_ms: list[float] = field(default_factory=list)
-    resident_bytes: int = 0
-    peak_bytes: int = 0
-
-    @property
-    def is_hsdp(self) -> bool:
-        return SCHEDULES[self.name] is not None
-
-    def step(self, batches: list[torch.Tensor]) -> None:
-        """One optimizer step over all microbatches; returns once every stream is idle."""
-        last = len(batches) - 1
-        with self.comm():
-            for m, tokens in enumerate(batches):
-                if self.is_hsdp:
-                    ctx = hsdp.microbatch(self.model, is_last=m == last)
-                else:
-                    self.model.set_requires_all_reduce(m == last, recurse=True)
-                    ctx = nullcontext()
-                with ctx:
-                    (lm_loss(self.model(tokens), tokens) / len(batches)).backward()
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            if self.is_hsdp:
-                self.model._hsdp_unit.runtime.synchronize()
-            if batches[0].is_cuda:
-                torch.cuda.synchronize()
-
-
-def build(name: str, cfg: Config, mesh: DeviceMesh, device: torch.device) -> Trainee:
-    """The schedule's sharded model (seed 0) and its AdamW."""
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = build_model(cfg.model)
-    mpol = hsdp.MixedPrecision(DTYPES[cfg.dtype], DTYPES[cfg.reduce_dtype])
-    schedule = SCHEDULES[name]
-    tracer = Tracer()
-    comm: Callable[[], AbstractContextManager] = nullcontext
-    error = None
-    if schedule is None:
-        shard_fsdp2(model, list(model.blocks), mesh, mpol)
-        sleep = time.sleep
-        if cfg.fabric is not None and device.type == "cuda":
-            clock = SleepClock.calibrate(device)
-            sleep, error = clock, clock.check()
-        comm = partial(fsdp2_collectives, mesh, tracer, cfg.fabric, sleep)
-    else:
-        strategy, overlap = schedule
-        for blk in model.blocks:
-            hsdp.fully_shard(blk, mesh=mesh, strategy=strategy, mp_policy=mpol,
-                             overlap_outer=overlap)
-        hsdp.fully_shard(model, mesh=mesh, strategy=strategy, mp_policy=mpol,
-                         overlap_outer=overlap)
-        tracer = model._hsdp_unit.tracer
-        if cfg.emulate:
-            error = emulate(model, cfg.fabric, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    return Trainee(name, model, opt, tracer, comm, error)
-
-
-def synthetic_batches(cfg: Config, device: torch.device) -> list[torch.Tensor]:
-    """This rank's token batches, one per microbatch (the same for every schedule)."""
-    g = torch.Generator().manual_seed(1234 + dist.get_rank())
-    return [torch.randint(0, cfg.model.vocab, (cfg.mbs, cfg.model.seq), generator=g)
-            .to(device) for _ in range(cfg.microbatches)]
-
-
 # --------------------------------------------------------------------------- bench
 
 
@@ -384,59 +358,118 @@ def _allocated(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
+class _Progress:
+    """One line per phase on rank 0 (stderr), with the phase's wall time."""
+
+    def __init__(self) -> None:
+        self.on = dist.get_rank() == 0
+        self.t0 = time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        now = time.perf_counter()
+        if self.on:
+            print(f"bench step: {what} ({now - self.t0:.1f} s)", file=sys.stderr, flush=True)
+        self.t0 = now
+
+
 def bench(cfg: Config, device: torch.device, mesh: DeviceMesh) -> dict:
-    """Build, warm up, time (interleaved) and trace every schedule; the result dict on
-    rank 0 (partial on the others)."""
+    """Every phase of the module docstring; the result dict on rank 0 (partial on the
+    others)."""
     cuda = device.type == "cuda"
-    batches = synthetic_batches(cfg, device)
-    per_schedule = cfg.warmup + cfg.steps + (2 if cuda else 3)
-    with _progress(len(cfg.schedules) * per_schedule) as advance:
-        trainees = []
-        for name in cfg.schedules:
-            with _oom_guard(name, cfg):
-                before = _allocated(device)
-                trainees.append(build(name, cfg, mesh, device))
-                trainees[-1].resident_bytes = _allocated(device) - before
-            advance(f"built {name}")
+    batches = synthetic_batches(cfg.model.vocab, cfg.mbs, cfg.model.seq, cfg.microbatches,
+                                device)
+    progress = _Progress()
+    trainees = []
+    for name in cfg.schedules:
+        with _oom_guard(name, cfg):
+            before = _allocated(device)
+            trainees.append(build(name, cfg.model, cfg.mp, mesh, device, cfg.fabric,
+                                  cfg.emulate))
+            trainees[-1].resident_bytes = _allocated(device) - before
+        progress(f"built {name}")
+    for t in trainees:
+        with _oom_guard(t.name, cfg):
+            before = _allocated(device)
+            for _ in range(cfg.warmup):
+                t.step(batches)
+            t.resident_bytes += _allocated(device) - before
+    progress(f"warm-up: {cfg.warmup} steps of each schedule")
+    for _ in range(cfg.steps):
+        for t in trainees:  # interleaved: A B C A B C ...
+            with _oom_guard(t.name, cfg):
+                _timed_step(t, batches, device)
+    progress(f"timed: {cfg.steps} interleaved steps of each schedule")
+    if cuda:
         for t in trainees:
             with _oom_guard(t.name, cfg):
-                before = _allocated(device)
-                for _ in range(cfg.warmup):
-                    t.step(batches)
-                    advance(f"warm-up {t.name}")
-                t.resident_bytes += _allocated(device) - before
-        for _ in range(cfg.steps):
-            for t in trainees:  # interleaved: A B C A B C ...
-                with _oom_guard(t.name, cfg):
-                    _timed_step(t, batches, device)
-                advance(f"step {t.name}")
-        # CPU: the metrics' records come from steps without the profiler (its per-op cost
-        # is large next to small CPU ops), all taken before the first profiled step.
-        recorded = {}
-        for t in [] if cuda else trainees:
-            dist.barrier()
-            recorded[t.name] = _recorded_step(t, batches)
-            advance(f"record {t.name}")
-        traces = {}
-        for t in trainees:
-            with _oom_guard(t.name, cfg):
-                traces[t.name] = _trace(t, batches, cfg, recorded.get(t.name))
-            advance(f"trace {t.name}")
-    return _results(cfg, device, trainees, traces)
+                _phase_memory(t, batches, device)
+        progress("memory per phase: one step of each schedule")
+    reference = None
+    if cfg.emulate:
+        reference = _collective_free(cfg, trainees, batches, device)
+        progress(f"collective-free: {cfg.steps} interleaved steps of each schedule and of "
+                 f"the unsharded reference")
+    # CPU: the metrics' records come from steps without the profiler (its per-op cost
+    # is large next to small CPU ops), all taken before the first profiled step.
+    recorded = {}
+    for t in [] if cuda else trainees:
+        host_barrier()
+        recorded[t.name] = _recorded_step(t, batches)
+    traces = {}
+    for t in trainees:
+        with _oom_guard(t.name, cfg):
+            traces[t.name] = _trace(t, batches, cfg, recorded.get(t.name))
+    progress("traced: one profiled step of each schedule")
+    return _results(cfg, device, trainees, traces, reference)
 
 
 def _timed_step(t: Trainee, batches: list[torch.Tensor], device: torch.device) -> None:
     cuda = device.type == "cuda"
-    dist.barrier()
+    host_barrier()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     others = _allocated(device) - t.resident_bytes  # held by the other schedules' models
     t0 = time.perf_counter()
-    t.step(batches)
-    dist.barrier()
+    host = t.step(batches)
+    host_barrier()
     t.samples_ms.append((time.perf_counter() - t0) * 1e3)
+    t.host_ms.append(host * 1e3)
     if cuda:
         t.peak_bytes = max(t.peak_bytes, torch.cuda.max_memory_allocated(device) - others)
+
+
+def _phase_memory(t: Trainee, batches: list[torch.Tensor], device: torch.device) -> None:
+    """Peak memory of each phase of one step, less what the other models hold."""
+    host_barrier()
+    others = _allocated(device) - t.resident_bytes
+    peaks = dict.fromkeys(PHASES, 0)
+    torch.cuda.reset_peak_memory_stats(device)
+
+    def mark(phase: str) -> None:
+        peaks[phase] = max(peaks[phase], torch.cuda.max_memory_allocated(device) - others)
+        torch.cuda.reset_peak_memory_stats(device)
+
+    t.step(batches, mark=mark)
+    t.phase_peak_bytes = peaks
+
+
+def _collective_free(cfg: Config, trainees: list[Trainee], batches: list[torch.Tensor],
+                     device: torch.device) -> Trainee:
+    """Interleaved steps without emulated delays, and the unsharded reference's steps."""
+    with _oom_guard("unsharded", cfg):
+        ref = build_unsharded(cfg.model, cfg.mp, cfg.inner, device)
+        for _ in range(cfg.warmup):
+            ref.step(batches)
+    for _ in range(cfg.steps):
+        for t in [*trainees, ref]:
+            with _oom_guard(t.name, cfg):
+                t0 = time.perf_counter()
+                host = t.step(batches, delays=False)
+                t.free_ms.append((time.perf_counter() - t0) * 1e3)
+                if t is ref:  # the schedules' host times come from the timed steps
+                    t.host_ms.append(host * 1e3)
+    ref.model = None  # its memory goes back before the traces
+    return ref
 
 
 def _trace(t: Trainee, batches: list[torch.Tensor], cfg: Config,
@@ -448,10 +481,16 @@ def _trace(t: Trainee, batches: list[torch.Tensor], cfg: Config,
 
     cuda = recorded is None
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    dist.barrier()
-    with profile(activities=activities) as prof:
+    host_barrier()
+    prof = profile(activities=activities)
+    with _without_kineto_log():
+        prof.__enter__()
+    try:
         _recorded_step(t, batches)  # on CUDA, the tracer adds the ops' annotations
-    dist.barrier()
+    finally:
+        with _without_kineto_log():
+            prof.__exit__(None, None, None)
+    host_barrier()
     if dist.get_rank() != 0:
         return [], None
     out = Path(cfg.out_dir)
@@ -460,6 +499,31 @@ def _trace(t: Trainee, batches: list[torch.Tensor], cfg: Config,
     prof.export_chrome_trace(path)
     ivs = intervals_from_chrome_trace(path) if cuda else intervals_from_records(*recorded)
     return ivs, path
+
+
+# Kineto's own log lines ("USDT:... profiler_start"), one per profiler start and stop
+KINETO_LINE = re.compile(r"^[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+\.cpp:\d+\] ")
+
+
+@contextmanager
+def _without_kineto_log() -> Iterator[None]:
+    """Drop Kineto's log lines, which it writes to file descriptor 2 when the profiler
+    starts and stops; anything else written meanwhile is passed on."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().decode(errors="replace").splitlines(True)
+                    if not KINETO_LINE.match(line)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 def _recorded_step(t: Trainee, batches: list[torch.Tensor]) -> tuple[list[OpRecord], float,
@@ -474,51 +538,66 @@ def _recorded_step(t: Trainee, batches: list[torch.Tensor]) -> tuple[list[OpReco
     return t.tracer.take(), t0, t1
 
 
-@contextmanager
-def _progress(total: int) -> Iterator[Callable[[str], None]]:
-    """A progress bar on rank 0 in a terminal (rich, when importable)."""
-    try:
-        from rich.console import Console
-        from rich.progress import Progress
-    except ImportError:
-        yield lambda _what: None
-        return
-    console = Console()
-    off = dist.get_rank() != 0 or not console.is_terminal
-    with Progress(console=console, transient=True, disable=off) as bar:
-        task = bar.add_task("bench step", total=total)
-        yield lambda what: bar.update(task, advance=1, description=what)
-
-
 # --------------------------------------------------------------------------- results
 
 
+def _worst(rows: list[list[float]], device: torch.device) -> list[list[float]]:
+    """Element-wise maximum over ranks of equally shaped rows (slowest rank, largest
+    peak)."""
+    if not rows or not rows[0]:
+        return rows
+    t = torch.tensor(rows, dtype=torch.float64, device=bookkeeping_device(device))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _spread(samples: list[float], key: str) -> dict:
+    """``{key}_ms``: median, ``{key}_min_ms``, ``{key}_max_ms`` (None when not measured)."""
+    if not samples:
+        return dict.fromkeys((f"{key}_ms", f"{key}_min_ms", f"{key}_max_ms"))
+    return {f"{key}_ms": statistics.median(samples), f"{key}_min_ms": min(samples),
+            f"{key}_max_ms": max(samples)}
+
+
 def _results(cfg: Config, device: torch.device, trainees: list[Trainee],
-             traces: dict[str, tuple[list[Interval], str | None]]) -> dict:
+             traces: dict[str, tuple[list[Interval], str | None]],
+             reference: Trainee | None) -> dict:
     """Slowest rank per step and largest peak over ranks; metrics from rank 0's trace."""
     cuda = device.type == "cuda"
-    worst = torch.tensor([t.samples_ms for t in trainees], dtype=torch.float64, device=device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    peaks = torch.tensor([t.peak_bytes for t in trainees], dtype=torch.float64, device=device)
-    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    steps = _worst([t.samples_ms for t in trainees], device)
+    hosts = _worst([t.host_ms for t in trainees], device)
+    frees = _worst([t.free_ms for t in trainees], device)
+    peaks = _worst([[t.peak_bytes, *(t.phase_peak_bytes.get(p, 0) for p in PHASES)]
+                    for t in trainees], device)
+    ref = None
+    if reference is not None:
+        ref_free, ref_host = _worst([reference.free_ms, reference.host_ms], device)
+        ref = {"name": reference.name,
+               "what": "the same layers unsharded in the parameter dtype, forward + "
+                       "backward, plus AdamW over one rank's shard of every parameter "
+                       "(fp32); no collectives",
+               **_spread(ref_free, "t_step"), **_spread(ref_host, "t_host")}
     schedules = {}
-    for t, samples, peak in zip(trainees, worst.tolist(), peaks.tolist(), strict=True):
-        median = statistics.median(samples)
+    for i, t in enumerate(trainees):
+        s = SCHEDULES[t.name]
         intervals, trace_path = traces[t.name]
         entry = {
-            "strategy": SCHEDULES[t.name][0] if t.is_hsdp else "fsdp2",
-            "overlap_outer": SCHEDULES[t.name][1] if t.is_hsdp else None,
-            "t_step_ms": median, "t_step_min_ms": min(samples), "t_step_max_ms": max(samples),
-            "t_step_samples_ms": samples,
-            "tokens_per_s": cfg.global_tokens / (median * 1e-3),
-            "peak_mem_bytes": int(peak) if cuda else None,
+            "library": s.library, "strategy": s.strategy, "overlap_outer": s.overlap,
+            **_spread(steps[i], "t_step"), "t_step_samples_ms": steps[i],
+            **_spread(hosts[i], "t_host"), **_spread(frees[i] if frees else [], "t_free"),
+            "tokens_per_s": cfg.global_tokens / (statistics.median(steps[i]) * 1e-3),
+            "peak_mem_bytes": int(peaks[i][0]) if cuda else None,
+            "peak_mem_phase_bytes": (dict(zip(PHASES, map(int, peaks[i][1:]), strict=True))
+                                     if cuda else None),
             "resident_mem_bytes": t.resident_bytes if cuda else None,
             "calibration_error": t.calibration_error,
             "trace": trace_path,
         }
+        entry["free_over_unsharded"] = (entry["t_free_ms"] / ref["t_step_ms"]
+                                        if ref and entry["t_free_ms"] else None)
         entry.update(_trace_metrics(intervals))
         schedules[t.name] = entry
-    return {"meta": _meta(cfg, device, trainees), "schedules": schedules,
+    return {"meta": _meta(cfg, device, trainees), "schedules": schedules, "reference": ref,
             "summary": _summary(schedules),
             "intervals": {name: traces[name][0] for name in schedules}}
 
@@ -533,13 +612,19 @@ def _trace_metrics(intervals: list[Interval]) -> dict:
     return {**{k: m[k] for k in keys}, "metrics": m}
 
 
+def compare(a: dict, b: dict) -> dict:
+    """``a`` against ``b`` (two schedules' entries): saving, ratio of medians, and whether
+    their min-max step-time ranges overlap (then the difference is within noise)."""
+    ta, tb = a["t_step_ms"], b["t_step_ms"]
+    return {"saving_ms": tb - ta, "saving_pct": 100.0 * (tb - ta) / tb, "ratio": ta / tb,
+            "within_noise": (a["t_step_min_ms"] <= b["t_step_max_ms"]
+                             and b["t_step_min_ms"] <= a["t_step_max_ms"])}
+
+
 def _summary(schedules: dict[str, dict]) -> dict:
-    out = {}
-    for fast, slow in PAIRS:
-        if fast in schedules and slow in schedules:
-            a, b = schedules[fast]["t_step_ms"], schedules[slow]["t_step_ms"]
-            out[f"{fast}_vs_{slow}"] = {"saving_ms": b - a, "saving_pct": 100.0 * (b - a) / b}
-    return out
+    pairs = [*PAIRS, *((h, p) for h in ("overlap", "hfsdp") for p in PEERS)]
+    return {f"{a}_vs_{b}": compare(schedules[a], schedules[b]) for a, b in pairs
+            if a in schedules and b in schedules}
 
 
 def _meta(cfg: Config, device: torch.device, trainees: list[Trainee]) -> dict:
@@ -554,8 +639,12 @@ def _meta(cfg: Config, device: torch.device, trainees: list[Trainee]) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda if cuda else None,
         "nccl": None,
+        "megatron_fsdp": (import_mfsdp().__version__ if "mfsdp" in cfg.schedules else None),
         "backend": str(dist.get_backend()),
         "mesh": {"outer": cfg.outer, "inner": cfg.inner, "world": cfg.world},
+        "layout": (SHARED_LAYOUT_NOTE if cfg.share_gpus else
+                   "one process (fake process group)" if cfg.emulate else "one rank per GPU"
+                   if cuda else "gloo ranks on CPU"),
         "emulate": cfg.emulate,
         "fabric": None,
         "calibration_error": {t.name: t.calibration_error for t in trainees},
@@ -565,8 +654,9 @@ def _meta(cfg: Config, device: torch.device, trainees: list[Trainee]) -> dict:
         "global_tokens_per_step": cfg.global_tokens,
         "steps": cfg.steps, "warmup": cfg.warmup,
         "timing": "wall clock per step between barriers, every stream idle at the end "
-                  "(cuda synchronize on GPU); median/min/max over steps of the slowest rank",
-        "env": {k: os.environ.get(k) for k in NCCL_ENV},
+                  "(cuda synchronize on GPU); median/min/max over steps of the slowest rank; "
+                  "host: until the step was issued; free: emulated delays off",
+        "env": {k: os.environ.get(k) for k in RECORDED_ENV},
     }
     if cuda:
         nccl = torch.cuda.nccl.version()
@@ -577,7 +667,7 @@ def _meta(cfg: Config, device: torch.device, trainees: list[Trainee]) -> dict:
 
 
 def _report(result: dict, cfg: Config) -> None:
-    """Print the table; write the JSON and the timeline PNG."""
+    """Print the table; write the JSON and the timeline PNG; say where they went."""
     intervals = result.pop("intervals")
     if any(intervals.values()):
         png = plot_timeline({k: v for k, v in intervals.items() if v},
@@ -587,35 +677,64 @@ def _report(result: dict, cfg: Config) -> None:
     if cfg.json_path:
         with open(cfg.json_path, "w") as f:
             json.dump(result, f, indent=2)
+    where = [f"traces: {Path(cfg.out_dir) / 'trace_<schedule>.json.gz'}"]
+    if "timeline" in result["meta"]:
+        where.append(f"timeline: {result['meta']['timeline']}")
+    if cfg.json_path:
+        where.append(f"JSON: {cfg.json_path}")
+    print("bench step: " + "; ".join(where), flush=True)
 
 
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
+def _gib(v: float | None) -> str:
+    return "-" if v is None else f"{v / GIB:.2f}"
+
+
 def print_table(result: dict) -> None:
-    """The summary table (``rich`` when importable), the lower bound and the savings."""
+    """The summary table (``rich`` when importable), the lower bound and comparisons."""
     m = result["meta"]
     mesh = m["mesh"]
     title = (f"bench step: mesh {mesh['outer']}x{mesh['inner']} (outer x inner)"
              f"{' emulated' if m['emulate'] else ''}, {m['num_params'] / 1e6:.1f} M params, "
              f"{m['model']['dtype']}, {m['global_tokens_per_step']} tokens/step, "
              f"median of {m['steps']} [min-max], slowest rank")
-    headers = ["schedule", "t_step ms", "tokens/s", "peak mem GiB", "exposed comm ms",
-               "outer tail ms", "comm-comm overlap ms", "lower bound ms"]
+    if m["layout"] == SHARED_LAYOUT_NOTE:
+        title += f" -- {SHARED_LAYOUT_NOTE}"
+    headers = ["schedule", "t_step ms", "host ms", "free ms", "tokens/s", "peak GiB",
+               "fwd / bwd / opt GiB", "exposed comm ms", "outer tail ms",
+               "comm-comm overlap ms", "lower bound ms"]
     cells = []
     for name, s in result["schedules"].items():
-        peak = "-" if s["peak_mem_bytes"] is None else f"{s['peak_mem_bytes'] / GIB:.2f}"
+        phases = s["peak_mem_phase_bytes"]
         cells.append([name, f"{s['t_step_ms']:.2f} [{s['t_step_min_ms']:.2f}-"
-                            f"{s['t_step_max_ms']:.2f}]", f"{s['tokens_per_s']:,.0f}", peak,
+                            f"{s['t_step_max_ms']:.2f}]", _ms(s["t_host_ms"]),
+                      _ms(s["t_free_ms"]), f"{s['tokens_per_s']:,.0f}",
+                      _gib(s["peak_mem_bytes"]),
+                      " / ".join(_gib(phases[p]) for p in PHASES) if phases else "-",
                       _ms(s["exposed_comm_ms"]), _ms(s["outer_tail_ms"]),
                       _ms(s["comm_comm_overlap_ms"]), _ms(s["lower_bound_ms"])])
+    ref = result.get("reference")
+    if ref:
+        cells.append([f"{ref['name']} (reference)", "-", _ms(ref["t_host_ms"]),
+                      _ms(ref["t_step_ms"]), *["-"] * 7])
     notes = ["lower bound = max(compute + tail, inner, outer): busy ms in one traced step "
-             "(tail: its last outer reduction); exposed / tail / overlap: same step"]
+             "(tail: its last outer reduction); exposed / tail / overlap: same step",
+             "host: time to issue the step; peak: over the timed steps, and per phase in "
+             "one more step, without the other schedules' models"]
+    if ref:
+        notes.append("free: collective-free step (emulated delays off); reference: "
+                     + ref["what"] + "; free / reference: " + ", ".join(
+                         f"{n} {s['free_over_unsharded']:.2f}x"
+                         for n, s in result["schedules"].items() if s["free_over_unsharded"]))
     for pair, v in result["summary"].items():
-        fast, slow = pair.split("_vs_")
-        notes.append(f"{fast} vs {slow}: saves {v['saving_ms']:.2f} ms per step "
-                     f"({v['saving_pct']:.1f}%)")
+        a, b = pair.split("_vs_")
+        notes.append(f"{a} vs {b}: {v['ratio']:.3f}x, saves {v['saving_ms']:.2f} ms per step "
+                     f"({v['saving_pct']:.1f}%)"
+                     + (" -- within noise (min-max ranges overlap)" if v["within_noise"]
+                        else ""))
     if m["emulate"] and m["fabric"]:
         f = m["fabric"]
         errs = {k: v for k, v in m["calibration_error"].items() if v is not None}

@@ -18,6 +18,7 @@ from hsdp.bench.collectives import (
     parse_size,
     parse_sizes,
 )
+from hsdp.bench.launch import check_shared_layout, shared_gpu
 from hsdp.mesh import NcclConfig
 from hsdp.report.args import parse_mesh
 
@@ -71,7 +72,8 @@ def test_make_row_arithmetic():
 
 def test_bench_collectives_cli_writes_json(tmp_path):
     out = tmp_path / "collectives.json"
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1",
+           "NCCL_LAUNCH_ORDER_IMPLICIT": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)  # spawn its own ranks, as outside torchrun
     proc = subprocess.run(
@@ -85,6 +87,8 @@ def test_bench_collectives_cli_writes_json(tmp_path):
     assert (meta["outer"], meta["inner"], meta["world"]) == (2, 2, 4)
     assert meta["dtype"] == "fp32" and meta["backend"] == "gloo" and meta["iters"] == 3
     assert meta["torch"] and meta["date"]
+    assert meta["env"]["NCCL_LAUNCH_ORDER_IMPLICIT"] == "1"  # recorded, on or off
+    assert meta["layout"] == "one rank per device"
     rows = result["rows"]
     assert [r["size_bytes"] for r in rows] == [64 << 10, 256 << 10]
     for row in rows:
@@ -95,3 +99,17 @@ def test_bench_collectives_cli_writes_json(tmp_path):
         for key in ("saving_pct", "overlap_over_max", "hfsdp_pair_over_max",
                     "fwd_pair_over_max"):
             assert isinstance(row[key], float)
+
+
+def test_shared_gpu_layout_keeps_every_communicator_on_distinct_gpus():
+    for (outer, inner), gpus in (((2, 2), 2), ((2, 4), 4), ((4, 4), 4), ((1, 2), 2)):
+        place = [[shared_gpu(o * inner + i, inner, gpus) for i in range(inner)]
+                 for o in range(outer)]
+        for row in place:  # inner groups
+            assert len(set(row)) == inner, (outer, inner, place)
+        for col in zip(*place, strict=True):  # outer groups
+            assert len(set(col)) == outer, (outer, inner, place)
+        check_shared_layout("test", outer, inner, gpus)
+    assert [shared_gpu(r, 2, 2) for r in range(4)] == [0, 1, 1, 0]  # testing.md's recipe
+    with pytest.raises(SystemExit, match="outer and inner <= the number of GPUs"):
+        check_shared_layout("test", 2, 4, 2)

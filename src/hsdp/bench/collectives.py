@@ -16,6 +16,11 @@ Timing: CUDA events on GPU, wall clock on CPU, each op between two barriers on t
 default group (never on hsdp's communicators). The variants run interleaved within each
 iteration; after warm-up each reports the median, min and max over iterations of the
 slowest rank's time.
+
+The default GPU sweep is 1 MiB to 1 GiB in steps of 4x. ``--max-ctas`` budgets SMs per
+communicator; ``NCCL_LAUNCH_ORDER_IMPLICIT`` (set it in the environment) and the other NCCL
+settings that change the result are recorded in the JSON and the table's title.
+``--share-gpus``: several ranks per GPU (``hsdp.bench.launch``), for correctness only.
 """
 
 from __future__ import annotations
@@ -35,7 +40,17 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from hsdp.bench.launch import NCCL_ENV, launch, rank_process_group, select_cuda
+from hsdp.bench.launch import (
+    RECORDED_ENV,
+    SHARED_LAYOUT_NOTE,
+    add_layout_argument,
+    bookkeeping_device,
+    check_shared_layout,
+    host_barrier,
+    launch,
+    rank_process_group,
+    select_cuda,
+)
 from hsdp.comm import Collectives
 from hsdp.mesh import CommGroups, NcclConfig, comm_groups, init_mesh
 from hsdp.report.args import parse_mesh
@@ -45,6 +60,7 @@ from hsdp.streams import SideStream, Streams
 # Multicast (NVLS) off on multi-GPU machines: see shared/design/testing.md.
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+GPU_SIZES = "1MiB,4MiB,16MiB,64MiB,256MiB,1GiB"
 VARIANTS = ("rs", "ar", "serial", "overlap", "outer_rs", "hfsdp_pair", "ag", "outer_ag",
             "fwd_pair")
 
@@ -56,13 +72,14 @@ Part = tuple[SideStream, str, Callable[[], None]]  # (stream, label, op)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=None,
-                   help="local ranks to spawn (default: all GPUs, or 4 on CPU); "
-                        "ignored under torchrun")
+                   help="local ranks to spawn (default: all GPUs, twice that with "
+                        "--share-gpus, or 4 on CPU); ignored under torchrun")
     p.add_argument("--mesh", type=parse_mesh, default=None,
                    help="OUTERxINNER, e.g. 2x4 (default: 2 x world/2)")
+    add_layout_argument(p)
     p.add_argument("--sizes", type=parse_sizes, default=None,
-                   help="inner buffer sizes, e.g. 64MiB,256MiB,1GiB "
-                        "(default: that on GPU, 256KiB,1MiB,4MiB on CPU)")
+                   help=f"inner buffer sizes, e.g. 64MiB,256MiB,1GiB "
+                        f"(default: {GPU_SIZES} on GPU, 256KiB,1MiB,4MiB on CPU)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="default: bf16 on GPU, fp32 on CPU")
     p.add_argument("--iters", type=int, default=20, help="timed iterations")
@@ -133,6 +150,7 @@ class Config:
     max_ctas: dict[str, NcclConfig] | None
     json_path: str | None
     cuda: bool
+    share_gpus: bool = False
 
 
 def resolve(args: argparse.Namespace, cuda: bool, world: int) -> Config:
@@ -145,9 +163,12 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int) -> Config:
                          f"ranks but the job has {world}")
     if args.iters < 1 or args.warmup < 0:
         raise SystemExit("hsdp bench collectives: need --iters >= 1 and --warmup >= 0")
-    sizes = args.sizes or parse_sizes("64MiB,256MiB,1GiB" if cuda else "256KiB,1MiB,4MiB")
+    share = bool(args.share_gpus) and cuda
+    if share:
+        check_shared_layout("bench collectives", outer, inner, torch.cuda.device_count())
+    sizes = args.sizes or parse_sizes(GPU_SIZES if cuda else "256KiB,1MiB,4MiB")
     return Config(world, outer, inner, tuple(sizes), args.dtype or ("bf16" if cuda else "fp32"),
-                  args.iters, args.warmup, args.max_ctas, args.json, cuda)
+                  args.iters, args.warmup, args.max_ctas, args.json, cuda, share)
 
 
 # --------------------------------------------------------------------------- launch
@@ -157,11 +178,12 @@ def run(args: argparse.Namespace) -> int:
     """Entry point: run in place under torchrun, else spawn local ranks."""
     cuda = select_cuda(args.device, "bench collectives")
     return launch("bench collectives", _worker, lambda world: resolve(args, cuda, world),
-                  args.nproc, cuda)
+                  args.nproc, cuda, bool(args.share_gpus))
 
 
 def _worker(local_rank: int, cfg: Config, port: int | None) -> None:
-    with rank_process_group(local_rank, cfg.world, port, cfg.cuda) as device:
+    with rank_process_group(local_rank, cfg.world, port, cfg.cuda,
+                            cfg.inner if cfg.share_gpus else None) as device:
         rows = bench(cfg, device)
         if dist.get_rank() == 0:
             result = {"meta": _meta(cfg, device), "rows": rows}
@@ -223,7 +245,7 @@ def variants(s: Streams, coll: Collectives, g: CommGroups,
 
 def time_ms(parts: list[Part], s: Streams, cuda: bool) -> float:
     """Start ``parts`` together from the compute stream and time until all have finished."""
-    dist.barrier()
+    host_barrier()
     if cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -238,7 +260,7 @@ def time_ms(parts: list[Part], s: Streams, cuda: bool) -> float:
         ms = start.elapsed_time(end)
     else:
         ms = (time.perf_counter() - t0) * 1e3
-    dist.barrier()
+    host_barrier()
     return ms
 
 
@@ -259,7 +281,7 @@ def bench(cfg: Config, device: torch.device) -> list[dict]:
                 if it >= cfg.warmup:
                     samples[name].append(ms)
         worst = torch.tensor([samples[n] for n in VARIANTS], dtype=torch.float64,
-                             device=device)
+                             device=bookkeeping_device(device))
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # slowest rank, per iteration
         rows.append(make_row(b.full.numel() * b.full.element_size(),
                              dict(zip(VARIANTS, worst.tolist(), strict=True))))
@@ -299,7 +321,8 @@ def _meta(cfg: Config, device: torch.device) -> dict:
         "device": device.type,
         "timing": ("CUDA events" if device.type == "cuda" else "wall clock") +
                   "; median/min/max over iterations of the max over ranks",
-        "env": {k: os.environ.get(k) for k in NCCL_ENV},
+        "layout": SHARED_LAYOUT_NOTE if cfg.share_gpus else "one rank per device",
+        "env": {k: os.environ.get(k) for k in RECORDED_ENV},
         **{k: v for k, v in asdict(cfg).items() if k != "json_path"},
     }
     if device.type == "cuda":
@@ -329,6 +352,13 @@ def print_table(result: dict) -> None:
     m = result["meta"]
     title = (f"collectives: mesh {m['outer']}x{m['inner']} (outer x inner), {m['dtype']}, "
              f"{m['backend']}, median of {m['iters']}, slowest rank")
+    if m.get("nccl"):
+        settings = {k: v for k, v in m["env"].items() if k.startswith("NCCL_") and v}
+        ctas = {k: v["max_ctas"] for k, v in (m["max_ctas"] or {}).items()}
+        title += (f", NCCL {m['nccl']}; max CTAs {ctas or 'default'}; "
+                  + ", ".join(f"{k}={v}" for k, v in sorted(settings.items())))
+    if m["layout"] == SHARED_LAYOUT_NOTE:
+        title += f" -- {SHARED_LAYOUT_NOTE}"
     cells = [[fmt(row[key]) for _, key, fmt in COLUMNS] for row in result["rows"]]
     headers = [h for h, _, _ in COLUMNS]
     print_rows(title, headers, cells)

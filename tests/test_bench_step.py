@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from hsdp.__main__ import COMMANDS, build_parser
-from hsdp.bench.step import compare, fabric_from_collectives, parse_schedules
+from hsdp.bench.step import compare, fabric_from_collectives, parse_schedules, resolve
 from hsdp.fabric import Fabric, Link
+from hsdp.models import GPTConfig, LlamaConfig
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--ffn", "64", "--vocab", "64",
@@ -160,3 +161,20 @@ def test_options_and_registration():
     assert step.schedules == ("overlap", "serial", "fsdp2")
     assert demo.schedules == step.schedules and demo.steps < step.steps
     assert demo.model_defaults["cpu"]["hidden"] <= step.model_defaults["cpu"]["hidden"]
+
+
+def test_default_model_is_llama_style():
+    parser = build_parser()
+
+    def cfg(*argv: str, cuda: bool = False):
+        return resolve(parser.parse_args(["bench", "step", *argv]), cuda, 4)
+
+    assert cfg(cuda=True).model == LlamaConfig(vocab=32768, hidden=4096, heads=32, kv_heads=8,
+                                               ffn=14336, layers=8, seq=2048)
+    small = cfg("--layers", "2", "--kv-heads", "1").model
+    assert isinstance(small, LlamaConfig) and small.layers == 2 and small.kv_heads == 1
+    assert isinstance(cfg("--arch", "gpt").model, GPTConfig)
+    with pytest.raises(SystemExit, match="--kv-heads applies to --arch llama"):
+        cfg("--arch", "gpt", "--kv-heads", "2")
+    with pytest.raises(SystemExit, match="not a multiple of kv_heads"):
+        cfg("--heads", "4", "--kv-heads", "3")

@@ -1,4 +1,4 @@
-"""Demo: train a small transformer on local ranks with hsdp's schedules and torch FSDP2 side by side.
+"""Demo: train a small model on local ranks with hsdp's schedules and torch FSDP2 side by side.
 
 This is ``bench step`` with demo-sized defaults: on CPU, 4 gloo ranks on a 2x2 mesh and a
 small Llama-style model (well under two minutes on two cores); with GPUs, every local GPU on a

@@ -8,18 +8,22 @@ the ranks' gradients is the reference's gradient.
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 import hsdp
+from hsdp.group import owner
 from hsdp.models import GPT, GPTConfig, lm_loss
 
 ROWS_PER_RANK = 2
 STEPS = 4
 LR, MOMENTUM = 0.1, 0.9
+CLIP = 0.05  # below every gradient norm of these runs: clipping is active
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class Case:
     checkpoint: str = "none"
     mp: str = ""  # "" (fp32), or "bf16-fp32" / "bf16-bf16": param dtype - reduce dtype
     fsdp2: bool = False  # also train torch FSDP2 HSDP and compare
+    clip: str = ""  # "torch-2" / "hsdp-inf" ...: clip_grad_norm_ (whose, norm type) each step
     device: str = "cpu"  # "cuda": NCCL ranks, one GPU each (tests/test_multi_gpu.py)
 
     @property
@@ -56,11 +61,24 @@ def _rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
                 / b[k].float().cpu().norm().clamp_min(1e-12)).item() for k in a)
 
 
+def _clip(model: nn.Module, case: Case, sharded: str) -> float:
+    """Clip with torch's clip_grad_norm_ (the reference always does) or hsdp's; the total
+    norm before clipping."""
+    who, norm_type = case.clip.split("-")
+    norm_type = float(norm_type)
+    if who == "hsdp" and sharded == "hsdp":
+        return hsdp.clip_grad_norm_(model, CLIP, norm_type).item()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, norm_type)
+    return norm.full_tensor().item() if isinstance(norm, DTensor) else norm.item()
+
+
 def _train(model: nn.Module, rank: int, world: int, cfg: GPTConfig, case: Case,
-           sharded: str) -> None:
-    """Train ``model`` for STEPS steps. sharded: "ref" (whole batch), "hsdp" or "fsdp2"."""
+           sharded: str) -> list[float]:
+    """Train ``model`` for STEPS steps. sharded: "ref" (whole batch), "hsdp" or "fsdp2".
+    Returns the gradient norms clipping saw (if the case clips)."""
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     M = case.microbatches
+    norms = []
     for step in range(STEPS):
         for m in range(M):
             tokens = _batches(step, m, world, cfg).to(case.torch_device)
@@ -74,8 +92,11 @@ def _train(model: nn.Module, rank: int, world: int, cfg: GPTConfig, case: Case,
                 if sharded == "fsdp2":
                     model.set_requires_all_reduce(last, recurse=True)
                 (lm_loss(model(tokens), tokens) / M).backward()
+        if case.clip:
+            norms.append(_clip(model, case, sharded))
         opt.step()
         opt.zero_grad()
+    return norms
 
 
 def _fsdp2_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -104,10 +125,13 @@ def parity_job(rank: int, world: int, cases: list[Case]) -> dict[Case, dict[str,
                              overlap_outer=case.overlap)
         hsdp.fully_shard(model, mesh=mesh, strategy=case.strategy, mp_policy=mp,
                          overlap_outer=case.overlap)
-        _train(ref, rank, world, cfg, case, "ref")
-        _train(model, rank, world, cfg, case, "hsdp")
+        ref_norms = _train(ref, rank, world, cfg, case, "ref")
+        norms = _train(model, rank, world, cfg, case, "hsdp")
         ref_state = {k: v.detach() for k, v in ref.state_dict().items()}
         errs = {"ref": _rel_err(hsdp.full_state_dict(model), ref_state)}
+        if case.clip:  # clipping was active: the norms exceed the bound
+            errs["norm"] = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
+            errs["clipped"] = min(ref_norms) > CLIP
         if fsdp2 is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy
             from torch.distributed.fsdp import fully_shard as fsdp2_shard
@@ -171,17 +195,20 @@ def odd_job(rank: int, world: int, outer: int, strategy: str) -> dict[str, float
         nn.functional.mse_loss(ref(x), y).backward()
         nn.functional.mse_loss(model(x[sl]), y[sl]).backward()
         inf = float("inf")  # max-norm first, with a bound that clips nothing
-        i_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, norm_type=inf)
-        i_mine = hsdp.clip_grad_norm_(model, 1e9, norm_type=inf)
-        n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-        n_mine = hsdp.clip_grad_norm_(model, 0.05)
-        norms += [abs(n_ref.item() - n_mine.item()) / n_ref.item(),
-                  abs(i_ref.item() - i_mine.item()) / i_ref.item()]
+        i_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, norm_type=inf).item()
+        i_mine = hsdp.clip_grad_norm_(model, 1e9, norm_type=inf).item()
+        i_torch = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, norm_type=inf)
+        t_mine = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item()
+        n_mine = hsdp.clip_grad_norm_(model, 0.05).item()
+        for mine, want in ((n_mine, n_ref), (t_mine.full_tensor().item(), n_ref),
+                           (i_mine, i_ref), (i_torch.full_tensor().item(), i_ref)):
+            norms.append(abs(mine - want) / want)
         for opt in opts:
             opt.step()
             opt.zero_grad()
     ref_state = {k: v.detach() for k, v in ref.state_dict().items()}
-    local = sum(p.numel() for p in model.parameters())
+    local = sum(p.to_local().numel() for p in model.parameters())
     return {"param": _rel_err(hsdp.full_state_dict(model), ref_state), "norm": max(norms),
             "local_numel": local, "full_numel": sum(p.numel() for p in ref.parameters())}
 
@@ -211,4 +238,40 @@ def checkpoint_job(rank: int, world: int, outer: int) -> dict[str, float]:
         for m in models:
             _train(m, rank, world, cfg, case, "hsdp")
         out[f"{key}/trained"] = _rel_err(hsdp.full_state_dict(dst), hsdp.full_state_dict(src))
+    return out
+
+
+def adamw_job(rank: int, world: int, outer: int) -> dict[str, tuple[bool, bool]]:
+    """AdamW over hsdp's DTensor parameters against AdamW over plain 1-D views of the same
+    pieces (the representation before DTensors): (bit-for-bit equal, weights moved)."""
+    mesh = hsdp.init_mesh(outer, world // outer, "cpu")
+    cfg = GPTConfig()
+    rows = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    out = {}
+    for strategy, foreach in itertools.product(("hsdp", "hfsdp"), (True, False)):
+        models = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            m = GPT(cfg)
+            for blk in m.blocks:
+                hsdp.fully_shard(blk, mesh=mesh, strategy=strategy)
+            models.append(hsdp.fully_shard(m, mesh=mesh, strategy=strategy))
+        start = hsdp.full_state_dict(models[0])
+        params = list(models[1].parameters())
+        plain = [owner(p)[0].local(owner(p)[1]) for p in params]
+        kw = dict(lr=1e-2, weight_decay=0.1, foreach=foreach)
+        opts = [torch.optim.AdamW(models[0].parameters(), **kw), torch.optim.AdamW(plain, **kw)]
+        for step in range(STEPS):
+            tokens = _batches(step, 0, world, cfg)[rows]
+            for m in models:
+                lm_loss(m(tokens), tokens).backward()
+            for p, v in zip(params, plain):
+                v.grad = p.grad.to_local()[:v.numel()]  # not the empty pieces' placeholders
+            for m, opt in zip(models, opts):
+                opt.step()
+                opt.zero_grad()
+                m.zero_grad()
+        a, b = (hsdp.full_state_dict(m) for m in models)
+        out[f"{strategy}/foreach={foreach}"] = (all(torch.equal(a[k], b[k]) for k in a),
+                                                any(not torch.equal(a[k], start[k]) for k in a))
     return out

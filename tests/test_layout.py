@@ -3,8 +3,9 @@
 import math
 
 import pytest
+import torch
 
-from hsdp.layout import ALIGN_ELEMS, FlatLayout
+from hsdp.layout import ALIGN_ELEMS, FlatLayout, boxes
 
 SHAPES = [(7, 13), (13,), (1,), (5, 3, 2), (0,), (129,)]
 
@@ -52,3 +53,18 @@ def test_empty_group_and_bad_sizes():
     assert FlatLayout.build([], 4, 2, True).total == ALIGN_ELEMS * 8
     with pytest.raises(ValueError):
         FlatLayout.build(SHAPES, 0, 1, False)
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (3, 5), (2, 3, 4), (4, 1, 3), (2, 0, 3)])
+def test_boxes_cover_a_flat_range_in_order(shape: tuple[int, ...]) -> None:
+    n = math.prod(shape)
+    full = torch.arange(n).reshape(shape)
+    for lo in range(n + 1):
+        for hi in range(lo, n + 1):
+            bxs = boxes(shape, lo, hi)
+            assert sum(b.numel for b in bxs) == hi - lo
+            assert len(bxs) <= max(1, 2 * len(shape) - 1)
+            for b in bxs:
+                block = full[tuple(slice(o, o + s) for o, s in zip(b.offsets, b.sizes))]
+                assert torch.equal(block.reshape(-1),
+                                   torch.arange(lo + b.start, lo + b.start + b.numel))

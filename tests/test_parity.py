@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 from dist_utils import run_ranks
-from parity_jobs import Case, checkpoint_job, odd_job, parity_job
+from parity_jobs import Case, adamw_job, checkpoint_job, odd_job, parity_job
 
 TOL = 1e-5  # fp32, SGD with momentum, 4 steps
 BF16_TOL = 2e-2  # bf16 params for compute (and reduction): ~3 significant digits
@@ -35,11 +35,22 @@ CASES_4 = [
         ("hsdp", "hfsdp"), (True, False), (1, 3), ("bf16-fp32", "bf16-bf16"))
 ]
 
+CASES_4 += [  # torch's clip_grad_norm_ on hsdp's DTensor parameters, and hsdp's own
+    Case(o, i, strategy, clip="torch-2") for (o, i) in [(1, 4), (2, 2), (4, 1)]
+    for strategy in ("hsdp", "hfsdp")
+] + [
+    Case(2, 2, strategy, microbatches=3, clip=clip) for strategy in ("hsdp", "hfsdp")
+    for clip in ("torch-inf", "hsdp-2", "hsdp-inf")
+]
+
 CASES_8 = [
     Case(2, 4, strategy, overlap, mb, ac)
     for strategy, overlap, mb, ac in itertools.product(
         ["hsdp", "hfsdp"], [True, False], [1, 3], ["none", "reentrant"])
-] + [Case(2, 4, "hsdp", True, mb, fsdp2=True) for mb in (1, 3)]
+] + [Case(2, 4, "hsdp", True, mb, fsdp2=True) for mb in (1, 3)] + [
+    Case(2, 4, strategy, clip=clip) for strategy in ("hsdp", "hfsdp")
+    for clip in ("torch-2", "torch-inf")
+]
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +69,8 @@ def _check(case: Case, per_rank: list[dict]) -> None:
     e = errs[0]
     tol = BF16_TOL if case.mp else TOL
     assert e["ref"] < tol, e
+    if case.clip:
+        assert e["clipped"] and e["norm"] < tol, e
     if case.fsdp2:
         assert e["fsdp2_vs_ref"] < tol, e
         assert e["hsdp_vs_fsdp2"] < (BF16_TOL if case.mp else TOL), e
@@ -92,3 +105,11 @@ def test_full_state_dict_round_trip() -> None:
     # Loading is exact; training on from the loaded state matches the original run
     # (SGD momentum restarts in both: each _train builds a fresh optimizer).
     assert all(v == 0.0 for v in r[0].values()), r[0]
+
+
+def test_adamw_over_dtensors_equals_plain_views() -> None:
+    """DTensor dispatch changes no bit of AdamW (foreach and not), and hfsdp re-gathers
+    after a foreach step (which bumps no version counter on DTensors)."""
+    r = run_ranks(adamw_job, 4, 2)
+    assert all(x == r[0] for x in r)
+    assert r[0] and all(equal and moved for equal, moved in r[0].values()), r[0]

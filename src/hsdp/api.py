@@ -126,14 +126,14 @@ def synchronize(model: nn.Module) -> None:
 
 
 def _sharded_grads(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(grads replicated over outer, grads sharded over outer), each element once
-    (``parameters()`` yields a shared parameter once)."""
+    """The local pieces of (grads replicated over outer, grads sharded over outer), each
+    element once (``parameters()`` yields a shared parameter once)."""
     rep, sharded = [], []
     for p in model.parameters():
         managed = owner(p)
         if managed is None or p.grad is None:
             continue
-        (sharded if managed[0].shard_outer else rep).append(p.grad)
+        (sharded if managed[0].shard_outer else rep).append(p.grad._local_tensor)
     return rep, sharded
 
 

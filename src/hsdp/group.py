@@ -6,7 +6,8 @@ stream and after which events.
 
 Buffers (S = inner shard, C = optimizer chunk, N = whole group; see ``layout.py``):
 - ``main``       [C] original dtype: what the optimizer updates. ``model.parameters()``
-                 yields 1-D views of it, one per original parameter (possibly empty).
+                 yields one DTensor per original parameter whose local tensor is a 1-D
+                 view of it (possibly empty); see ``pieces.py``.
 - ``ag_src``     [S] param dtype: the inner shard fed to the inner all-gather.
                  hsdp: ``main`` itself (cast while copying into the gathered buffer).
                  hfsdp: ``inner_shard``, refreshed by the outer all-gather of ``main``.
@@ -30,6 +31,7 @@ import torch.nn as nn
 from hsdp.comm import Collectives
 from hsdp.layout import FlatLayout
 from hsdp.mesh import CommGroups
+from hsdp.pieces import as_dtensor, attach_chunks, checkpoint_view, placeholder_if_empty, spec
 from hsdp.policy import MixedPrecision
 from hsdp.streams import Event, SideStream
 
@@ -85,20 +87,25 @@ class ParamGroup:
             if self.param_dtype == self.orig_dtype:  # main is a window of the inner shard
                 self.main = _alias(self.inner_shard, self.chunk_offset, C)
             self.ag_src = self.inner_shard
-        self.synced_version = self.main._version
 
-        # Sharded parameters: views of ``main``; registered on the modules.
+        # Sharded parameters: DTensors over views of ``main``; registered on the modules.
         self.sharded: list[nn.Parameter] = []
-        grad_slices: list[tuple[int, int]] = []
+        self._slices: list[tuple[int, int]] = []  # (offset in main, length) per parameter
         self.shard_starts: list[int] = []  # first element of each parameter held here
-        for piece in lay.pieces(owned_lo, owned_hi):
+        self.specs = [spec(comms.mesh, self.shard_outer, shape, self.orig_dtype)
+                      for shape in lay.shapes]
+        for shape, dspec, piece in zip(lay.shapes, self.specs, lay.pieces(owned_lo, owned_hi)):
             a, n = (piece.range_offset, piece.length) if piece else (0, 0)
-            self.shard_starts.append(piece.param_start if piece else 0)
-            sp = nn.Parameter(self.main[a:a + n], requires_grad=self.requires_grad)
+            start = piece.param_start if piece else 0
+            sp = nn.Parameter(as_dtensor(placeholder_if_empty(self.main[a:a + n]), dspec),
+                              requires_grad=self.requires_grad)
+            attach_chunks(sp._local_tensor, shape, start, n)  # state_dict(keep_vars=True)
             sp._hsdp_group = self  # marks the parameter as managed by hsdp (see owner())
             sp._hsdp_index = len(self.sharded)
             self.sharded.append(sp)
-            grad_slices.append((a, n))
+            self._slices.append((a, n))
+            self.shard_starts.append(start)
+        self.synced_version: int | None = self.version()
 
         # Unsharded parameters: windows of the gathered buffer, whose storage comes and
         # goes; own version counters, so re-gathering for backward does not look like an
@@ -115,8 +122,11 @@ class ParamGroup:
             self.accum = torch.empty(S, dtype=self.orig_dtype, device=device)
             self.grad_buf = (torch.empty(C, dtype=self.orig_dtype, device=device)
                              if self.shard_outer else self.accum)
-            # The sharded .grad views, made once (while the storage exists), then freed.
-            self._grad_views = [self.grad_buf[a:a + n] for a, n in grad_slices]
+            # The sharded .grad DTensors, made once (while the storage exists), then freed.
+            self._grad_views = [as_dtensor(placeholder_if_empty(self.grad_buf[a:a + n]), dspec)
+                                for (a, n), dspec in zip(self._slices, self.specs)]
+            self._placeholder_grads = [g._local_tensor for g, (_, n) in
+                                       zip(self._grad_views, self._slices) if n == 0]
             for buf in {id(b): b for b in (self.accum, self.grad_buf)}.values():
                 buf.untyped_storage().resize_(0)
             self.grads_live = False  # host view: buffers allocated (or about to be)
@@ -130,6 +140,29 @@ class ParamGroup:
                     lambda _p, idx=idx: self._on_grad(idx))
         self.gathered_event: Event | None = None  # None: not gathered
         self.params_ready: Event | None = None  # hfsdp: last outer all-gather
+
+    def version(self) -> int:
+        """Changes when the sharded values were written through ``main`` (checkpoint
+        loading) or by a non-foreach in-place op on a DTensor parameter (which bumps the
+        parameter's own counter). Foreach ops on DTensors bump nothing: the optimizer
+        step hook calls ``mark_written`` instead."""
+        return self.main._version + sum(p._version for p in self.sharded)
+
+    def mark_written(self) -> None:
+        """hfsdp: the next refresh re-gathers the inner shard from every updated chunk."""
+        self.synced_version = None
+
+    def local(self, idx: int) -> torch.Tensor:
+        """This rank's piece of parameter ``idx``: a 1-D view of ``main`` (writes into it
+        bump ``main``'s version counter, which ``version`` watches)."""
+        a, n = self._slices[idx]
+        return self.main[a:a + n]
+
+    def checkpoint_view(self, idx: int, local: torch.Tensor | None = None) -> torch.Tensor:
+        """A DTensor for state dicts over ``local`` (by default parameter ``idx``'s piece),
+        which must be laid out like that piece (e.g. its optimizer state)."""
+        return checkpoint_view(self.local(idx) if local is None else local, self.specs[idx],
+                               self.shard_starts[idx], self._slices[idx][1])
 
     def _filled(self, sources: list[torch.Tensor], lo: int, numel: int, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
@@ -179,7 +212,7 @@ class ParamGroup:
             if chunk.data_ptr() != self.main.data_ptr():
                 chunk.copy_(self.main)  # cast to param dtype
             coll.all_gather(self.inner_shard, chunk, self.comms.outer, "outer")
-        self.synced_version = self.main._version
+        self.synced_version = self.version()
         self.params_ready = stream.submit(run, after, f"OUTER_AG:{self.label}")
         return self.params_ready
 
@@ -273,6 +306,8 @@ class ParamGroup:
         self.reduced = False
 
     def expose_grads(self) -> None:
+        if self._placeholder_grads:  # zero, whatever the user did to them last step
+            torch._foreach_zero_(self._placeholder_grads)
         for p, v in zip(self.sharded, self._grad_views):
             p.grad = v
         self.mark_grads()
@@ -280,7 +315,13 @@ class ParamGroup:
     def mark_grads(self) -> None:
         """Remember the gradients' version (after they were exposed, after the optimizer
         step): a later in-place write (``zero_grad(set_to_none=False)``) counts as cleared."""
-        self._marked_version = self.grad_buf._version
+        self._marked_version = self._grads_version()
+
+    def _grads_version(self) -> int:
+        # An in-place op on a DTensor gradient bumps the DTensor's counter, a write through
+        # the buffer the buffer's; foreach ops on DTensors bump neither (zero_grad with an
+        # explicit foreach=True then still warns; the values are overwritten either way).
+        return self.grad_buf._version + sum(g._version for g in self._grad_views)
 
     def hide_grads(self) -> bool:
         """Drop the sharded ``.grad``s; True if any was still set and not written since the
@@ -288,7 +329,7 @@ class ParamGroup:
         was_set = any(p.grad is not None for p in self.sharded)
         for p in self.sharded:
             p.grad = None
-        return was_set and self.grad_buf._version == self._marked_version
+        return was_set and self._grads_version() == self._marked_version
 
     # ------------------------------------------------------------------ state
 

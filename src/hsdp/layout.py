@@ -102,3 +102,55 @@ class FlatLayout:
 
 def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
+
+
+@dataclass(frozen=True)
+class Box:
+    """A rectangular block of a tensor (``offsets``/``sizes`` per dim) whose elements are
+    consecutive in row-major order, starting ``start`` elements into a flat range."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    start: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+def boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[Box]:
+    """Elements ``[lo, hi)`` of a row-major tensor of ``shape`` as few boxes, in order
+    (a partial row, whole rows, a partial row; recursively per dim). The pieces of a flat
+    buffer are such ranges; DCP describes a shard as boxes."""
+    if lo >= hi:
+        return []
+    if not shape:
+        return [Box((), (), 0)]
+    row = math.prod(shape[1:])
+    out: list[Box] = []
+    pos = lo
+    for a, b, whole in _row_spans(lo, hi, row):
+        if whole:
+            out.append(Box((a // row,) + (0,) * (len(shape) - 1),
+                           ((b - a) // row,) + tuple(shape[1:]), pos - lo))
+        else:
+            r = a // row
+            out.extend(Box((r,) + s.offsets, (1,) + s.sizes, pos - lo + s.start)
+                       for s in boxes(tuple(shape[1:]), a - r * row, b - r * row))
+        pos = b
+    return out
+
+
+def _row_spans(lo: int, hi: int, row: int) -> list[tuple[int, int, bool]]:
+    """``[lo, hi)`` split at row boundaries into (a, b, whole rows?): at most a partial
+    head, a run of whole rows and a partial tail."""
+    spans = []
+    head = min(hi, _round_up(lo, row))
+    if head > lo:
+        spans.append((lo, head, False))
+    tail = max(head, hi // row * row)
+    if tail > head:
+        spans.append((head, tail, True))
+    if hi > tail:
+        spans.append((tail, hi, False))
+    return spans

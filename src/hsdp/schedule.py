@@ -30,7 +30,7 @@ from torch.optim.optimizer import (
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hsdp.comm import Collectives
-from hsdp.group import ParamGroup
+from hsdp.group import ParamGroup, owner
 from hsdp.streams import Event, Streams, Tracer
 
 MAX_PENDING_RS = 4  # RS inputs awaiting release (a unit's post-backward releases them)
@@ -359,7 +359,14 @@ class Runtime:
                 "Run the step's final microbatch with is_last=True (or outside any "
                 "hsdp.microbatch context) before optimizer.step().")
 
-    def _after_optimizer_step(self) -> None:
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # In-place foreach ops on DTensors bump no version counter: every group the
+        # optimizer holds a parameter of counts as written.
+        for pg in optimizer.param_groups:
+            for p in pg["params"]:
+                managed = owner(p)
+                if managed is not None:
+                    managed[0].mark_written()
         for u in self.units:
             for g in u.trainable:
                 if g.grads_exposed():
@@ -370,7 +377,7 @@ class Runtime:
         """hfsdp: outer all-gather of every main chunk the optimizer changed, issued at
         once so it overlaps whatever runs until the next forward needs it."""
         stale = [g for u in self.order for g in u.trainable
-                 if g.shard_outer and g.main._version != g.synced_version]
+                 if g.shard_outer and g.version() != g.synced_version]
         if stale:
             updated = self.streams.compute.record()
             for g in stale:
@@ -392,7 +399,7 @@ def _optimizer_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
 def _optimizer_post_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for rt in list(_RUNTIMES):
         if rt._owns(optimizer):
-            rt._after_optimizer_step()
+            rt._after_optimizer_step(optimizer)
 
 
 register_optimizer_step_pre_hook(_optimizer_pre_hook)

@@ -62,6 +62,6 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
         if tuple(full.shape) != group.layout.shapes[idx]:
             raise ValueError(f"hsdp.load_full_state_dict: {name} has shape "
                              f"{tuple(full.shape)}, the model's is {group.layout.shapes[idx]}")
-        start = group.shard_starts[idx]
+        start, local = group.shard_starts[idx], group.local(idx)
         # In place: hfsdp sees the version bump and re-gathers its inner shard.
-        t.copy_(full.reshape(-1)[start:start + t.numel()])
+        local.copy_(full.reshape(-1)[start:start + local.numel()])

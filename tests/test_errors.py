@@ -57,11 +57,19 @@ def test_twice_and_top_down(fake_world_8):
 
 
 def test_meta_device_parameters(fake_world_8):
+    """A meta module gets meta shards (the simulator runs such models); a module with
+    parameters on the meta device and elsewhere is refused."""
     mesh = hsdp.init_mesh(2, 4, "cpu")
     with torch.device("meta"):
         m = nn.Linear(4, 4)
-    with pytest.raises(RuntimeError, match="meta device"):
-        hsdp.fully_shard(m, mesh=mesh)
+    hsdp.fully_shard(m, mesh=mesh)
+    assert all(p.is_meta for p in m.parameters())
+    assert m(torch.randn(3, 4, device="meta")).shape == (3, 4)
+    mixed = nn.Sequential(nn.Linear(4, 4))
+    with torch.device("meta"):
+        mixed.append(nn.Linear(4, 4))
+    with pytest.raises(RuntimeError, match="meta device and some are not"):
+        hsdp.fully_shard(mixed, mesh=mesh)
 
 
 def test_optimizer_step_while_outer_reduction_pending(fake_world_8):

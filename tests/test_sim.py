@@ -1,8 +1,14 @@
-"""hsdp.sim: hand-computed tiny steps, the runtime's op order, GPT sizes, the CLI."""
+"""hsdp.sim: the runtime's own schedule on virtual streams, its cost model, calibration,
+sweeps and the CLI."""
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import gzip
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,188 +16,283 @@ import torch
 import hsdp
 from hsdp.__main__ import main
 from hsdp.fabric import Fabric, Link
-from hsdp.models import GPT, GPTConfig, lm_loss
-from hsdp.sim import SimConfig, UnitSpec, gpt_units, simulate, tflops_from_results
+from hsdp.models import GPTConfig, LlamaConfig, build_model
+from hsdp.sim.calibrate import calibrate, fit_tflops, phases_from_trace
+from hsdp.sim.costs import CostModel, PhaseCost, phase_class
+from hsdp.sim.engine import Setup, evaluate, record
+from hsdp.sim.engine import _step as train_step
 
-# Units of P elements on a 2x2 mesh, no latency: AG 1 ms, RS 2 ms (inner 1 GB/s);
-# outer all-reduce 4 ms, hfsdp outer RS 2 ms, outer AG 1 ms (outer 0.5 GB/s).
+TINY_GPT = GPTConfig(vocab=32, hidden=16, heads=2, ffn=32, layers=3, seq=8)
+TINY_LLAMA = LlamaConfig(vocab=32, hidden=16, heads=4, kv_heads=2, ffn=24, layers=3, seq=8)
+FREE = 1e9  # TFLOP/s or GB/s at which compute takes no time
+
+
+def _names(rec_names: dict[str, str]):
+    units = "|".join(re.escape(k) for k in sorted(rec_names, key=len, reverse=True))
+    pattern = re.compile(f"(?<=:)({units})(?=/|$)")
+    return lambda label: pattern.sub(lambda m: rec_names[m.group(0)], label)
+
+
+def _per_stream(records, names) -> dict[str, list[str]]:
+    """Labels per stream in issue order: every side-stream op, and compute's phase marks
+    and waits (the CPU backend does not record individual compute ops)."""
+    rename = _names(names)
+    out: dict[str, list[str]] = {}
+    for r in records:
+        if r.stream == "compute" and not r.label.startswith(("wait:", "begin:", "end:")):
+            continue
+        out.setdefault(r.stream, []).append(rename(r.label))
+    return out
+
+
+def _cpu_run(setup: Setup) -> dict[str, list[str]]:
+    """The runtime on CPU (worker-thread streams, fake process group) driven as the
+    simulator drives it: a one-microbatch warm-up step, then the traced step."""
+    mesh = hsdp.init_mesh(setup.outer, setup.inner, "cpu")
+    torch.manual_seed(0)
+    model = build_model(setup.model)
+    mp = hsdp.MixedPrecision(torch.bfloat16, torch.float32)
+    for blk in model.blocks:
+        hsdp.fully_shard(blk, mesh=mesh, strategy=setup.strategy, mp_policy=mp,
+                         overlap_outer=setup.overlap_outer)
+    hsdp.fully_shard(model, mesh=mesh, strategy=setup.strategy, mp_policy=mp,
+                     overlap_outer=setup.overlap_outer)
+    names = {model._hsdp_unit.label: type(model).__name__} | {
+        b._hsdp_unit.label: f"Block{i}" for i, b in enumerate(model.blocks)}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    tokens = torch.randint(0, setup.model.vocab, (setup.mbs, setup.model.seq))
+    tracer = model._hsdp_unit.tracer
+    train_step(model, opt, tokens, 1)
+    tracer.take()
+    tracer.enabled = True
+    try:
+        train_step(model, opt, tokens, setup.microbatches)
+    finally:
+        tracer.enabled = False
+    return _per_stream(tracer.take(), names)
+
+
+def test_sim_runs_the_runtimes_own_schedule(fake_world_8):
+    """Acceptance: the simulator (meta model, virtual streams) and a CPU run of the
+    runtime (real tensors, thread streams) on the same model and mesh issue the same op
+    sequence on every stream, compute's phases and waits included."""
+    cases = [(TINY_LLAMA, "hsdp", True, 2), (TINY_LLAMA, "hsdp", False, 2),
+             (TINY_GPT, "hfsdp", True, 3), (TINY_GPT, "hfsdp", False, 1),
+             (dataclasses.replace(TINY_GPT, checkpoint="unit_non_reentrant"), "hsdp", True, 2),
+             (dataclasses.replace(TINY_LLAMA, checkpoint="reentrant"), "hfsdp", True, 1)]
+    for model, strategy, overlap, microbatches in cases:
+        setup = Setup(model, 2, 4, strategy, overlap, microbatches)
+        cpu = _cpu_run(setup)
+        rec = record(setup)
+        timing = rec.program.evaluate(CostModel().pricer(rec.program), rec.start)
+        sim = _per_stream(timing.records, rec.names)
+        assert sim == cpu, (model, strategy, overlap, microbatches)
+        assert set(sim) == {"compute", "ag", "rs", "outer"}
+        # a unit checkpointed as a whole runs its hooks again when recomputed
+        recompute = any(label.startswith("begin:RECOMPUTE:") for label in sim["compute"])
+        assert recompute == model.checkpoint.startswith("unit_")
+
+
+# --------------------------------------------------------------------------- timing
+
 P = 1_000_000
-FABRIC = Fabric(Link(1.0, 0.0), Link(0.5, 0.0))
-AG, RS, AR = 1.0, 2.0, 4.0  # ms
 
 
-def config(n_units: int, fwd: float = 0.0, root_fwd: float = 0.0, **kw) -> SimConfig:
-    """A root plus ``n_units - 1`` blocks of P parameters; backward = 2 x forward."""
-    units = (UnitSpec("root", P, root_fwd, 2 * root_fwd),
-             *(UnitSpec(f"b{i}", P, fwd, 2 * fwd) for i in range(1, n_units)))
-    return SimConfig(units, outer=2, inner=2, fabric=FABRIC, **kw)
+def _zero_compute(**kw) -> CostModel:
+    return CostModel(Fabric(Link(1.0, 0.0), Link(0.5, 0.0)), tflops=FREE, mem_gbps=FREE, **kw)
 
 
-def ops(result, prefix: str) -> list:
-    return [iv for iv in result.intervals if iv.label.startswith(prefix)]
+def _durations(r, prefix: str) -> list[float]:
+    return [(iv.end_us - iv.start_us) / 1e3 for iv in r.intervals if iv.label.startswith(prefix)]
 
 
-def ms(us: float) -> float:
-    return round(us / 1e3, 9)
-
-
-def test_zero_compute_serial_is_the_sum_overlap_the_max_of_the_chains():
-    over, ser = simulate(config(2)), simulate(config(2, overlap_outer=False))
-    # Both AGs are exposed (2 AG), then RS(b1), RS(root) on rs and the two outer
-    # all-reduces: overlapped, outer(b1) runs beside RS(root); serialized, all four queue.
-    assert over.t_step_ms == pytest.approx(2 * AG + RS + max(RS, AR) + AR)
-    assert ser.t_step_ms == pytest.approx(2 * AG + 2 * (RS + AR))
-    assert [iv.stream for iv in ops(over, "OUTER_AR")] == ["outer", "outer"]
-    assert [iv.stream for iv in ops(ser, "OUTER_AR")] == ["rs", "rs"]
-    assert over.metrics["comm_comm_overlap_ms"] == pytest.approx(RS)
+def test_zero_compute_serial_is_the_sum_overlap_the_max_of_the_chains(fake_world_8):
+    """One block and the root, compute free: forward all-gathers (root, block), then RS
+    and outer reduction of the block, then of the root. Serialized, the four queue on
+    rs; overlapped, the block's outer reduction runs beside the root's RS."""
+    model = dataclasses.replace(TINY_GPT, layers=1, hidden=256, ffn=512, vocab=512)
+    costs = _zero_compute()
+    over = evaluate(record(Setup(model, 2, 4)), costs)
+    ser = evaluate(record(Setup(model, 2, 4, overlap_outer=False)), costs)
+    (ag_root, ag_blk), (rs_blk, rs_root) = _durations(over, "AG:"), _durations(over, "RS:")
+    o_blk, o_root = _durations(over, "OUTER_AR:")
+    assert over.t_step_ms == pytest.approx(
+        ag_root + ag_blk + rs_blk + max(rs_root, o_blk) + o_root)
+    assert ser.t_step_ms == pytest.approx(ag_root + ag_blk + rs_blk + o_blk + rs_root + o_root)
+    assert {iv.stream for iv in over.intervals if iv.label.startswith("OUTER")} == {"outer"}
+    assert {iv.stream for iv in ser.intervals if iv.label.startswith("OUTER")} == {"rs"}
+    assert over.metrics["comm_comm_overlap_ms"] == pytest.approx(min(rs_root, o_blk))
     assert ser.metrics["comm_comm_overlap_ms"] == 0.0
 
 
-def test_compute_bound_serial_equals_overlap_up_to_the_tail():
-    kw = dict(fwd=10.0, root_fwd=5.0)
-    over, ser = simulate(config(4, **kw)), simulate(config(4, overlap_outer=False, **kw))
-    compute_end = 2 * AG + 3 * (10 + 20) + (5 + 10)  # the first two AGs are exposed
-    assert over.t_step_ms == pytest.approx(compute_end + RS + max(RS, AR) + AR)
-    assert ser.t_step_ms == pytest.approx(compute_end + 2 * (RS + AR))
-    for r in (over, ser):
-        assert r.metrics["busy_ms"]["by_kind"]["compute"] == pytest.approx(105.0)
-        assert r.metrics["exposed_comm_ms"] == pytest.approx(r.t_step_ms - 105.0)
+def test_compute_is_the_models_flops_at_the_given_throughput(fake_world_8):
+    """Compute busy time = forward FLOPs x 3 (backward: two matmuls per matmul) at the
+    given TFLOP/s, counted by hand: every weight matrix 2 x in x out per token, attention
+    4 x seq^2 x hidden per sequence (scores and weighted sum), the head included."""
+    cfg = dataclasses.replace(TINY_GPT, hidden=64, ffn=96, vocab=128, seq=32)
+    mbs, tflops = 2, 1e-3
+    r = evaluate(record(Setup(cfg, 2, 4, mbs=mbs)), CostModel(tflops=tflops, mem_gbps=FREE))
+    tokens = mbs * cfg.seq
+    h, f = cfg.hidden, cfg.ffn
+    block = 2 * tokens * (4 * h * h + 2 * h * f) + 4 * mbs * cfg.seq ** 2 * h
+    forward = cfg.layers * block + 2 * tokens * h * cfg.vocab
+    # the fused attention's backward recomputes the scores: 2.5 x its forward, not 2 x
+    attention_extra = 0.5 * cfg.layers * 4 * mbs * cfg.seq ** 2 * h
+    expected_ms = (3 * forward + attention_extra) / (tflops * 1e12) * 1e3
+    assert r.metrics["busy_ms"]["by_kind"]["compute"] == pytest.approx(expected_ms, rel=1e-9)
 
 
-def test_free_on_ag_holds_the_next_prefetch_until_the_forward_ends():
-    r = simulate(config(4, fwd=10.0, root_fwd=5.0))
-    fwd_b1 = next(iv for iv in r.intervals if iv.label == "FWD:b1")
-    ag = [iv for iv in r.intervals if iv.stream == "ag"]
-    labels = [iv.label for iv in ag]
-    assert labels == ["AG:root", "AG:b1", "AG:b2", "FREE:b1", "AG:b3", "FREE:b2",  # forward
-                      "AG:b2", "FREE:b3", "AG:b1", "FREE:b2", "FREE:b1", "FREE:root"]
-    assert ag[labels.index("AG:b3")].start_us == fwd_b1.end_us  # not at AG:b2's end
-    root_bwd = next(iv for iv in r.intervals if iv.label == "BWD:root")
-    assert root_bwd.start_us == next(iv for iv in r.intervals
-                                     if iv.label == "FWD:root").end_us  # root kept gathered
+def test_host_bound_step_follows_the_host(fake_world_8):
+    rec = record(Setup(TINY_LLAMA, 2, 4))
+    n_ops = sum(op.kind == "compute" for op in rec.program.ops[rec.start:])
+    n_side = sum(op.kind == "side" for op in rec.program.ops[rec.start:])
+    r = evaluate(rec, CostModel(tflops=FREE, mem_gbps=FREE, host_us_per_op=100.0,
+                                host_us_per_side_op=10.0))
+    assert r.metrics["host_busy_ms"] == pytest.approx(0.1 * n_ops + 0.01 * n_side)
+    assert r.t_step_ms >= r.metrics["host_busy_ms"]
+    fast = evaluate(rec, CostModel(tflops=FREE, mem_gbps=FREE))
+    assert r.t_step_ms > fast.t_step_ms + 0.5 * r.metrics["host_busy_ms"]
 
 
-def test_hfsdp_outer_all_gather_after_the_optimizer():
-    r = simulate(config(2, strategy="hfsdp", optimizer_ms=5.0))
-    # RS(b1) 2-4, outer RS(b1) 4-6 beside RS(root) 4-6, outer RS(root) 6-8, optimizer 8-13.
-    assert [(iv.label, ms(iv.start_us), ms(iv.end_us)) for iv in ops(r, "OUTER")] == [
-        ("OUTER_RS:b1", 4.0, 6.0), ("OUTER_RS:root", 6.0, 8.0),
-        ("OUTER_AG:root", 13.0, 14.0), ("OUTER_AG:b1", 14.0, 15.0)]
-    assert r.t_step_ms == pytest.approx(15.0)
-    # No compute before the optimizer: the tail runs from 0 to the end of the last outer
-    # reduction, not to the end of the outer all-gathers.
-    assert r.metrics["outer_tail_ms"] == pytest.approx(8.0)
+def test_optimizer_and_copy_in_follow_the_shard_and_the_microbatches(fake_world_8):
+    """Memory-bound phases: hfsdp's optimizer works on 1/outer of hsdp's shard; the
+    optimizer runs once per step, the copy-in once per unit and microbatch."""
+    costs = CostModel(tflops=FREE, mem_gbps=1.0)
+    opt = {}
+    for strategy in ("hsdp", "hfsdp"):
+        r = evaluate(record(Setup(TINY_GPT, 2, 4, strategy, microbatches=3)), costs)
+        opt[strategy] = sum(_durations(r, "OPTIMIZER:"))
+        assert len(_durations(r, "OPTIMIZER:")) == 1
+        assert len(_durations(r, "COPY_IN:")) == 3 * (TINY_GPT.layers + 1)
+        assert len(_durations(r, "RS:")) == 3 * (TINY_GPT.layers + 1)
+        assert len(_durations(r, "OUTER_A" if strategy == "hsdp" else "OUTER_RS")) == (
+            TINY_GPT.layers + 1)
+    assert opt["hsdp"] / opt["hfsdp"] == pytest.approx(2.0, rel=0.1)
 
 
-def test_microbatches_issue_the_outer_reduction_once():
-    units, m = 4, 3
-    r = simulate(config(units, fwd=1.0, root_fwd=1.0, microbatches=m))
-    assert len(ops(r, "RS:")) == m * units
-    assert len(ops(r, "AG:")) == m * (2 * units - 2)  # root and last unit kept for bwd
-    outer = ops(r, "OUTER_AR")
-    assert [iv.label for iv in outer] == ["OUTER_AR:b3", "OUTER_AR:b2", "OUTER_AR:b1",
-                                         "OUTER_AR:root"]
-    last_backward = [iv for iv in r.intervals if iv.label == "BWD:root"][-1]
-    assert min(iv.start_us for iv in outer) >= last_backward.end_us
+def test_measured_phase_costs_apply_to_their_setup_only(fake_world_8):
+    setup = Setup(TINY_LLAMA, 2, 4, microbatches=2)
+    rec = record(setup)
+    costs = CostModel(tflops=FREE, mem_gbps=FREE, phases={
+        "FWD:LlamaBlock": PhaseCost(host_ms=1.0, device_ms=2.0)},
+        phases_key=setup.phase_key())
+    r = evaluate(rec, costs)
+    fwd = [iv for iv in r.intervals if iv.label == "FWD:Block1"]
+    assert sum(iv.end_us - iv.start_us for iv in fwd) == pytest.approx(2 * 2000.0)
+    assert r.metrics["host_busy_ms"] == pytest.approx(2 * TINY_LLAMA.layers * 1.0)
+    other = evaluate(record(dataclasses.replace(setup, mbs=2)), costs)
+    assert other.metrics["busy_ms"]["by_kind"]["compute"] == pytest.approx(0.0, abs=1e-6)
 
 
-def test_copy_in_on_compute_before_the_reduce_scatter():
-    # 1e6 x (2 + 3 x 4) bytes at 14 GB/s: 1 ms per unit
-    r = simulate(config(2, fwd=1.0, root_fwd=1.0, copy_in_gbps=14.0))
-    copies = ops(r, "COPY_IN")
-    assert [(iv.stream, ms(iv.end_us - iv.start_us)) for iv in copies] == [("compute", 1.0)] * 2
-    assert [iv.start_us for iv in ops(r, "RS:")] == [copies[0].end_us,
-                                                     copies[0].end_us + RS * 1e3]
+def test_llama_70b_on_the_meta_device(fake_world_8):
+    """A 70B model needs no memory: one block of it on a 2x4 mesh, timed."""
+    from hsdp.models import preset
+
+    rec = record(Setup(preset("llama-70b", layers=1, seq=4096), 2, 4))
+    r = evaluate(rec, CostModel())
+    assert r.metrics["busy_ms"]["by_kind"]["compute"] > 10
+    assert r.t_step_ms >= r.metrics["lower_bound_ms"] > 0
 
 
-def test_validation():
-    with pytest.raises(ValueError, match="strategy"):
-        config(2, strategy="zero3")
-    with pytest.raises(ValueError, match="distinct"):
-        SimConfig((UnitSpec("a", 1, 0, 0), UnitSpec("a", 1, 0, 0)), 1, 1)
+# --------------------------------------------------------------------------- calibration
 
 
-# --------------------------------------------------------------------------- runtime
-
-TINY = GPTConfig(vocab=32, hidden=16, heads=2, ffn=32, layers=3, seq=8)
-
-
-@pytest.mark.parametrize("strategy,overlap", [("hsdp", True), ("hsdp", False),
-                                              ("hfsdp", True)])
-def test_side_streams_issue_in_the_runtimes_order(fake_world_8, strategy, overlap):
-    """The real runtime on CPU (fake 2x4 world, no delays) issues, per side stream, the
-    ops the simulator issues, in the same order (steady state, two microbatches)."""
-    mesh = hsdp.init_mesh(2, 4, "cpu")
-    torch.manual_seed(0)
-    model = GPT(TINY)
-    for blk in model.blocks:
-        hsdp.fully_shard(blk, mesh=mesh, strategy=strategy, overlap_outer=overlap)
-    hsdp.fully_shard(model, mesh=mesh, strategy=strategy, overlap_outer=overlap)
-    names = {f"{model._hsdp_unit.label}/0": "GPT"} | {
-        f"{b._hsdp_unit.label}/0": f"Block{i}" for i, b in enumerate(model.blocks)}
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    tokens = torch.randint(0, TINY.vocab, (2, TINY.seq))
-    tracer = model._hsdp_unit.tracer
-    for traced in (False, False, True):  # the first step records the unit order
-        tracer.enabled = traced
-        for m in range(2):
-            with hsdp.microbatch(model, is_last=m == 1):
-                lm_loss(model(tokens), tokens).backward()
-        opt.step()
-        opt.zero_grad()
-        model._hsdp_unit.runtime.synchronize()
-    runtime: dict[str, list[str]] = {}
-    for rec in sorted(tracer.take(), key=lambda r: r.start_s):
-        kind, _, group = rec.label.partition(":")
-        if rec.stream != "compute" and kind not in ("FREE_GRAD", "drain"):
-            runtime.setdefault(rec.stream, []).append(f"{kind}:{names[group]}")
-    units = gpt_units(TINY, 2, 1.0)
-    sim = simulate(SimConfig(units, 2, 4, strategy, overlap, microbatches=2))
-    expected: dict[str, list[str]] = {}
-    for iv in sim.intervals:
-        if iv.stream != "compute":
-            expected.setdefault(iv.stream, []).append(iv.label)
-    assert runtime == expected
-
-
-# --------------------------------------------------------------------------- GPT
-
-
-def test_gpt_units_match_the_real_model():
-    cfg = GPTConfig(vocab=40, hidden=24, heads=2, ffn=56, layers=3, seq=12)
-    model = GPT(cfg)
-    units = gpt_units(cfg, mbs=2, tflops=1.0)
-    block_ids = {id(p) for p in model.blocks.parameters()}
-    root = sum(p.numel() for p in model.parameters() if id(p) not in block_ids)
-    assert [u.name for u in units] == ["GPT", "Block0", "Block1", "Block2"]
-    assert units[0].params == root
-    assert [u.params for u in units[1:]] == [sum(p.numel() for p in b.parameters())
-                                             for b in model.blocks]
-    tokens = 2 * cfg.seq
-    attention = 4 * cfg.seq ** 2 * cfg.hidden * 2
-    assert units[1].fwd_ms == pytest.approx((2 * units[1].params * tokens + attention) / 1e9)
-    assert units[0].fwd_ms == pytest.approx(2 * (cfg.hidden * cfg.vocab + 2 * cfg.hidden)
-                                            * tokens / 1e9)
-    assert all(u.bwd_ms == pytest.approx(2 * u.fwd_ms) for u in units)
-    recompute = gpt_units(GPTConfig(**{**cfg.__dict__, "checkpoint": "reentrant"}), 2, 1.0)
-    assert all(u.bwd_ms == pytest.approx(3 * u.fwd_ms) for u in recompute)
-
-
-def test_tflops_calibration_reproduces_the_compute_busy_time(tmp_path):
-    cfg = GPTConfig(vocab=40, hidden=24, heads=2, ffn=56, layers=3, seq=12)
+def _bench_json(tmp_path: Path, setup: Setup, busy_ms: float, trace: str | None = None,
+                **extra) -> Path:
+    model = {**dataclasses.asdict(setup.model), "mbs": setup.mbs,
+             "microbatches": setup.microbatches, "dtype": setup.dtype,
+             "reduce_dtype": setup.reduce_dtype}
     path = tmp_path / "step.json"
     path.write_text(json.dumps({
-        "meta": {"model": {**cfg.__dict__, "mbs": 2, "microbatches": 3}},
-        "schedules": {"overlap": {"metrics": {"busy_ms": {"by_kind": {"compute": 7.5}}}}}}))
-    tflops = tflops_from_results(path)
-    r = simulate(SimConfig(gpt_units(cfg, 2, tflops), 2, 4, microbatches=3))
+        "meta": {"model": model, "mesh": {"outer": setup.outer, "inner": setup.inner}},
+        "schedules": {"overlap": {"metrics": {"busy_ms": {"by_kind": {"compute": busy_ms}}},
+                                  "trace": trace, **extra}}}))
+    return path
+
+
+def test_tflops_calibration_reproduces_the_compute_busy_time(fake_world_8, tmp_path):
+    setup = Setup(TINY_GPT, 2, 4, microbatches=3)
+    costs = calibrate(_bench_json(tmp_path, setup, 7.5), CostModel(mem_gbps=100.0))
+    r = evaluate(record(setup), costs)
     assert r.metrics["busy_ms"]["by_kind"]["compute"] == pytest.approx(7.5)
+    with pytest.raises(ValueError, match="cannot fit"):
+        fit_tflops(record(setup), 1e-9, 100.0)
+
+
+def _ev(name, ts, dur, tid=1, cat="user_annotation", **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid,
+            "args": args}
+
+
+def _kernel(corr, ts, dur, launch_ts, tid=1):
+    return [_ev("cudaLaunchKernel", launch_ts, 1, tid, "cuda_runtime", correlation=corr),
+            _ev("gemm", ts, dur, 7, "kernel", correlation=corr)]
+
+
+def test_phases_from_a_trace():
+    """Host time: innermost open phase, side ops excluded; device time: kernels by their
+    launch's thread and time; instances: begin marks."""
+    events = [
+        _ev("hsdp.begin:FWD:Llama3", 0, 0), _ev("hsdp.begin:FWD:LlamaBlock0", 10, 0),
+        _ev("hsdp:ag:AG:LlamaBlock1/0", 12, 4),  # 4 us of side op inside the block
+        _ev("hsdp.end:FWD:LlamaBlock0", 30, 0), _ev("hsdp.begin:FWD:LlamaBlock1", 30, 0),
+        _ev("hsdp.end:FWD:LlamaBlock1", 50, 0), _ev("hsdp.end:FWD:Llama3", 60, 0),
+        _ev("hsdp.begin:OPTIMIZER:Llama3", 100, 0), _ev("hsdp.end:OPTIMIZER:Llama3", 120, 0),
+        # backward thread
+        _ev("hsdp.begin:BWD:LlamaBlock1", 70, 0, tid=2), _ev("hsdp.end:BWD:LlamaBlock1", 90, 0,
+                                                                tid=2),
+        *_kernel(1, 100, 7, 20), *_kernel(2, 110, 5, 13),  # block 0 (the second: in AG)
+        *_kernel(3, 120, 3, 40), *_kernel(4, 130, 11, 80, tid=2), *_kernel(5, 140, 2, 5),
+    ]
+    m = phases_from_trace({"traceEvents": events})
+    ph = {k: [v[0], round(v[1] * 1e3, 6), round(v[2] * 1e3, 6)] for k, v in m.phases.items()}
+    assert ph == {"FWD:Llama": [1, 20.0, 2.0], "FWD:LlamaBlock": [2, 36.0, 10.0],
+                  "BWD:LlamaBlock": [1, 20.0, 11.0], "OPTIMIZER:Llama": [1, 20.0, 0.0]}
+    assert m.side_host_ms == [0.004]
+    assert m.span_ms == pytest.approx(0.12)
+
+
+def test_calibrate_from_json_and_trace(fake_world_8, tmp_path):
+    """Per-phase measured times reproduce on the calibrated setup; the host times are
+    scaled to the unprofiled host time of the JSON."""
+    setup = Setup(TINY_LLAMA, 2, 4, microbatches=1)
+    labels = ["FWD:Llama90"] + [f"FWD:LlamaBlock{90 + i}" for i in range(1, 4)]
+    events, t = [], 0
+    for i, label in enumerate(labels[1:]):  # blocks: 1 ms of host, 3 ms of kernels each
+        events += [_ev(f"hsdp.begin:{label}", t, 0), _ev(f"hsdp.end:{label}", t + 1000, 0),
+                   *_kernel(i, 10_000 + 3000 * i, 3000, t + 10)]
+        t += 1000
+    events += [_ev(f"hsdp.begin:{labels[0]}", -1000, 0), _ev(f"hsdp.end:{labels[0]}", t, 0),
+               _ev("hsdp.begin:OPTIMIZER:Llama90", t, 0),
+               _ev("hsdp.end:OPTIMIZER:Llama90", t + 1000, 0)]
+    trace = tmp_path / "trace_overlap.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    path = _bench_json(tmp_path, setup, 50.0, trace="/elsewhere/trace_overlap.json.gz",
+                       t_host_ms=2.5)  # the trace's span is 5 ms: host times halve
+    costs = calibrate(path, CostModel(mem_gbps=100.0))
+    assert costs.phases["FWD:LlamaBlock"] == PhaseCost(host_ms=0.5, device_ms=3.0)
+    assert "OPTIMIZER:Llama" not in costs.phases
+    rec = record(setup)
+    r = evaluate(rec, costs)
+    fwd = [iv for iv in r.intervals if iv.label == "FWD:Block2"]
+    assert sum(iv.end_us - iv.start_us for iv in fwd) == pytest.approx(3000.0)
+    # TFLOP/s: the simulator's FLOPs of the measured model phases over their device time
+    flops = sum(op.payload.flops for op in rec.program.ops[rec.start:]
+                if op.kind == "compute" and op.label.startswith("FWD:"))
+    assert costs.tflops == pytest.approx(flops / 9e-3 / 1e12)
+
+
+def test_phase_class_drops_unit_numbers():
+    assert phase_class("COPY_IN:LlamaBlock12/0") == "COPY_IN:LlamaBlock/0"
+    assert phase_class("BWD:GPT3") == "BWD:GPT"
+    assert phase_class("") == ""
 
 
 # --------------------------------------------------------------------------- CLI
 
-MODEL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn", "128", "--vocab", "100",
-         "--seq", "32", "--mbs", "1", "--mesh", "2x4", "--tflops", "0.01"]
+MODEL = ["--model", "gpt", "--layers", "2", "--hidden", "64", "--heads", "2", "--ffn", "128",
+         "--vocab", "100", "--seq", "32", "--mesh", "2x4", "--tflops", "0.01"]
 
 
 @pytest.mark.parametrize("strategy,names", [("hsdp", ["overlap", "serial"]),
@@ -203,7 +304,7 @@ def test_cli_writes_json(tmp_path, capsys, strategy, names):
     assert list(result["schedules"]) == names
     assert result["meta"]["mesh"] == {"outer": 2, "inner": 4}
     for s in result["schedules"].values():
-        assert s["t_step_ms"] > s["lower_bound_ms"] > 0
+        assert s["t_step_ms"] >= s["lower_bound_ms"] > 0
         assert s["metrics"]["busy_ms"]["by_kind"]["outer"] > 0
     saving = result["summary"][f"{names[0]}_vs_{names[1]}"]["saving_ms"]
     assert saving == pytest.approx(result["schedules"][names[1]]["t_step_ms"]
@@ -211,8 +312,37 @@ def test_cli_writes_json(tmp_path, capsys, strategy, names):
     assert "saves" in capsys.readouterr().out
 
 
-def test_cli_writes_png(tmp_path):
+def test_cli_timeline_png(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "sim.png"
     assert main(["sim", *MODEL, "--png", str(png)]) == 0
     assert png.stat().st_size > 0
+
+
+def test_cli_sweep(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    assert main(["sim", *MODEL, "--sweep", "nodes=2,4", "outer_gbps=0.01,100", "--json", str(out),
+                 "--png", str(png)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["nodes"], r["outer_gbps"]) for r in rows] == [(2, 0.01), (2, 100.0), (4, 0.01),
+                                                             (4, 100.0)]
+    for r in rows:
+        assert r["t_serial_ms"] >= r["t_overlap_ms"] >= r["lower_bound_ms"] > 0
+        assert r["line"].startswith(r["verdict"])
+    slow, fast = rows[0], rows[1]
+    assert slow["saving_ms"] > fast["saving_ms"]  # a slow outer link gains more
+    printed = capsys.readouterr().out
+    assert "nodes=2 outer_gbps=0.01: " in printed
+    assert png.stat().st_size > 0
+    with pytest.raises(SystemExit, match="bad --sweep"):
+        main(["sim", *MODEL, "--sweep", "colour=red"])
+
+
+def test_sim_imports_no_bench_module():
+    root = Path(hsdp.__file__).parent
+    for path in (root / "sim").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.startswith("hsdp.bench") for n in names), (path, names)

@@ -43,3 +43,60 @@ def test_tracer_records_ops_and_blocking_compute_waits():
     names = {(r.stream, r.label) for r in recs}
     assert ("rs", "RS:u") in names and ("compute", "wait:RS:u") in names
     assert all(r.end_s >= r.start_s for r in recs)
+
+
+# --------------------------------------------------------------------------- virtual
+
+
+def _price(op):
+    """Host 1 s per compute or side op; compute ops 5 s on the device, side ops 3 s."""
+    return {"compute": (1.0, 5.0), "side": (1.0, 3.0)}.get(op.kind, (0.0, 0.0))
+
+
+def test_virtual_streams_time_the_program_on_a_virtual_clock():
+    s = Streams.virtual()
+    p = s.program
+    p.compute("A")  # host 0-1, device 1-6
+    ready = s.compute.record()  # event at 6
+    ag = s.ag.submit(lambda: None, [ready], "AG")  # issued at 2, starts at 6: 6-9
+    s.compute.begin("FWD:x")
+    p.compute("B")  # issued at 3, queued behind A: 6-11
+    p.compute("B2")  # issued at 4: 11-16, merged with B (same phase, back to back)
+    s.compute.end("FWD:x")
+    s.compute.wait(ag)  # AG ended at 9: no stall
+    rs = s.rs.submit(lambda: None, [ag], "RS")  # issued at 5: 9-12
+    p.compute("C")  # issued at 6: 16-21
+    s.compute.wait(rs)  # RS ended at 12: no stall
+    s.outer.submit(lambda: None, [], "OUTER").synchronize()  # issued at 7: 7-10; host to 10
+    p.compute("D")  # issued at 11: 21-26, merged with C (back to back, no phase between)
+    t = p.evaluate(_price)
+    got = [(r.stream, r.label, r.start_s, r.end_s) for r in t.records]
+    assert got == [("compute", "compute", 1, 6), ("ag", "AG", 6, 9),
+                   ("compute", "begin:FWD:x", 6, 6), ("compute", "FWD:x", 6, 16),
+                   ("compute", "end:FWD:x", 16, 16), ("compute", "wait:AG", 16, 16),
+                   ("rs", "RS", 9, 12), ("compute", "compute", 16, 26),
+                   ("compute", "wait:RS", 21, 21), ("outer", "OUTER", 7, 10)]
+    assert t.end_s[-1] == 26 and t.host_busy_s == 8
+    # Compute on the host thread (as on CPU): the host waits for each compute op. From op
+    # 8 (the RS) on: RS 20-23, C 21-26, OUTER 27-30, the sync until 30, D 31-36.
+    blocking = p.evaluate(_price, start=8, host_blocks=True)
+    assert [(r.label, r.start_s, r.end_s) for r in blocking.records] == [
+        ("RS", 20, 23), ("compute", 21, 26), ("wait:RS", 26, 26), ("OUTER", 27, 30),
+        ("compute", 31, 36)]
+    assert blocking.host_busy_s == 4
+
+
+def test_virtual_collectives_and_events():
+    from hsdp.comm import Collectives
+
+    s = Streams.virtual()
+    p = s.program
+    coll = Collectives(record=p.collective)
+    with pytest.raises(RuntimeError, match="outside a side stream"):
+        coll._delay("all_reduce", "outer", 64, 2)
+    ev = s.ag.submit(lambda: coll._delay("all_gather", "inner", 128, 4), label="AG:u")
+    assert p.ops[-1].payload == (("all_gather", "inner", 128, 4),)
+    with pytest.raises(RuntimeError, match="must not branch on query"):
+        ev.query()
+    with pytest.raises(TypeError, match="virtual streams"):
+        s.rs.submit(lambda: None, [Streams.create(torch.device("cpu")).compute.record()])

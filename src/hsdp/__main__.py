@@ -14,7 +14,7 @@ COMMANDS: dict[tuple[str, ...], str] = {
     ("bench", "collectives"): "hsdp.bench.collectives",
     ("bench", "step"): "hsdp.bench.step",
     ("demo",): "hsdp.demo",
-    ("sim",): "hsdp.sim",
+    ("sim",): "hsdp.sim.cli",
 }
 
 

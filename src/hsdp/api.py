@@ -29,6 +29,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
     strategy: "hsdp" (shard over inner, replicate over outer) or "hfsdp" (gradients and
     optimizer state sharded over outer too). ``overlap_outer=False`` issues the outer
     reduction on the inner reduce-scatter stream (the serialized baseline).
+
+    A module whose parameters are all on the meta device gets meta shards and buffers
+    (no memory, no data): ``hsdp sim`` runs the schedule on such models.
     """
     check_strategy(strategy)
     if not isinstance(module, nn.Module):
@@ -44,6 +47,11 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
     # compiled region), the unit and the hsdp methods on the module it wraps.
     inner = module._orig_mod if isinstance(module, OptimizedModule) else module
     params, slots = _owned_params(module)
+    meta = [p.is_meta for p in params]
+    if any(meta) and not all(meta):
+        raise RuntimeError(f"fully_shard: some parameters of this {type(inner).__name__} are "
+                           f"on the meta device and some are not; build it on one device")
+    shard_device = torch.device("meta") if params and all(meta) else device
     keyed: dict[tuple, tuple[list[nn.Parameter], list[list[Slot]]]] = {}
     for p, s in zip(params, slots):
         ps, ss = keyed.setdefault((p.dtype, p.requires_grad), ([], []))
@@ -51,13 +59,13 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
         ss.append(s)
     label = f"{type(inner).__name__}{next(_UNIT_IDS)}"  # same on every rank
     groups = [
-        ParamGroup(f"{label}/{k}", ps, ss, comms, device, strategy == "hfsdp", mp)
+        ParamGroup(f"{label}/{k}", ps, ss, comms, shard_device, strategy == "hfsdp", mp)
         for k, (ps, ss) in enumerate(keyed.values())]
     for g in groups:
         g.use_sharded()
     for m in module.modules():
         for name, b in m._buffers.items():
-            if b is not None and b.device != device:
+            if b is not None and b.device != device and b.device != shard_device:
                 m._buffers[name] = b.to(device)
     unit = Unit(module, label, groups, mesh, device, overlap_outer)
     adopt(inner)
@@ -82,11 +90,6 @@ def _owned_params(module: nn.Module) -> tuple[list[nn.Parameter], list[list[Slot
                         f"enclosing unit; apply fully_shard bottom-up (submodules first, the "
                         f"root last)")
                 continue
-            if p.is_meta:
-                raise RuntimeError(
-                    f"fully_shard: parameter {type(m).__name__}.{name} is on the meta "
-                    f"device; materialize it first (module.to_empty(device=...) and "
-                    f"initialize it) before fully_shard")
             if id(p) not in slots:
                 params.append(p)
                 slots[id(p)] = []

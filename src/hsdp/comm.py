@@ -10,11 +10,15 @@ duration on the same stream (``torch.cuda._sleep`` on GPU, ``time.sleep`` on CPU
 torch's ``fake`` process group the collective itself does nothing, so the delay is the
 whole cost: the real schedule, streams and compute, with the network of a cluster we do
 not have.
+
+Simulation: with ``record``, each collective only reports ``(kind, axis, nbytes,
+group_size)`` to it (the simulator's virtual streams time it later).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,14 +74,18 @@ def _host_sleep(seconds: float) -> None:
 
 
 class Collectives:
-    """all-gather / reduce-scatter / all-reduce with SUM, optionally emulated."""
+    """all-gather / reduce-scatter / all-reduce with SUM, optionally emulated or recorded."""
 
-    def __init__(self, fabric: Fabric | None = None, sleep=None) -> None:
+    def __init__(self, fabric: Fabric | None = None, sleep=None,
+                 record: Callable[[str, str, int, int], None] | None = None) -> None:
         self.fabric = fabric
         self._sleep = sleep or _host_sleep
+        self._record = record
 
     def _delay(self, kind: str, axis: str, nbytes: int, n: int) -> None:
-        if self.fabric is not None:
+        if self._record is not None:
+            self._record(kind, axis, nbytes, n)
+        elif self.fabric is not None:
             self._sleep(self.fabric.seconds(kind, axis, nbytes, n))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,

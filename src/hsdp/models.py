@@ -159,6 +159,16 @@ def _run_blocks(blocks: nn.ModuleList, x: torch.Tensor, mode: str) -> torch.Tens
     return x
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of [batch, heads, seq, head_dim] tensors. On the meta device (the
+    simulator), as the fused flash kernel a GPU runs: one op forward, one backward, with
+    their FLOP formulas, not the math decomposition the meta device would otherwise pick
+    (and that, unlike torch's function modes, also holds when checkpointing recomputes)."""
+    if q.is_meta:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)[0]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy (mean over positions)."""
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
@@ -181,8 +191,7 @@ class Block(_Block):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.cfg.heads, -1).unbind(2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True)
+        a = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, h))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
@@ -207,15 +216,30 @@ class GPT(nn.Module):
 # --------------------------------------------------------------------------- Llama
 
 
-def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding of ``x`` [batch, heads, seq, head_dim] (rotate-half form)."""
-    t, d = x.shape[-2], x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    angles = torch.outer(torch.arange(t, device=x.device, dtype=torch.float32), inv_freq)
-    cos = torch.cat([angles.cos()] * 2, dim=-1).to(x.dtype)
-    sin = torch.cat([angles.sin()] * 2, dim=-1).to(x.dtype)
+def _rope_tables(t: int, d: int, theta: float, like: torch.Tensor) -> tuple[torch.Tensor,
+                                                                             torch.Tensor]:
+    """cos and sin [t, d] of the rotary embedding (rotate-half form)."""
+    inv_freq = theta ** (-torch.arange(0, d, 2, device=like.device, dtype=torch.float32) / d)
+    angles = torch.outer(torch.arange(t, device=like.device, dtype=torch.float32), inv_freq)
+    return (torch.cat([angles.cos()] * 2, dim=-1).to(like.dtype),
+            torch.cat([angles.sin()] * 2, dim=-1).to(like.dtype))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x`` [batch, heads, seq, head_dim]."""
+    d = x.shape[-1]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def _repeat_kv(x: torch.Tensor, times: int) -> torch.Tensor:
+    """[batch, kv_heads, seq, d] -> [batch, kv_heads * times, seq, d], each head repeated
+    ``times`` times in place (grouped-query attention), so that attention runs the fused
+    kernels of equal head counts."""
+    if times == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, times, t, d).reshape(b, h * times, t, d)
 
 
 class LlamaBlock(_Block):
@@ -231,6 +255,15 @@ class LlamaBlock(_Block):
         self.w1 = nn.Linear(h, cfg.ffn, bias=False)  # gate
         self.w3 = nn.Linear(h, cfg.ffn, bias=False)  # up
         self.w2 = nn.Linear(cfg.ffn, h, bias=False)  # down
+        self._rope_cache: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+
+    def _rope_for(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables for ``x``'s length, device and dtype (made once, then kept)."""
+        key = (x.shape[-2], x.device, x.dtype)
+        if self._rope_cache is None or self._rope_cache[0] != key:
+            self._rope_cache = (key, *_rope_tables(x.shape[-2], x.shape[-1],
+                                                   self.cfg.rope_theta, x))
+        return self._rope_cache[1], self._rope_cache[2]
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape
@@ -239,9 +272,10 @@ class LlamaBlock(_Block):
         q = self.wq(y).view(b, t, cfg.heads, -1).transpose(1, 2)
         k = self.wk(y).view(b, t, cfg.kv_heads, -1).transpose(1, 2)
         v = self.wv(y).view(b, t, cfg.kv_heads, -1).transpose(1, 2)
-        q, k = _rope(q, cfg.rope_theta), _rope(k, cfg.rope_theta)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           enable_gqa=cfg.kv_heads != cfg.heads)
+        cos, sin = self._rope_for(q)
+        group = cfg.heads // cfg.kv_heads
+        q, k = _rope(q, cos, sin), _repeat_kv(_rope(k, cos, sin), group)
+        a = attention(q, k, _repeat_kv(v, group))
         x = x + self.wo(a.transpose(1, 2).reshape(b, t, h))
         y = self.mlp_norm(x)
         return x + self.w2(F.silu(self.w1(y)) * self.w3(y))

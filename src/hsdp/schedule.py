@@ -10,6 +10,12 @@ Where each arrow of schedule.md lives:
 - copy-in, RS_i, outer_i (last microbatch) ........ ``_reduce``
 - finalize: compute waits rs / outer events ........ ``_finalize``
 - hfsdp outer AG after ``optimizer.step()`` ........ ``_after_optimizer_step``
+
+Compute phases (``streams.compute.begin`` / ``end``, nested): ``FWD:<unit>`` from a unit's
+forward pre-hook to its post-hook (``RECOMPUTE:<unit>`` when activation checkpointing
+runs it again in backward), ``BWD:<unit>`` from its pre-backward to its post-backward,
+``COPY_IN:<group>``, ``OPTIMIZER:<root>``. The simulator prices compute by phase; on CUDA
+and CPU they are trace marks.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class Unit:
         self.overlap_outer = overlap_outer
         self.runtime: Runtime | None = None
         self.collectives = Collectives()  # root's is used; bench swaps in an emulated one
+        self.streams: Streams | None = None  # root's is used; None: the device's (sim swaps)
         self.is_last_override: bool | None = None  # set by hsdp.microbatch on the root
         self.label = label
         self.backward_started = False
@@ -64,7 +71,7 @@ class Unit:
     @property
     def tracer(self) -> Tracer:
         """Records the ops of every model on this device while enabled (see streams.py)."""
-        return Streams.for_device(self.device).tracer
+        return (self.streams or Streams.for_device(self.device)).tracer
 
     @property
     def trainable(self) -> list[ParamGroup]:
@@ -122,7 +129,7 @@ class Runtime:
                 raise ValueError("hsdp: overlap_outer must be the same for every unit of a model")
             u.runtime = self
         self.coll = root.collectives
-        self.streams = Streams.for_device(root.device)
+        self.streams = root.streams or Streams.for_device(root.device)
         self.overlap = root.overlap_outer
         self._set_order(list(self.units))  # module order: a first guess until step 1 ends
         self._recording: list[Unit] | None = []
@@ -197,14 +204,16 @@ class Runtime:
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict):
         if _in_backward():  # recomputation: gather again, keep it until unit's backward
+            self.streams.compute.begin(f"RECOMPUTE:{unit.label}")
             self._unshard(unit)
             nxt = self._next_bwd.get(unit)
             if nxt is not None:
                 self._issue_unshard(nxt)
             return self._attach_post_backward(unit, args, kwargs)
+        if unit is self.root and self.phase == "backward":
+            raise RuntimeError("hsdp: forward called during backward")
+        self.streams.compute.begin(f"FWD:{unit.label}")
         if unit is self.root:
-            if self.phase == "backward":
-                raise RuntimeError("hsdp: forward called during backward")
             self._begin_forward()
             self.phase = "forward"
         if self._recording is not None and unit not in self._recording:
@@ -219,6 +228,7 @@ class Runtime:
         for g in unit.groups:
             g.use_sharded()
         if _in_backward():
+            self.streams.compute.end(f"RECOMPUTE:{unit.label}")
             return output
         expects_backward = self._register_pre_backward(unit, output)
         # The root and the last unit of the forward are the first the backward needs:
@@ -232,6 +242,7 @@ class Runtime:
                 self._set_order(self._recording + missing)
                 self._recording = None
             self.phase = "idle"
+        self.streams.compute.end(f"FWD:{unit.label}")
         return output
 
     def _attach_post_backward(self, unit: Unit, args: tuple, kwargs: dict):
@@ -275,6 +286,7 @@ class Runtime:
         if unit.backward_started:
             return
         unit.backward_started = True
+        self.streams.compute.begin(f"BWD:{unit.label}")
         self._unshard(unit)
         nxt = self._next_bwd.get(unit)
         if nxt is not None:  # prefetch AG_{i-1} before RS_i is issued
@@ -293,11 +305,15 @@ class Runtime:
             if not g.reduced:
                 self._reduce(g)
         self._release_rs_inputs(keep=unit.groups)
+        if unit.backward_started:
+            self.streams.compute.end(f"BWD:{unit.label}")
 
     def _reduce(self, g: ParamGroup) -> None:
         if self.phase != "backward":
             raise RuntimeError("hsdp: gradient reduction outside backward")
+        self.streams.compute.begin(f"COPY_IN:{g.label}")
         rs_in = g.copy_in()
+        self.streams.compute.end(f"COPY_IN:{g.label}")
         copied = self.streams.compute.record()
         # rs waits: the reduce-scatter reads rs_in, written on compute by the copy-in.
         ev_rs = g.reduce_scatter(self.streams.rs, self.coll, rs_in, self.first_microbatch,
@@ -358,8 +374,10 @@ class Runtime:
                 "pending: the last backward ran inside hsdp.microbatch(model, is_last=False). "
                 "Run the step's final microbatch with is_last=True (or outside any "
                 "hsdp.microbatch context) before optimizer.step().")
+        self.streams.compute.begin(f"OPTIMIZER:{self.root.label}")
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.streams.compute.end(f"OPTIMIZER:{self.root.label}")
         # In-place foreach ops on DTensors bump no version counter: every group the
         # optimizer holds a parameter of counts as written.
         for pg in optimizer.param_groups:

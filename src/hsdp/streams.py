@@ -11,6 +11,14 @@ completes when it has finished.
 - CPU: each stream is a worker thread; ``fn`` runs there, and its (blocking) gloo
   collectives occupy that stream only, so collectives of different streams overlap as
   kernels of different CUDA streams would.
+- Virtual (the simulator, ``Streams.virtual``): nothing runs in time; every call is
+  appended to a ``Program`` (``fn`` runs at once, on meta tensors, and reports its
+  collectives' sizes), which ``Program.evaluate`` then times on a virtual clock with a
+  cost model: the schedule code is the same as on CUDA and CPU.
+
+The runtime also tells the compute stream which phase its work belongs to
+(``begin(label)`` / ``end(label)``, nested: "FWD:<unit>", "BWD:<unit>", "COPY_IN:<group>",
+...): the virtual backend prices compute by phase; CUDA and CPU only trace the marks.
 
 The compute stream is the caller's: CUDA's current stream, or the calling thread on CPU.
 """
@@ -24,6 +32,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,9 +51,11 @@ class OpRecord:
 
 @dataclass
 class Tracer:
-    """Collects ``OpRecord``s while ``enabled``. CPU: each op's run time and each blocking
-    compute wait. CUDA: each op gets a profiler range instead, and device-side waits are
-    recorded as zero-length ``wait:<label>`` records in host issue order."""
+    """Collects ``OpRecord``s while ``enabled``. CPU: each op's run time and each compute
+    wait (its blocking time). CUDA: each op gets a profiler range instead, and device-side
+    waits are recorded as zero-length ``wait:<label>`` records in host issue order. Both:
+    compute phase marks as zero-length ``begin:<label>`` / ``end:<label>`` records (and,
+    under the profiler, ``hsdp.begin:<label>`` / ``hsdp.end:<label>`` ranges)."""
 
     enabled: bool = False
     records: list[OpRecord] = field(default_factory=list)
@@ -81,6 +92,14 @@ class ComputeStream(ABC):
     def wait(self, event: Event) -> None:
         """Make later compute work wait for ``event``."""
 
+    @abstractmethod
+    def begin(self, label: str) -> None:
+        """Compute issued from now on belongs to phase ``label`` (until ``end(label)``)."""
+
+    @abstractmethod
+    def end(self, label: str) -> None:
+        """Phase ``label`` is over; compute belongs to the enclosing phase again."""
+
 
 class SideStream(ABC):
     def __init__(self, name: str, tracer: Tracer) -> None:
@@ -116,7 +135,28 @@ def _trace_wait(tracer: Tracer, stream: str, event: Event) -> None:
         tracer.add(OpRecord(stream, f"wait:{getattr(event, 'label', '')}", now, now))
 
 
-class CudaCompute(ComputeStream):
+def _trace_mark(tracer: Tracer, kind: str, label: str) -> None:
+    """A phase mark: a zero-length record, and a profiler range for trace calibration."""
+    if tracer.enabled:
+        now = time.perf_counter()
+        tracer.add(OpRecord("compute", f"{kind}:{label}", now, now))
+        with torch.profiler.record_function(f"hsdp.{kind}:{label}"):
+            pass
+
+
+class _TracedMarks:
+    """``begin`` / ``end`` of the CUDA and CPU compute streams: trace only."""
+
+    tracer: Tracer
+
+    def begin(self, label: str) -> None:
+        _trace_mark(self.tracer, "begin", label)
+
+    def end(self, label: str) -> None:
+        _trace_mark(self.tracer, "end", label)
+
+
+class CudaCompute(_TracedMarks, ComputeStream):
     def __init__(self, tracer: Tracer) -> None:
         self.tracer = tracer
 
@@ -175,9 +215,9 @@ _DONE = ThreadEvent("done")
 _DONE.set()
 
 
-class InlineCompute(ComputeStream):
-    """CPU compute runs on the calling thread, so its work is done when issued. Waits that
-    block are traced as ``wait:<label of the awaited op>``."""
+class InlineCompute(_TracedMarks, ComputeStream):
+    """CPU compute runs on the calling thread, so its work is done when issued. Waits are
+    traced as ``wait:<label of the awaited op>`` over the time they block (zero if none)."""
 
     def __init__(self, tracer: Tracer) -> None:
         self.tracer = tracer
@@ -186,7 +226,7 @@ class InlineCompute(ComputeStream):
         return _DONE
 
     def wait(self, event: Event) -> None:
-        if not self.tracer.enabled or event.query():
+        if not self.tracer.enabled:
             event.synchronize()
             return
         t0 = time.perf_counter()
@@ -226,6 +266,197 @@ class ThreadSideStream(SideStream):
                 ev.set(exc)
 
 
+# --------------------------------------------------------------------------- virtual
+
+
+@dataclass(slots=True)
+class ProgramOp:
+    """One host action of a ``Program``, in issue order.
+
+    ``kind``: ``"compute"`` (one compute op; ``payload`` is what a cost model prices),
+    ``"side"`` (an op of side stream ``stream``; ``payload``: its collectives as
+    ``(kind, axis, nbytes, group_size)``), ``"record"`` (an event at the end of the
+    compute issued so far), ``"wait"`` (compute waits for op ``deps[0]``), ``"sync"`` (the
+    host blocks until op ``deps[0]`` has finished), ``"begin"`` / ``"end"`` (a compute
+    phase's boundaries). ``label``: the runtime's; a compute op's is its phase (the
+    innermost begun and not ended; "" outside every phase), ``phase`` the index of that
+    phase's ``begin`` op (-1 outside).
+    """
+
+    kind: str
+    stream: str
+    label: str
+    deps: tuple[int, ...] = ()
+    payload: Any = None
+    phase: int = -1
+
+
+@dataclass
+class Timing:
+    """A ``Program`` on the virtual clock (seconds): ``records`` of the ops from ``start``
+    on (compute ops of one phase merged while back to back; side ops; compute waits over
+    the time compute stood still; phase marks), each op's end (a ``record``'s: its event;
+    a ``sync``'s: when the host resumed) and the host's busy time from ``start`` on."""
+
+    records: list[OpRecord]
+    end_s: list[float]
+    host_busy_s: float
+
+
+class Program:
+    """What the host issued to the virtual streams, in order (see ``Streams.virtual``)."""
+
+    def __init__(self) -> None:
+        self.ops: list[ProgramOp] = []
+        self._phases: list[int] = []  # begin ops of the open phases, innermost last
+        self._side: list[tuple] | None = None  # collectives of the side op being issued
+
+    def add(self, kind: str, stream: str, label: str, deps: tuple[int, ...] = (),
+            payload: Any = None, phase: int = -1) -> int:
+        self.ops.append(ProgramOp(kind, stream, label, deps, payload, phase))
+        return len(self.ops) - 1
+
+    @property
+    def issuing_side_op(self) -> bool:
+        """True while a side stream's closure runs (its tensor ops are not compute)."""
+        return self._side is not None
+
+    def compute(self, payload: Any) -> None:
+        """One compute op issued now, in the current phase."""
+        phase = self._phases[-1] if self._phases else -1
+        label = self.ops[phase].label if phase >= 0 else ""
+        self.add("compute", "compute", label, payload=payload, phase=phase)
+
+    def collective(self, kind: str, axis: str, nbytes: int, group_size: int) -> None:
+        """``Collectives``' hook: one collective of the side op being issued."""
+        if self._side is None:
+            raise RuntimeError("hsdp: a collective outside a side stream has no virtual time "
+                               "(host-side collectives are not simulated)")
+        self._side.append((kind, axis, nbytes, group_size))
+
+    def begin(self, label: str) -> None:
+        self._phases.append(self.add("begin", "compute", label))
+
+    def end(self, label: str) -> None:
+        self.add("end", "compute", label)
+        for i in range(len(self._phases) - 1, -1, -1):
+            if self.ops[self._phases[i]].label == label:
+                del self._phases[i]
+                break
+
+    def side(self, stream: str, fn: Callable[[], None], after: Sequence[Event],
+             label: str) -> int:
+        """Run ``fn`` (the op's tensor work, on meta tensors: instant) and add the op."""
+        outer, self._side = self._side, []
+        try:
+            fn()
+            collectives = tuple(self._side)
+        finally:
+            self._side = outer
+        deps = tuple(_virtual(e).index for e in after)
+        return self.add("side", stream, label, deps, collectives)
+
+    def evaluate(self, cost: Callable[[ProgramOp], tuple[float, float]], start: int = 0,
+                 host_blocks: bool = False) -> Timing:
+        """Run the program on a virtual clock. ``cost(op)`` gives (seconds the host takes to
+        issue it, seconds it occupies its stream). An op starts once it is issued, its
+        stream is free and its dependencies have finished; the host runs ahead of the
+        streams except at a ``sync`` (and, with ``host_blocks``, after every compute op
+        and wait: compute on the host thread, as on CPU)."""
+        host = host_busy = 0.0
+        free = dict.fromkeys(STREAM_NAMES, 0.0)
+        ends = [0.0] * len(self.ops)
+        records: list[OpRecord] = []
+        last_compute: OpRecord | None = None
+        for i, op in enumerate(self.ops):
+            host_s, busy_s = cost(op)
+            host += host_s
+            if i == start:  # the records of earlier ops are not wanted
+                records, last_compute = [], None
+            if i >= start:
+                host_busy += host_s
+            kind = op.kind
+            if kind in ("compute", "side"):
+                begin = max(host, free[op.stream], *(ends[j] for j in op.deps))
+                free[op.stream] = ends[i] = end = begin + busy_s
+                if kind == "side":
+                    records.append(OpRecord(op.stream, op.label, begin, end))
+                elif busy_s > 0:
+                    label = op.label or "compute"
+                    if (last_compute is not None and last_compute.label == label
+                            and last_compute.end_s == begin):
+                        last_compute.end_s = end
+                    else:
+                        last_compute = OpRecord("compute", label, begin, end)
+                        records.append(last_compute)
+            elif kind == "record":
+                ends[i] = free["compute"]
+            elif kind == "wait":
+                before = free["compute"]
+                free["compute"] = ends[i] = max(before, ends[op.deps[0]])
+                records.append(OpRecord("compute", op.label, before, ends[i]))
+            elif kind == "sync":
+                host = ends[i] = max(host, ends[op.deps[0]])
+            else:  # begin / end: zero-length, where the compute stream stands
+                ends[i] = max(host, free["compute"])
+                records.append(OpRecord("compute", f"{kind}:{op.label}", ends[i], ends[i]))
+            if host_blocks and op.stream == "compute":
+                host = max(host, free["compute"])
+        return Timing(records, ends, host_busy)
+
+
+class VirtualEvent(Event):
+    """Completes with op ``index`` of its program; its time exists only once the program
+    is evaluated."""
+
+    def __init__(self, program: Program, index: int, label: str = "") -> None:
+        self.program = program
+        self.index = index
+        self.label = label
+
+    def query(self) -> bool:
+        raise RuntimeError("hsdp: a virtual event has no state before its program is "
+                           "evaluated; the schedule must not branch on query()")
+
+    def synchronize(self) -> None:
+        self.program.add("sync", "host", f"sync:{self.label}", (self.index,))
+
+
+def _virtual(event: Event) -> VirtualEvent:
+    if not isinstance(event, VirtualEvent):
+        raise TypeError(f"hsdp: virtual streams got a {type(event).__name__}")
+    return event
+
+
+class VirtualCompute(ComputeStream):
+    def __init__(self, program: Program) -> None:
+        self.program = program
+
+    def record(self) -> Event:
+        return VirtualEvent(self.program, self.program.add("record", "compute", "record"))
+
+    def wait(self, event: Event) -> None:
+        ev = _virtual(event)
+        self.program.add("wait", "compute", f"wait:{ev.label}", (ev.index,))
+
+    def begin(self, label: str) -> None:
+        self.program.begin(label)
+
+    def end(self, label: str) -> None:
+        self.program.end(label)
+
+
+class VirtualSideStream(SideStream):
+    def __init__(self, name: str, tracer: Tracer, program: Program) -> None:
+        super().__init__(name, tracer)
+        self.program = program
+
+    def submit(self, fn: Callable[[], None], after: Sequence[Event] = (),
+               label: str = "") -> Event:
+        return VirtualEvent(self.program, self.program.side(self.name, fn, after, label),
+                            label)
+
+
 # --------------------------------------------------------------------------- set
 
 
@@ -238,6 +469,7 @@ class Streams:
     rs: SideStream
     outer: SideStream
     tracer: Tracer
+    program: Program | None = None  # virtual streams only
 
     @staticmethod
     def create(device: torch.device, tracer: Tracer | None = None) -> Streams:
@@ -248,6 +480,14 @@ class Streams:
                            CudaSideStream("outer", tracer, device), tracer)
         return Streams(InlineCompute(tracer), ThreadSideStream("ag", tracer),
                        ThreadSideStream("rs", tracer), ThreadSideStream("outer", tracer), tracer)
+
+    @staticmethod
+    def virtual() -> Streams:
+        """Streams that record a ``Program`` instead of running anything (the simulator)."""
+        program, tracer = Program(), Tracer()
+        return Streams(VirtualCompute(program), *(VirtualSideStream(n, tracer, program)
+                                                  for n in ("ag", "rs", "outer")),
+                       tracer, program)
 
     @staticmethod
     def for_device(device: torch.device) -> Streams:

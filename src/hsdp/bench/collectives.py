@@ -53,12 +53,11 @@ from hsdp.bench.launch import (
 )
 from hsdp.comm import Collectives
 from hsdp.mesh import CommGroups, NcclConfig, comm_groups, init_mesh
-from hsdp.report.args import parse_mesh
+from hsdp.report.args import DTYPES, parse_mesh
 from hsdp.report.table import print_table as print_rows
 from hsdp.streams import SideStream, Streams
 
 # Multicast (NVLS) off on multi-GPU machines: see shared/design/testing.md.
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 GPU_SIZES = "1MiB,4MiB,16MiB,64MiB,256MiB,1GiB"
 VARIANTS = ("rs", "ar", "serial", "overlap", "outer_rs", "hfsdp_pair", "ag", "outer_ag",

@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import re
 
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
 
 def parse_mesh(text: str) -> tuple[int, int]:
     """``"2x4"`` -> (outer, inner)."""

@@ -1,0 +1,239 @@
+"""Fit the cost model to a ``bench step`` run (its JSON, and the Chrome trace it names).
+
+From the JSON alone: the achieved TFLOP/s, such that the simulated compute busy time of
+the run's own setup equals the measured one (``busy_ms.by_kind.compute`` of the traced
+step), with the optimizer and the copy-in priced at the memory bandwidth.
+
+From the trace, when it has the runtime's phase marks (``hsdp.begin:<phase>`` /
+``hsdp.end:<phase>`` ranges, recorded while the step's tracer is on), per phase class
+("FWD:LlamaBlock", "BWD:Llama", "COPY_IN:LlamaBlock/0", ...) and instance:
+
+- host ms: wall time on the issuing thread while the phase is the innermost open one,
+  less the time inside hsdp's side-stream ops (``hsdp:<stream>:<label>`` ranges, whose
+  mean is the host cost of a side op);
+- device ms: the GPU time of the kernels launched meanwhile (through the launch's
+  correlation id), side-stream ops' excepted.
+
+The profiler slows the host down; when the JSON has the unprofiled host time of the step
+(``t_host_ms``), host times are scaled by it over the traced step's host span (from the
+first phase mark to the end of the optimizer on the main thread).
+
+These give: the achieved TFLOP/s (the simulator's FLOPs of the measured model phases
+over their device time), the memory bandwidth (device time of ``OPTIMIZER`` and
+``COPY_IN`` over the bytes the simulator counts for them), the host cost per compute op
+(host time of every phase over the simulator's op count in them), and the measured
+table itself, which prices the phases of the same model, sequence and micro-batch size
+exactly (other setups use the fitted throughput and per-op costs). ``OPTIMIZER`` stays
+out of the table: its cost depends on the shard, hence the mesh.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import gzip
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from hsdp.models import config_from_dict
+from hsdp.sim.costs import MEMORY_PHASES, CostModel, PhaseCost, phase_class, phase_kind
+from hsdp.sim.engine import Recording, Setup, record
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+MARK = "hsdp."  # hsdp.begin:<phase> / hsdp.end:<phase>
+SIDE_OP = "hsdp:"  # hsdp:<stream>:<label>
+SCHEDULES = {"overlap": ("hsdp", True), "serial": ("hsdp", False),
+             "hfsdp": ("hfsdp", True), "hfsdp-serial": ("hfsdp", False)}
+
+
+def setup_from_results(data: dict, schedule: str) -> Setup:
+    """The ``Setup`` of schedule ``schedule`` of a ``bench step`` JSON."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"cannot simulate schedule {schedule!r} (hsdp's: "
+                         f"{', '.join(SCHEDULES)})")
+    meta = data["meta"]
+    m = meta["model"]
+    strategy, overlap = SCHEDULES[schedule]
+    return Setup(config_from_dict(m), meta["mesh"]["outer"], meta["mesh"]["inner"], strategy,
+                 overlap, m["microbatches"], m["mbs"], m.get("dtype", "bf16"),
+                 m.get("reduce_dtype", "fp32"))
+
+
+def _measured_step(rec: Recording):
+    return [op for op in rec.program.ops[rec.start:] if op.kind == "compute"]
+
+
+def fit_tflops(rec: Recording, busy_ms: float, mem_gbps: float) -> float:
+    """TFLOP/s at which ``rec``'s simulated compute busy time is ``busy_ms``."""
+    ops = _measured_step(rec)
+    mem_s = sum(op.payload.nbytes for op in ops
+                if phase_kind(op.label) in MEMORY_PHASES) / (mem_gbps * 1e9)
+    flops = sum(op.payload.flops for op in ops if phase_kind(op.label) not in MEMORY_PHASES)
+    left = busy_ms * 1e-3 - mem_s
+    if flops <= 0 or left <= 0:
+        raise ValueError(f"cannot fit TFLOP/s: {flops:.3g} FLOPs in {busy_ms:.3f} ms of "
+                         f"compute, of which {mem_s * 1e3:.3f} ms are memory-bound")
+    return flops / left / 1e12
+
+
+def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap") -> CostModel:
+    """``base`` fitted to schedule ``schedule`` of the ``bench step`` JSON at ``path``."""
+    data = json.loads(Path(path).read_text())
+    entry = data["schedules"].get(schedule)
+    try:
+        busy = entry["metrics"]["busy_ms"]["by_kind"]["compute"]
+    except (KeyError, TypeError):
+        raise ValueError(f"{path}: no traced {schedule!r} schedule to calibrate on") from None
+    setup = setup_from_results(data, schedule)
+    rec = record(setup)
+    trace = find_trace(path, entry.get("trace"))
+    measured = phases_from_trace(load_trace(trace)) if trace is not None else None
+    if measured is None or not measured.phases:
+        return dataclasses.replace(base, tflops=fit_tflops(rec, busy, base.mem_gbps))
+    costs = _with_trace(base, rec, measured, entry.get("t_host_ms"))
+    return dataclasses.replace(costs, phases_key=setup.phase_key())
+
+
+def find_trace(json_path: str | Path, trace: str | None) -> Path | None:
+    """The trace a JSON names: as written, or (copied along) next to the JSON."""
+    if not trace:
+        return None
+    for candidate in (Path(trace), Path(json_path).parent / Path(trace).name):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def load_trace(path: str | Path) -> dict:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+@dataclasses.dataclass
+class TracePhases:
+    """Per phase class: instances, host ms and device ms in total; side ops' host ms; the
+    main thread's host span of the step (first mark to the optimizer's end), ms."""
+
+    phases: dict[str, list[float]]  # class -> [instances, host_ms, device_ms]
+    side_host_ms: list[float]
+    span_ms: float
+
+
+def phases_from_trace(trace: dict) -> TracePhases:
+    """Host and device time per phase class of a profiled step (module docstring)."""
+    threads: dict[tuple, list[dict]] = defaultdict(list)
+    launches: dict[int, dict] = {}
+    kernels: list[dict] = []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X":
+            continue
+        cat, name, args = e.get("cat"), e.get("name", ""), e.get("args") or {}
+        if cat == "user_annotation" and name.startswith((MARK, SIDE_OP)):
+            threads[(e.get("pid"), e.get("tid"))].append(e)
+        elif cat in LAUNCH_CATS and "correlation" in args:
+            launches[args["correlation"]] = e
+        elif cat in GPU_CATS and "correlation" in args:
+            kernels.append(e)
+    phases: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    side_host: list[float] = []
+    owner: dict[tuple, list[tuple[float, float, str | None]]] = {}  # thread -> spans
+    span = 0.0
+    for thread, events in threads.items():
+        spans, span_t = _thread_spans(events, phases, side_host)
+        owner[thread] = spans
+        span = max(span, span_t)
+    for k in kernels:
+        launch = launches.get(k["args"]["correlation"])
+        if launch is None:
+            continue
+        label = _owner_at(owner.get((launch.get("pid"), launch.get("tid")), []), launch["ts"])
+        if label:
+            phases[phase_class(label)][2] += k.get("dur", 0) / 1e3
+    return TracePhases(dict(phases), side_host, span)
+
+
+def _thread_spans(events: list[dict], phases: dict[str, list[float]],
+                  side_host: list[float]) -> tuple[list[tuple[float, float, str | None]],
+                                                   float]:
+    """Walk one thread's marks and side ops in time order: add host ms per phase class,
+    count instances, collect side-op host times; return the spans (start, end, phase or
+    None inside a side op / outside every phase) and the step's host span (ms)."""
+    points = []
+    for e in events:
+        name, ts, dur = e["name"], e["ts"], e.get("dur", 0)
+        if name.startswith(SIDE_OP):
+            points += [(ts, 1, "side+", name), (ts + dur, 0, "side-", name)]
+            side_host.append(dur / 1e3)
+        else:
+            kind, _, label = name[len(MARK):].partition(":")
+            points.append((ts, 2, kind, label))
+    points.sort(key=lambda p: (p[0], p[1]))
+    stack: list[str] = []
+    in_side = 0
+    spans: list[tuple[float, float, str | None]] = []
+    first = last = None
+    prev = points[0][0] if points else 0.0
+    for ts, _, kind, label in points:
+        current = None if in_side else (stack[-1] if stack else None)
+        if ts > prev:
+            spans.append((prev, ts, current))
+            if current is not None:
+                phases[phase_class(current)][1] += (ts - prev) / 1e3
+        prev = ts
+        if kind == "side+":
+            in_side += 1
+        elif kind == "side-":
+            in_side -= 1
+        elif kind == "begin":
+            stack.append(label)
+            phases[phase_class(label)][0] += 1
+            first = ts if first is None else first
+        elif kind == "end":
+            if label in stack:
+                del stack[len(stack) - 1 - stack[::-1].index(label)]
+            if phase_kind(label) == "OPTIMIZER":
+                last = ts
+    span = (last - first) / 1e3 if first is not None and last is not None else 0.0
+    return spans, span
+
+
+def _owner_at(spans: list[tuple[float, float, str | None]], ts: float) -> str | None:
+    i = bisect.bisect_right(spans, (ts, float("inf"))) - 1
+    return spans[i][2] if i >= 0 and spans[i][0] <= ts < spans[i][1] else None
+
+
+def _with_trace(base: CostModel, rec: Recording, measured: TracePhases,
+                host_ms: float | None) -> CostModel:
+    """Memory bandwidth, host costs per op and the measured table (module docstring)."""
+    scale = host_ms / measured.span_ms if host_ms and measured.span_ms > 0 else 1.0
+    ops = _measured_step(rec)
+    instances: dict[str, set[int]] = defaultdict(set)
+    n_ops: dict[str, int] = defaultdict(int)
+    nbytes: dict[str, int] = defaultdict(int)
+    for op in ops:
+        cls = phase_class(op.label)
+        instances[cls].add(op.phase)
+        n_ops[cls] += 1
+        nbytes[cls] += op.payload.nbytes
+    mem_ms = sum(v[2] for c, v in measured.phases.items() if phase_kind(c) in MEMORY_PHASES)
+    mem_bytes = sum(b for c, b in nbytes.items() if phase_kind(c) in MEMORY_PHASES)
+    model_ms = sum(v[2] for c, v in measured.phases.items()
+                   if c in n_ops and phase_kind(c) not in MEMORY_PHASES)
+    model_flops = sum(op.payload.flops for op in ops if phase_class(op.label) in measured.phases
+                      and phase_kind(op.label) not in MEMORY_PHASES)
+    host_total = sum(v[1] for c, v in measured.phases.items() if c in n_ops) * scale
+    ops_total = sum(n_ops[c] for c in measured.phases if c in n_ops)
+    table = {c: PhaseCost(v[1] * scale / v[0], v[2] / v[0]) for c, v in measured.phases.items()
+             if v[0] > 0 and phase_kind(c) != "OPTIMIZER"}
+    side = measured.side_host_ms
+    return dataclasses.replace(
+        base,
+        tflops=model_flops / (model_ms * 1e9) if model_ms > 0 and model_flops else base.tflops,
+        mem_gbps=mem_bytes / (mem_ms * 1e6) if mem_ms > 0 and mem_bytes else base.mem_gbps,
+        host_us_per_op=host_total / ops_total * 1e3 if ops_total else base.host_us_per_op,
+        host_us_per_side_op=(sum(side) / len(side) * scale * 1e3 if side
+                             else base.host_us_per_side_op),
+        phases=table)

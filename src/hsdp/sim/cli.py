@@ -1,0 +1,169 @@
+"""Simulate one training step (overlapped vs serialized) or sweep what-if grids, no GPU.
+
+The runtime's own schedule runs on a meta-device model over virtual streams (see
+``hsdp.sim.engine``); every op is priced by the cost model (``hsdp.sim.costs``): the
+model's FLOPs at an achieved TFLOP/s, the optimizer and the gradient copy-in at a memory
+bandwidth, collectives on the fabric, host time per op. ``--calibrate-from`` fits the
+compute (and, from its trace, per-phase host and device times) to a ``bench step`` JSON.
+``--sweep`` runs a grid and says, per row, whether the overlap pays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from hsdp.fabric import Fabric, Link
+from hsdp.models import PRESETS, preset
+from hsdp.policy import STRATEGIES
+from hsdp.report.args import DTYPES, parse_mesh
+from hsdp.report.table import print_table
+from hsdp.sim.calibrate import calibrate
+from hsdp.sim.costs import CostModel
+from hsdp.sim.engine import Setup, SimResult, simulate
+from hsdp.sim.sweep import parse_sweep, print_sweep, run_sweep
+
+# (overlapped, serialized) schedule names per strategy, as in ``bench step``
+SCHEDULE_NAMES = {"hsdp": ("overlap", "serial"), "hfsdp": ("hfsdp", "hfsdp-serial")}
+METRIC_KEYS = ("t_step_ms", "host_busy_ms", "exposed_comm_ms", "outer_tail_ms",
+               "comm_comm_overlap_ms", "lower_bound_ms")
+MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    model = p.add_argument_group("model")
+    model.add_argument("--model", choices=list(PRESETS), default="llama-8b",
+                       help="named sizes (default llama-8b); the options below override them")
+    for name in MODEL_FIELDS:
+        model.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    model.add_argument("--mbs", type=int, default=1, help="sequences per rank per microbatch")
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="microbatches per step (outer reduction on the last only)")
+    p.add_argument("--mesh", type=parse_mesh, default=(16, 8), help="OUTERxINNER (16x8)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="hsdp")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameter dtype")
+    p.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="fp32",
+                   help="gradient reduction dtype")
+    cost = p.add_argument_group("cost model")
+    cost.add_argument("--tflops", type=float, default=600.0,
+                      help="achieved TFLOP/s on the model's FLOPs (default 600)")
+    cost.add_argument("--mem-gbps", type=float, default=3000.0,
+                      help="memory GB/s of the optimizer and gradient copy-in (default 3000)")
+    cost.add_argument("--host-us-per-op", type=float, default=0.0,
+                      help="host time to issue one compute op, us (default 0)")
+    cost.add_argument("--host-us-per-side-op", type=float, default=0.0,
+                      help="host time to issue one collective / stream op, us (default 0)")
+    cost.add_argument("--calibrate-from", metavar="JSON", default=None,
+                      help="fit the compute and host costs to a `bench step` JSON (and the "
+                           "Chrome trace it names, if found): overrides the four above")
+    cost.add_argument("--inner-gbps", type=float, default=370.0, help="inner bus GB/s")
+    cost.add_argument("--outer-gbps", type=float, default=47.0, help="outer bus GB/s")
+    cost.add_argument("--latency-us", type=float, default=20.0, help="per collective, us")
+    p.add_argument("--sweep", nargs="+", metavar="KEY=V1,V2", default=None,
+                   help="what-if grid over nodes (outer), inner, seq, mbs, microbatches, "
+                        "outer_gbps, inner_gbps, reduce, strategy; e.g. nodes=2,8 seq=1024,4096")
+    p.add_argument("--json", default=None, metavar="PATH", help="write results here")
+    p.add_argument("--png", default=None, metavar="PATH",
+                   help="write the timeline (single run) or the sweep plot here")
+
+
+def resolve(args: argparse.Namespace) -> tuple[Setup, CostModel]:
+    """The setup and cost model the arguments describe (SystemExit on bad values)."""
+    try:
+        base = PRESETS[args.model]
+        overrides = {k: getattr(args, k) for k in MODEL_FIELDS
+                     if getattr(args, k) is not None and hasattr(base, k)}
+        if args.kv_heads is not None and not hasattr(base, "kv_heads"):
+            raise ValueError(f"--kv-heads does not apply to {args.model}")
+        outer, inner = args.mesh
+        setup = Setup(preset(args.model, **overrides), outer, inner, args.strategy, True,
+                      args.microbatches, args.mbs, args.dtype, args.reduce_dtype)
+        fabric = Fabric(Link(args.inner_gbps, args.latency_us),
+                        Link(args.outer_gbps, args.latency_us))
+        costs = CostModel(fabric, args.tflops, args.mem_gbps, args.host_us_per_op,
+                          args.host_us_per_side_op)
+        if args.calibrate_from:
+            costs = calibrate(args.calibrate_from, costs)
+    except ValueError as e:
+        raise SystemExit(f"hsdp sim: {e}") from None
+    return setup, costs
+
+
+def run(args: argparse.Namespace) -> int:
+    setup, costs = resolve(args)
+    if args.sweep:
+        try:
+            grid = parse_sweep(args.sweep)
+        except ValueError as e:
+            raise SystemExit(f"hsdp sim: {e}") from None
+        report = run_sweep(setup, costs, grid)
+        print_sweep(report)
+        if args.png:
+            from hsdp.sim.sweep import plot_sweep
+
+            plot_sweep(report, args.png)
+    else:
+        report, results = single(setup, costs)
+        print_single(report)
+        if args.png:
+            from hsdp.report.timeline import plot_timeline
+
+            plot_timeline({name: r.intervals for name, r in results.items()}, args.png)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def single(setup: Setup, costs: CostModel) -> tuple[dict, dict[str, SimResult]]:
+    """Overlapped and serialized schedules of ``setup``: the report and the results."""
+    results = {name: simulate(dataclasses.replace(setup, overlap_outer=overlap), costs)
+               for name, overlap in zip(SCHEDULE_NAMES[setup.strategy], (True, False),
+                                        strict=True)}
+    fast, slow = SCHEDULE_NAMES[setup.strategy]
+    saving = results[slow].t_step_ms - results[fast].t_step_ms
+    report = {
+        "meta": meta(setup, costs),
+        "schedules": {name: {"t_step_ms": r.t_step_ms,
+                             **{k: r.metrics[k] for k in METRIC_KEYS[1:]},
+                             "metrics": r.metrics,
+                             "intervals": [dataclasses.asdict(iv) for iv in r.intervals]}
+                      for name, r in results.items()},
+        "summary": {f"{fast}_vs_{slow}": {
+            "saving_ms": saving, "saving_pct": 100.0 * saving / results[slow].t_step_ms}},
+    }
+    return report, results
+
+
+def meta(setup: Setup, costs: CostModel) -> dict:
+    model = setup.model
+    return {"model": {**dataclasses.asdict(model), "mbs": setup.mbs,
+                      "microbatches": setup.microbatches, "dtype": setup.dtype,
+                      "reduce_dtype": setup.reduce_dtype},
+            "num_params": model.num_params,
+            "mesh": {"outer": setup.outer, "inner": setup.inner},
+            "strategy": setup.strategy,
+            "costs": {**dataclasses.asdict(costs)}}
+
+
+def describe(m: dict) -> str:
+    model, c = m["model"], m["costs"]
+    f = c["fabric"]
+    host = (f"measured phases ({len(c['phases'])})" if c["phases"] else
+            f"host {c['host_us_per_op']:g} us/op")
+    return (f"{model['arch']} {m['num_params'] / 1e9:.2f} B params, {model['layers']} layers, "
+            f"seq {model['seq']}, mbs {model['mbs']} x {model['microbatches']} microbatches, "
+            f"{model['dtype']} / reduce {model['reduce_dtype']}; mesh {m['mesh']['outer']}x"
+            f"{m['mesh']['inner']} (outer x inner), {m['strategy']}; {c['tflops']:.0f} "
+            f"TFLOP/s, {c['mem_gbps']:g} GB/s, {host}; inner {f['inner']['bus_gbps']:g} GB/s, "
+            f"outer {f['outer']['bus_gbps']:g} GB/s, {f['inner']['latency_us']:g} us")
+
+
+def print_single(report: dict) -> None:
+    rows = [[name, *(f"{s[c]:.2f}" for c in METRIC_KEYS)]
+            for name, s in report["schedules"].items()]
+    notes = [f"{pair.replace('_vs_', ' vs ')}: saves {v['saving_ms']:.2f} ms per step "
+             f"({v['saving_pct']:.1f}%)" for pair, v in report["summary"].items()]
+    print_table(f"sim: {describe(report['meta'])}", ["schedule", *METRIC_KEYS], rows,
+                [*notes, "lower bound = max(compute + last outer reduction, inner, outer busy)"])

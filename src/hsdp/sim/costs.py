@@ -1,0 +1,116 @@
+"""The cost model of ``hsdp sim``: seconds for every op of a recorded program.
+
+- Model compute (a unit's ``FWD`` / ``BWD`` / ``RECOMPUTE`` phase, and ops outside every
+  unit, e.g. the loss): the op's FLOPs (torch's flop formulas: matmuls and attention) at
+  ``tflops`` achieved. The model's other ops take no time of their own: a calibrated
+  ``tflops`` absorbs them. On the meta device attention runs as its math decomposition,
+  whose two batched matmuls are counted in full (no causal saving), as the calibration
+  counts them.
+- The runtime's own compute (``COPY_IN``: gradients into the reduce-scatter input) and
+  the optimizer (``OPTIMIZER``): memory bound, bytes read and written at ``mem_gbps``.
+  These are the same ops on the meta device as on a GPU, and their cost follows the
+  shard, not the FLOPs (hfsdp's optimizer works on 1/outer of hsdp's shard).
+- Collectives: their modelled time on the fabric (``hsdp.fabric``).
+- Host: ``host_us_per_op`` to issue each compute op, ``host_us_per_side_op`` per
+  side-stream op; everything else is free.
+- ``phases``: measured costs per phase class (``phase_class``: "BWD:LlamaBlock", ...)
+  and instance, e.g. from a traced ``bench step`` (``hsdp.sim.calibrate``), valid for
+  the setup they were measured on (``phases_key``). They replace the above for those
+  phases, spread over the instance's ops: device time in proportion to FLOPs (else
+  bytes, else evenly), host time evenly.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hsdp.fabric import Fabric
+from hsdp.streams import Program, ProgramOp
+
+MEMORY_PHASES = ("COPY_IN", "OPTIMIZER")
+Price = Callable[[ProgramOp], tuple[float, float]]
+
+
+def phase_kind(label: str) -> str:
+    """"FWD:LlamaBlock7" -> "FWD"; "" (outside every phase) -> ""."""
+    return label.split(":", 1)[0]
+
+
+def phase_class(label: str) -> str:
+    """A phase label without the runtime's unit numbers: "COPY_IN:LlamaBlock7/0" ->
+    "COPY_IN:LlamaBlock/0" (every block of a model shares one class)."""
+    return re.sub(r"(?<=[A-Za-z_])\d+(?=/|$)", "", label)
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    """Measured cost of one instance of a phase: host time to issue it, device time."""
+
+    host_ms: float
+    device_ms: float
+
+
+@dataclass(frozen=True)
+class CostModel:
+    fabric: Fabric = field(default_factory=Fabric)
+    tflops: float = 600.0
+    mem_gbps: float = 3000.0
+    host_us_per_op: float = 0.0
+    host_us_per_side_op: float = 0.0
+    phases: dict[str, PhaseCost] = field(default_factory=dict)
+    phases_key: str = ""  # the setup they were measured on (``Setup.phase_key``)
+
+    def __post_init__(self) -> None:
+        if self.tflops <= 0 or self.mem_gbps <= 0:
+            raise ValueError("sim: tflops and mem_gbps must be > 0")
+        if self.host_us_per_op < 0 or self.host_us_per_side_op < 0:
+            raise ValueError("sim: host costs must be >= 0")
+
+    def compute_seconds(self, op: ProgramOp) -> float:
+        """An op's device time by the FLOP / bandwidth model."""
+        if phase_kind(op.label) in MEMORY_PHASES:
+            return op.payload.nbytes / (self.mem_gbps * 1e9)
+        return op.payload.flops / (self.tflops * 1e12)
+
+    def pricer(self, program: Program) -> Price:
+        """``price(op) -> (host s, device s)`` for ``program``'s ops."""
+        shares = _Shares(program, self.phases) if self.phases else None
+        host_op, host_side = self.host_us_per_op * 1e-6, self.host_us_per_side_op * 1e-6
+
+        def price(op: ProgramOp) -> tuple[float, float]:
+            if op.kind == "compute":
+                measured = self.phases.get(phase_class(op.label)) if shares else None
+                if measured is None:
+                    return host_op, self.compute_seconds(op)
+                host_share, device_share = shares.of(op)
+                return (measured.host_ms * 1e-3 * host_share,
+                        measured.device_ms * 1e-3 * device_share)
+            if op.kind == "side":
+                return host_side, sum(self.fabric.seconds(*c) for c in op.payload)
+            return 0.0, 0.0
+
+        return price
+
+
+class _Shares:
+    """Each compute op's share of its phase instance (host: evenly; device: by FLOPs, else
+    bytes, else evenly)."""
+
+    def __init__(self, program: Program, phases: dict[str, PhaseCost]) -> None:
+        self.totals: dict[int, list[float]] = {}  # begin op -> [ops, flops, bytes]
+        for op in program.ops:
+            if op.kind == "compute" and op.phase >= 0:
+                t = self.totals.setdefault(op.phase, [0, 0.0, 0])
+                t[0] += 1
+                t[1] += op.payload.flops
+                t[2] += op.payload.nbytes
+
+    def of(self, op: ProgramOp) -> tuple[float, float]:
+        n, flops, nbytes = self.totals[op.phase]
+        if flops > 0:
+            return 1 / n, op.payload.flops / flops
+        if nbytes > 0:
+            return 1 / n, op.payload.nbytes / nbytes
+        return 1 / n, 1 / n

@@ -1,0 +1,230 @@
+"""Drive the runtime's own schedule on virtual streams and record what it issues.
+
+A ``Setup`` is built as ``bench step`` builds it (each block a ``fully_shard`` unit, the
+root last; AdamW; ``hsdp.microbatch`` over the microbatches), but on the meta device
+(no memory, no compute) and torch's fake process group posing as rank 0 of the mesh.
+The root unit gets virtual streams (``hsdp.streams.Streams.virtual``) and collectives
+that only report their sizes, and every op issued on compute is added to the program
+with its FLOPs and bytes (a dispatch mode). One warm-up step (it records the unit order
+and creates the optimizer state), then the measured step; ``Recording.evaluate`` prices
+and times it (``hsdp.sim.costs``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+import hsdp
+from hsdp.comm import Collectives
+from hsdp.models import ModelConfig, build_model, lm_loss
+from hsdp.policy import check_strategy
+from hsdp.report.args import DTYPES
+from hsdp.report.metrics import Interval, step_metrics
+from hsdp.sim.costs import CostModel
+from hsdp.streams import Program, Streams
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One configuration to simulate (what ``bench step`` would run)."""
+
+    model: ModelConfig
+    outer: int
+    inner: int
+    strategy: str = "hsdp"
+    overlap_outer: bool = True
+    microbatches: int = 1
+    mbs: int = 1
+    dtype: str = "bf16"
+    reduce_dtype: str = "fp32"
+    device: str = "meta"  # where the model is built (meta: no memory, no compute)
+
+    def __post_init__(self) -> None:
+        check_strategy(self.strategy)
+        if min(self.outer, self.inner, self.microbatches, self.mbs) < 1:
+            raise ValueError("sim: outer, inner, microbatches and mbs must be >= 1")
+        for d in (self.dtype, self.reduce_dtype):
+            if d not in DTYPES:
+                raise ValueError(f"sim: unknown dtype {d!r}; known: {', '.join(DTYPES)}")
+
+    def phase_key(self) -> str:
+        """What measured phase costs depend on: model, micro-batch size, dtypes."""
+        return json.dumps([dataclasses.asdict(self.model), self.mbs, self.dtype,
+                           self.reduce_dtype])
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """What a compute op costs, as the cost model sees it."""
+
+    name: str
+    flops: float
+    nbytes: int
+
+
+@dataclass
+class Recording:
+    """The program of a warm-up step and the measured step (from op ``start`` on), and
+    stable names for the runtime's unit labels (root: the model class; blocks: Block<i>)."""
+
+    setup: Setup
+    program: Program
+    start: int
+    names: dict[str, str]
+
+
+class _IssueCompute(TorchDispatchMode):
+    """Adds every kernel-launching op issued on compute to the program. Views launch
+    nothing; ops inside a side stream's closure belong to that stream's op; ops on
+    tensor subclasses (DTensor) are counted as the local ops they run.
+
+    Under a dispatch mode, in-place foreach ops (the optimizer's) leave the version
+    counters of the tensors they write unchanged; the runtime detects optimizer updates
+    by them (hfsdp's outer all-gather), so a write that did not bump one bumps it here.
+    """
+
+    def __init__(self, program: Program) -> None:
+        super().__init__()
+        self.program = program
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if DTensor in types:
+            return NotImplemented  # the optimizer's DTensors: counted as their local ops
+        if any(t not in (torch.Tensor, torch.nn.Parameter) for t in types):
+            return func(*args, **kwargs)  # e.g. DTensor's fake-tensor sharding propagation
+        written = _written(func, args, kwargs)
+        versions = [t._version for t in written]
+        out = func(*args, **kwargs)
+        for t, v in zip(written, versions):
+            if t._version == v:
+                torch.autograd.graph.increment_version(t)
+        if func.is_view or self.program.issuing_side_op:
+            return out
+        formula = flop_registry.get(func._overloadpacket)
+        flops = formula(*args, **kwargs, out_val=out) if formula else 0
+        nbytes = sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
+                     if isinstance(t, torch.Tensor))
+        self.program.compute(OpCost(str(func.name()), float(flops), nbytes))
+        return out
+
+
+def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors ``func`` writes in place (``Tensor(a!)`` arguments of its schema)."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(a.name)
+            out += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return out
+
+
+@contextmanager
+def fake_world(world: int) -> Iterator[None]:
+    """torch's fake process group of ``world`` ranks (this process is rank 0), unless one of
+    that size is already up (then it is left as it is)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_world_size() != world or dist.get_backend() != "fake":
+            raise RuntimeError(f"hsdp sim: needs torch's fake process group of {world} ranks; "
+                               f"a {dist.get_backend()} group of {dist.get_world_size()} is up")
+        yield
+        return
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def record(setup: Setup) -> Recording:
+    """Run a warm-up step and the measured step of ``setup`` on virtual streams."""
+    cfg = setup.model
+    with fake_world(setup.outer * setup.inner):
+        mesh = hsdp.init_mesh(setup.outer, setup.inner, "cpu")
+        with torch.device(setup.device):
+            model = build_model(cfg)
+        mp = hsdp.MixedPrecision(DTYPES[setup.dtype], DTYPES[setup.reduce_dtype])
+        for blk in model.blocks:
+            hsdp.fully_shard(blk, mesh=mesh, strategy=setup.strategy, mp_policy=mp,
+                             overlap_outer=setup.overlap_outer)
+        hsdp.fully_shard(model, mesh=mesh, strategy=setup.strategy, mp_policy=mp,
+                         overlap_outer=setup.overlap_outer)
+        root = model._hsdp_unit
+        root.streams = streams = Streams.virtual()
+        program = streams.program
+        root.collectives = Collectives(record=program.collective)
+        names = {root.label: type(model).__name__} | {
+            b._hsdp_unit.label: f"Block{i}" for i, b in enumerate(model.blocks)}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        tokens = torch.zeros(setup.mbs, cfg.seq, dtype=torch.long, device=setup.device)
+        with _IssueCompute(program):
+            _step(model, opt, tokens, 1)
+            start = len(program.ops)
+            _step(model, opt, tokens, setup.microbatches)
+    return Recording(setup, program, start, names)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor,
+          microbatches: int) -> None:
+    """A training step as ``bench step`` times it: until every stream is idle."""
+    for m in range(microbatches):
+        with hsdp.microbatch(model, is_last=m == microbatches - 1):
+            (lm_loss(model(tokens), tokens) / microbatches).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    hsdp.synchronize(model)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """The measured step on the virtual clock: ``intervals`` (us from the step's start;
+    side ops, FREE included, and compute by phase), their ``step_metrics`` plus
+    ``host_busy_ms``, and the step time (start to every stream idle, as ``bench step``)."""
+
+    intervals: list[Interval]
+    metrics: dict
+    t_step_ms: float
+
+
+def evaluate(rec: Recording, costs: CostModel) -> SimResult:
+    """Price and time ``rec``'s measured step (measured phase costs only if they were
+    measured on this setup's model)."""
+    if costs.phases and costs.phases_key != rec.setup.phase_key():
+        costs = dataclasses.replace(costs, phases={}, phases_key="")
+    timing = rec.program.evaluate(costs.pricer(rec.program), rec.start)
+    t0, t1 = timing.end_s[rec.start - 1], timing.end_s[-1]  # after each step's synchronize
+    units = "|".join(re.escape(k) for k in sorted(rec.names, key=len, reverse=True))
+    pattern = re.compile(f"(?<=:)({units})(?=/|$)")
+
+    def name(label: str) -> str:
+        return pattern.sub(lambda m: rec.names[m.group(0)], label)
+
+    intervals = [Interval(r.stream, name(r.label), (r.start_s - t0) * 1e6,
+                          (r.end_s - t0) * 1e6)
+                 for r in timing.records
+                 if r.stream != "compute" or not r.label.startswith(("wait:", "begin:", "end:"))]
+    metrics = step_metrics(intervals, (0.0, (t1 - t0) * 1e6))
+    metrics["host_busy_ms"] = timing.host_busy_s * 1e3
+    return SimResult(intervals, metrics, (t1 - t0) * 1e3)
+
+
+def simulate(setup: Setup, costs: CostModel) -> SimResult:
+    """Record ``setup``'s step and time it with ``costs``."""
+    return evaluate(record(setup), costs)

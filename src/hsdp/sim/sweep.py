@@ -1,0 +1,188 @@
+"""What-if grids: does overlapping the DP-outer reduction pay, and by how much?
+
+Each row simulates the overlapped and the serialized schedule of one setup and compares
+them with the lower bound of the step's work (``hsdp.report.metrics.step_metrics``).
+Keys that change what the runtime issues (mesh, model sizes, microbatches, dtypes,
+strategy) are recorded once per combination; fabric keys only re-time the recording.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+from hsdp.fabric import Link
+from hsdp.policy import STRATEGIES
+from hsdp.report.args import DTYPES
+from hsdp.report.table import print_table
+from hsdp.sim.costs import CostModel
+from hsdp.sim.engine import Setup, SimResult, evaluate, record
+
+# key -> (parser, applies to the recording (True) or only to the fabric (False))
+KEYS = {
+    "nodes": (int, True), "inner": (int, True), "seq": (int, True), "mbs": (int, True),
+    "microbatches": (int, True), "reduce": (str, True), "strategy": (str, True),
+    "outer_gbps": (float, False), "inner_gbps": (float, False),
+}
+PAYS_PCT = 1.0  # a saving of at least this share of the serialized step "pays"
+MARGINAL_PCT = 0.2
+
+
+def parse_sweep(items: list[str]) -> dict[str, list]:
+    """``["nodes=2,8", "seq=1024"]`` -> ``{"nodes": [2, 8], "seq": [1024]}``."""
+    grid: dict[str, list] = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or key not in KEYS or key in grid:
+            raise ValueError(f"bad --sweep item {item!r}: expected KEY=V1,V2,... once per key, "
+                             f"KEY among {', '.join(KEYS)}")
+        try:
+            grid[key] = [KEYS[key][0](v) for v in values.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"bad --sweep values in {item!r}") from None
+        if not grid[key]:
+            raise ValueError(f"bad --sweep item {item!r}: no values")
+        bad = [v for v in grid[key] if (key == "reduce" and v not in DTYPES)
+               or (key == "strategy" and v not in STRATEGIES)
+               or (KEYS[key][0] is not str and v <= 0)]
+        if bad:
+            raise ValueError(f"bad --sweep values for {key}: {bad}")
+    return grid
+
+
+def _setup(base: Setup, point: dict) -> Setup:
+    model = base.model
+    if "seq" in point:
+        model = dataclasses.replace(model, seq=point["seq"])
+    changes = {"nodes": "outer", "inner": "inner", "mbs": "mbs", "microbatches": "microbatches",
+               "reduce": "reduce_dtype", "strategy": "strategy"}
+    return dataclasses.replace(base, model=model, **{changes[k]: v for k, v in point.items()
+                                                      if k in changes})
+
+
+def _costs(base: CostModel, point: dict) -> CostModel:
+    f = base.fabric
+    inner = Link(point.get("inner_gbps", f.inner.bus_gbps), f.inner.latency_us)
+    outer = Link(point.get("outer_gbps", f.outer.bus_gbps), f.outer.latency_us)
+    return dataclasses.replace(base, fabric=dataclasses.replace(f, inner=inner, outer=outer))
+
+
+def run_sweep(base: Setup, costs: CostModel, grid: dict[str, list],
+              progress=print) -> dict:
+    """Every point of ``grid`` (a full product) on top of ``base``: the report."""
+    keys = list(grid)
+    rec_keys = [k for k in keys if KEYS[k][1]]
+    fab_keys = [k for k in keys if not KEYS[k][1]]
+    rows = []
+    combos = list(itertools.product(*(grid[k] for k in rec_keys)))
+    for n, values in enumerate(combos, 1):
+        point = dict(zip(rec_keys, values))
+        setup = _setup(base, point)
+        progress(f"sim sweep {n}/{len(combos)}: {point}")
+        recs = {o: record(dataclasses.replace(setup, overlap_outer=o)) for o in (True, False)}
+        for fab in itertools.product(*(grid[k] for k in fab_keys)):
+            full = {**point, **dict(zip(fab_keys, fab))}
+            c = _costs(costs, full)
+            rows.append(row({k: full[k] for k in keys}, evaluate(recs[True], c),
+                            evaluate(recs[False], c), setup))
+    return {"meta": {"base": _describe(base, costs), "grid": grid}, "rows": rows}
+
+
+def _describe(base: Setup, costs: CostModel) -> dict:
+    return {"model": dataclasses.asdict(base.model), "mesh": [base.outer, base.inner],
+            "strategy": base.strategy, "microbatches": base.microbatches, "mbs": base.mbs,
+            "dtype": base.dtype, "reduce_dtype": base.reduce_dtype,
+            "costs": dataclasses.asdict(costs)}
+
+
+def last_backward_ms(r: SimResult) -> float:
+    """Compute time of the last microbatch's backward (and copy-in): what the inner and
+    outer reductions can hide behind."""
+    compute = [iv for iv in r.intervals if iv.stream == "compute"]
+    last_fwd = max((iv.end_us for iv in compute if iv.label.startswith("FWD:")), default=0.0)
+    return sum(iv.end_us - iv.start_us for iv in compute if iv.start_us >= last_fwd
+               and iv.label.startswith(("BWD:", "COPY_IN:", "RECOMPUTE:"))) / 1e3
+
+
+def row(point: dict, over: SimResult, ser: SimResult, setup: Setup) -> dict:
+    """One sweep row: both step times, the bound, the saving and the verdict line."""
+    saving = ser.t_step_ms - over.t_step_ms
+    pct = 100.0 * saving / ser.t_step_ms
+    busy = over.metrics["busy_ms"]["by_kind"]
+    rs, outer, compute = busy["inner_rs"], busy["outer"], busy["compute"]
+    rs_last = rs / setup.microbatches  # the reductions of the last microbatch
+    backward = last_backward_ms(over)
+    if outer >= compute:
+        why = f"the outer link is the bottleneck (outer {outer:.1f} ms >= compute {compute:.1f})"
+    elif rs_last + outer > backward:
+        why = (f"serialized, the last backward's RS + outer ({rs_last + outer:.1f} ms) outlast "
+               f"its compute ({backward:.1f} ms)")
+    else:
+        why = (f"RS + outer ({rs_last + outer:.1f} ms) hide behind the last backward "
+               f"({backward:.1f} ms) either way: only the tail differs")
+    verdict = ("pays" if pct >= PAYS_PCT else "marginal" if pct >= MARGINAL_PCT
+               else "does not pay")
+    return {**point, "t_overlap_ms": over.t_step_ms, "t_serial_ms": ser.t_step_ms,
+            "lower_bound_ms": over.metrics["lower_bound_ms"], "saving_ms": saving,
+            "saving_pct": pct, "compute_ms": compute, "inner_rs_ms": rs,
+            "inner_ag_ms": busy["inner_ag"], "outer_ms": outer,
+            "host_ms": over.metrics["host_busy_ms"], "last_backward_ms": backward,
+            "verdict": verdict, "line": f"{verdict}: saves {saving:.1f} ms ({pct:.1f}%); {why}"}
+
+
+def print_sweep(report: dict) -> None:
+    keys = list(report["meta"]["grid"])
+    headers = [*keys, "overlap ms", "serial ms", "bound ms", "saving ms", "saving %",
+               "verdict"]
+    cells = [[str(r[k]) for k in keys] + [f"{r['t_overlap_ms']:.1f}", f"{r['t_serial_ms']:.1f}",
+                                         f"{r['lower_bound_ms']:.1f}", f"{r['saving_ms']:.2f}",
+                                         f"{r['saving_pct']:.1f}", r["verdict"]]
+             for r in report["rows"]]
+    print_table("sim sweep: overlapped vs serialized outer reduction", headers, cells,
+                ["bound: max(compute + last outer reduction, inner busy, outer busy)"])
+    for r in report["rows"]:
+        print(" ".join(f"{k}={r[k]}" for k in keys) + f": {r['line']}")
+
+
+def plot_sweep(report: dict, path: str | Path, x: str | None = None) -> Path:
+    """Saving (ms, %) and step time over the lower bound (overlapped solid, serialized
+    dashed) against the sweep key ``x`` (default: outer_gbps if swept, else the last
+    key), one line per combination of the other keys."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    keys = list(report["meta"]["grid"])
+    x = x or ("outer_gbps" if "outer_gbps" in keys else keys[-1])
+    others = [k for k in keys if k != x]
+    lines: dict[tuple, list[dict]] = {}
+    for r in report["rows"]:
+        lines.setdefault(tuple(r[k] for k in others), []).append(r)
+    fig = Figure(figsize=(15, 4.5))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 3)
+    for i, (combo, rows) in enumerate(lines.items()):
+        rows = sorted(rows, key=lambda r: r[x])
+        xs = [r[x] for r in rows]
+        label = ", ".join(f"{k}={v}" for k, v in zip(others, combo)) or "all"
+        color = f"C{i % 10}"
+        axes[0].plot(xs, [r["saving_ms"] for r in rows], "o-", color=color, label=label)
+        axes[1].plot(xs, [r["saving_pct"] for r in rows], "o-", color=color)
+        axes[2].plot(xs, [r["t_overlap_ms"] / r["lower_bound_ms"] for r in rows], "o-",
+                     color=color)
+        axes[2].plot(xs, [r["t_serial_ms"] / r["lower_bound_ms"] for r in rows], "x--",
+                     color=color)
+    titles = ("overlap's saving (ms)", "overlap's saving (% of serialized)",
+              "step / lower bound (solid: overlapped, dashed: serialized)")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(x)
+        if x.endswith("gbps") or x in ("nodes", "seq", "microbatches"):
+            ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[1].axhline(PAYS_PCT, color="gray", lw=0.8, ls=":")
+    fig.legend(loc="lower center", ncol=min(4, len(lines)), fontsize=7)
+    fig.tight_layout(rect=(0, 0.06 + 0.025 * (len(lines) // 4), 1, 1))
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    return path

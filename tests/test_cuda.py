@@ -53,3 +53,19 @@ def test_peak_memory_grows_only_by_sharded_state():
     # hsdp on 2x4: main weights, grad accumulation, momentum: 1/4 of a unit each.
     assert big["peak"] - small["peak"] <= 8 * unit * 3 / 4 + unit
     assert big["steady"] - small["steady"] <= 8 * unit * 3 / 4 + unit
+
+
+def test_checkpoint_save_and_load_with_nccl(tmp_path):
+    """hsdp.save (sync and async) and hsdp.load on CUDA with NCCL at world size 1: the
+    loaded model and AdamW state equal the saved ones (bench ckpt's check, small model)."""
+    out = tmp_path / "ckpt.json"
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src"), NCCL_NVLS_ENABLE="0",
+               TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "hsdp", "bench", "ckpt", "--device", "cuda", "--nproc", "1",
+         "--model", "gpt", "--layers", "2", "--set", "hidden=256", "--set", "heads=4",
+         "--set", "ffn=512", "--set", "vocab=1024", "--set", "seq=128", "--repeats", "1",
+         "--dir", str(tmp_path / "d"), "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert json.loads(out.read_text())["load_equal"]

@@ -1,6 +1,7 @@
 """hsdp: hybrid-sharded data parallel with the DP-outer reduction on its own stream."""
 
 from hsdp.api import clip_grad_norm_, fully_shard, microbatch, synchronize
+from hsdp.checkpoint import get_state_dict, load, save, set_state_dict
 from hsdp.mesh import NcclConfig, init_mesh
 from hsdp.policy import MixedPrecision
 from hsdp.state import full_state_dict, load_full_state_dict
@@ -13,8 +14,12 @@ __all__ = [
     "clip_grad_norm_",
     "full_state_dict",
     "fully_shard",
+    "get_state_dict",
     "init_mesh",
+    "load",
     "load_full_state_dict",
     "microbatch",
+    "save",
+    "set_state_dict",
     "synchronize",
 ]

@@ -11,6 +11,7 @@ import sys
 # of its docstring is the help text. To add ``bench step`` or ``demo``, write the module
 # and add ``("bench", "step"): "hsdp.bench.step"`` or ``("demo",): "hsdp.demo"`` here.
 COMMANDS: dict[tuple[str, ...], str] = {
+    ("bench", "ckpt"): "hsdp.bench.ckpt",
     ("bench", "collectives"): "hsdp.bench.collectives",
     ("bench", "step"): "hsdp.bench.step",
     ("demo",): "hsdp.demo",

@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.device_mesh import DeviceMesh
 
+from hsdp.checkpoint import load_state_dict_hook, state_dict_hook
 from hsdp.group import ParamGroup, Slot, owner
 from hsdp.mesh import comm_groups
 from hsdp.module import adopt
@@ -70,6 +71,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
     unit = Unit(module, label, groups, mesh, device, overlap_outer)
     adopt(inner)
     inner._hsdp_unit = unit
+    inner.register_state_dict_post_hook(state_dict_hook)
+    inner.register_load_state_dict_pre_hook(load_state_dict_hook)
     return module
 
 

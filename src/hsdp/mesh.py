@@ -175,3 +175,17 @@ def _nccl_options(cfg: NcclConfig | None):
         if v is not None:
             setattr(opts.config, k, v)
     return opts
+
+
+_HOST_GROUPS: dict[tuple[int, str], dist.ProcessGroup] = {}
+
+
+def host_group(purpose: str = "host") -> dist.ProcessGroup:
+    """A gloo group over every rank for host-side coordination (objects, barriers,
+    checkpoint planning), one per ``purpose``, created on first use (a collective call):
+    never a CUDA collective on the default group. A background user (an asynchronous
+    checkpoint) needs a group of its own: two threads must not share one."""
+    key = (id(dist.distributed_c10d._get_default_group()), purpose)
+    if key not in _HOST_GROUPS:
+        _HOST_GROUPS[key] = dist.new_group(backend="gloo")
+    return _HOST_GROUPS[key]

@@ -97,3 +97,12 @@ def checkpoint_view(local: torch.Tensor, dspec: DTensorSpec, start: int,
     local = local.view(-1)  # a fresh alias: the hooks are attributes of the tensor object
     attach_chunks(local, tuple(dspec.shape), start, length)
     return as_dtensor(local, dspec)
+
+
+def same_layout(state: torch.Tensor, param: DTensor) -> bool:
+    """Whether ``state`` (optimizer state of ``param``) is laid out like ``param``'s piece:
+    a DTensor on the same mesh with the same placements, shape and local size."""
+    return (isinstance(state, DTensor) and state.shape == param.shape
+            and state.placements == param.placements
+            and state.device_mesh == param.device_mesh
+            and state._local_tensor.numel() == param._local_tensor.numel())

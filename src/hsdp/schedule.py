@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
@@ -37,6 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hsdp.comm import Collectives
 from hsdp.group import ParamGroup, owner
+from hsdp.pieces import same_layout
 from hsdp.streams import Event, Streams, Tracer
 
 MAX_PENDING_RS = 4  # RS inputs awaiting release (a unit's post-backward releases them)
@@ -144,6 +146,7 @@ class Runtime:
         for u in self.units:
             for g in u.trainable:
                 g.on_all_grads = self._reduce
+        self._checked_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         _RUNTIMES.add(self)
 
     # ------------------------------------------------------------------ order
@@ -365,6 +368,29 @@ class Runtime:
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
         return any(id(p) in self.param_ids for pg in optimizer.param_groups for p in pg["params"])
 
+    def _check_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse, on every rank and before the step, optimizer state laid out for another
+        mesh or strategy (a per-rank ``optimizer.state_dict()`` loaded elsewhere). Checked
+        when the state changed size or was replaced (first steps, loads): one tiny
+        all-reduce then, none otherwise."""
+        key = (id(optimizer.state), len(optimizer.state))
+        if self._checked_state.get(optimizer) == key:
+            return
+        self._checked_state[optimizer] = key
+        bad = next((k for p, st in optimizer.state.items() if owner(p) is not None
+                    for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0
+                    and not same_layout(v, p)), None)
+        flag = torch.tensor([0.0 if bad is None else 1.0], device=self.root.device)
+        for dim in ("inner", "outer"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.root.mesh.get_group(dim))
+        if flag.item():
+            del self._checked_state[optimizer]
+            raise RuntimeError(
+                "hsdp: the optimizer state does not match this model's sharding (a per-rank "
+                "optimizer.state_dict() taken on another mesh or strategy?); the step was "
+                "not taken. Save and load with hsdp.save / hsdp.load (or hsdp.get_state_dict "
+                "/ hsdp.set_state_dict with torch.distributed.checkpoint), which reshard.")
+
     def _before_optimizer_step(self) -> None:
         if self.phase == "backward":
             raise RuntimeError("hsdp: optimizer.step() called during backward")
@@ -412,6 +438,7 @@ def _optimizer_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     for rt in list(_RUNTIMES):
         if rt._owns(optimizer):
             rt._before_optimizer_step()
+            rt._check_optimizer_state(optimizer)
 
 
 def _optimizer_post_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -1,15 +1,18 @@
-"""Checkpoint views of a sharded model."""
+"""Full (unsharded) state dicts of a sharded model: export and initialization."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp.comm import Collectives
-from hsdp.group import owner
+from hsdp.group import ParamGroup, owner
+from hsdp.mesh import host_group
 
 
-def _quiesce(model: nn.Module, what: str) -> None:
+def quiesce(model: nn.Module, what: str) -> None:
     """Wait for every stream; refuse during forward / backward."""
     unit = getattr(model, "_hsdp_unit", None)
     if unit is not None and unit.runtime is not None:
@@ -18,50 +21,122 @@ def _quiesce(model: nn.Module, what: str) -> None:
         unit.runtime.synchronize()
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded parameters under the model's own names and dtypes, on CPU, identical on
-    every rank. A collective: every rank must call it. Buffers are included as they are."""
-    _quiesce(model, "full_state_dict")
-    coll = Collectives()
-    flats: dict[int, torch.Tensor] = {}
+def _entries(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state-dict keys (tied parameters under every name, persistent buffers)
+    with the live parameters / buffers."""
+    return model.state_dict(keep_vars=True)
+
+
+def full_state_dict(model: nn.Module, *, rank0_only: bool = False,
+                    cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+    """Unsharded parameters and buffers under the model's own state-dict keys (tied
+    parameters under each of their names) and dtypes. A collective: every rank must call
+    it. Gathers one parameter group at a time, so besides the result a rank holds at most
+    one group's (<= one unit's) full parameters. ``rank0_only``: only rank 0 keeps the
+    tensors, the others return ``{}``. ``cpu_offload``: results on CPU (else on the
+    model's device)."""
+    quiesce(model, "full_state_dict")
+    keep = not rank0_only or dist.get_rank() == 0
+    entries = _entries(model)
+    groups: dict[ParamGroup, list[tuple[str, int]]] = {}
     out: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        managed = owner(p)
-        if managed is None:
-            out[name] = p.detach().cpu().clone()
-            continue
-        group, idx = managed
-        if id(group) not in flats:
-            flats[id(group)] = group.full_flat(coll)
-        off, shape = group.layout.offsets[idx], group.layout.shapes[idx]
-        n = group.unsharded[idx].numel()
-        out[name] = flats[id(group)][off:off + n].view(shape).cpu().clone()
-    for name, b in model.named_buffers():
-        out[name] = b.detach().cpu().clone()
-    return out
+    for key, t in entries.items():
+        managed = owner(t)
+        if managed is not None:
+            groups.setdefault(managed[0], []).append((key, managed[1]))
+        elif keep:
+            out[key] = _keep(t.detach(), cpu_offload)
+    coll = Collectives()
+    for group, members in groups.items():
+        flat = group.full_flat(coll)
+        if keep:
+            for key, idx in members:
+                off, shape = group.layout.offsets[idx], group.layout.shapes[idx]
+                n = group.layout.numels[idx]
+                out[key] = _keep(flat[off:off + n].view(shape), cpu_offload)
+        del flat  # before the next group's is gathered
+    return {k: out[k] for k in entries if k in out}
+
+
+def _keep(t: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
+    return t.to("cpu", copy=True) if cpu_offload else t.clone()
 
 
 @torch.no_grad()
-def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load unsharded tensors (as ``full_state_dict`` returns them) into the shards. Every
-    rank passes the same full state; no communication. Keys and shapes must match."""
-    _quiesce(model, "load_full_state_dict")
-    own = dict(model.named_parameters())
-    own.update(model.named_buffers())
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise KeyError(f"hsdp.load_full_state_dict: missing keys {missing}, unexpected keys "
-                       f"{unexpected}")
-    for name, t in own.items():
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None, *,
+                         from_rank0: bool = False) -> None:
+    """Load unsharded tensors (``full_state_dict``'s, or a plain model's ``state_dict()``)
+    into the shards. Keys and shapes must match (of tied parameters one name suffices);
+    a mismatch raises before anything is written. Every rank passes the same ``state``,
+    or with ``from_rank0=True`` only rank 0 does (the others may pass None) and each
+    tensor is broadcast from it over the mesh (a collective)."""
+    quiesce(model, "load_full_state_dict")
+    entries = _entries(model)
+    error, present = None, None
+    if not from_rank0 or dist.get_rank() == 0:
+        error = _mismatch(entries, state or {})
+        present = [k for k in entries if k in (state or {})]
+    if from_rank0:  # every rank raises the same error, or none does
+        verdict = [error, present]
+        dist.broadcast_object_list(verdict, src=0, group=host_group())
+        error, present = verdict
+    if error is not None:
+        raise error
+    mesh = _mesh(model)
+    done: set[int] = set()
+    for key in present:
+        t = entries[key]
+        if id(t) in done:  # a tied parameter's alias
+            continue
+        done.add(id(t))
+        full = _broadcast(state[key] if dist.get_rank() == 0 else None, t, mesh) \
+            if from_rank0 else state[key]
         managed = owner(t)
-        full = state[name]
         if managed is None:
             t.copy_(full)
             continue
         group, idx = managed
-        if tuple(full.shape) != group.layout.shapes[idx]:
-            raise ValueError(f"hsdp.load_full_state_dict: {name} has shape "
-                             f"{tuple(full.shape)}, the model's is {group.layout.shapes[idx]}")
         start, local = group.shard_starts[idx], group.local(idx)
         # In place: hfsdp sees the version bump and re-gathers its inner shard.
         local.copy_(full.reshape(-1)[start:start + local.numel()])
+
+
+def _mismatch(entries: dict[str, torch.Tensor],
+              state: dict[str, torch.Tensor]) -> Exception | None:
+    """The first mismatch between the model's entries and ``state``, as an exception."""
+    covered = {id(t) for k, t in entries.items() if k in state}
+    missing = sorted(k for k, t in entries.items() if id(t) not in covered)
+    unexpected = sorted(set(state) - set(entries))
+    if missing or unexpected:
+        return KeyError(f"hsdp.load_full_state_dict: missing keys {missing}, unexpected keys "
+                        f"{unexpected}")
+    for key, t in entries.items():
+        if key in state and tuple(state[key].shape) != tuple(t.shape):
+            return ValueError(f"hsdp.load_full_state_dict: {key} has shape "
+                              f"{tuple(state[key].shape)}, the model's is {tuple(t.shape)}")
+    return None
+
+
+def _mesh(model: nn.Module) -> DeviceMesh | None:
+    unit = getattr(model, "_hsdp_unit", None)
+    return None if unit is None else unit.mesh
+
+
+def _broadcast(full: torch.Tensor | None, like: torch.Tensor,
+               mesh: DeviceMesh | None) -> torch.Tensor:
+    """Rank 0's tensor on every rank: along outer (to inner rank 0 of every row), then
+    along inner; on the mesh's device groups."""
+    device = like._local_tensor.device if hasattr(like, "_local_tensor") else like.device
+    out = (full.to(device=device, dtype=like.dtype) if dist.get_rank() == 0
+           else torch.empty(like.shape, dtype=like.dtype, device=device))
+    if mesh is None:
+        dist.broadcast(out, src=0)
+        return out
+    coords = mesh.get_coordinate()
+    for dim in ("outer", "inner"):
+        if dim == "outer" and coords[1] != 0:
+            continue  # rows get it from their inner rank 0 next
+        group = mesh.get_group(dim)
+        dist.broadcast(out, src=dist.get_global_rank(group, 0), group=group)
+    return out
+

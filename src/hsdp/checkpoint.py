@@ -1,0 +1,369 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP).
+
+State dicts hold hsdp's parameters and optimizer state as DTensors over this rank's flat
+pieces, each carrying DCP chunk hooks that describe the piece as row-major boxes of the
+global tensor (``pieces.py``). Why that representation: every rank writes only what it owns
+(no all-gather, no full-size tensor), and DCP's default planners match saved and wanted
+boxes by global offsets, so a checkpoint loads on another mesh, strategy or world size.
+
+``save`` writes into a hidden sibling directory and publishes it by atomically switching
+the ``path`` symlink, so a save that dies midway leaves the previous checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from hsdp.group import owner
+from hsdp.mesh import host_group
+from hsdp.pieces import attach_chunks
+from hsdp.state import quiesce
+
+ModelState = dict[str, Any]
+OptimState = dict[str, Any]
+
+
+# ---------------------------------------------------------------- module hooks
+
+def _managed_slots(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Parameter]]:
+    """(state-dict key, sharded parameter) for every hsdp parameter slot under ``module``,
+    aliases (tied weights) included."""
+    for mname, m in module.named_modules(remove_duplicate=False):
+        for pname, p in m._parameters.items():
+            if p is not None and owner(p) is not None:
+                yield f"{prefix}{mname}.{pname}" if mname else prefix + pname, p
+
+
+def state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, _meta: Any) -> None:
+    """``model.state_dict()``: hsdp's parameters as checkpoint DTensors (this rank's piece
+    with DCP chunk metadata), not the bare local pieces."""
+    groups = module._hsdp_unit.groups
+    for key, p in _managed_slots(module, prefix):
+        group, idx = owner(p)
+        if group in groups and key in state_dict and state_dict[key] is not p:
+            state_dict[key] = group.checkpoint_view(idx)
+
+
+def load_state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+    """``model.load_state_dict()``: accept hsdp checkpoint DTensors of the same pieces (as
+    ``state_dict()`` gives them) or full tensors (a plain model's state dict, the same on
+    every rank); anything else raises before any parameter is written."""
+    todo = [(key, p, state_dict[key]) for key, p in _managed_slots(module, prefix)
+            if key in state_dict and state_dict[key] is not p]
+    sources = [_piece_of(key, p, value) for key, p, value in todo]
+    with torch.no_grad():
+        for (key, p, _), src in zip(todo, sources):
+            group, idx = owner(p)
+            group.local(idx).copy_(src)  # bumps main's version: hfsdp re-gathers
+            state_dict[key] = p  # torch's own copy is then a no-op
+
+
+def _piece_of(key: str, p: nn.Parameter, value: Any) -> torch.Tensor:
+    group, idx = owner(p)
+    start, length = group.shard_starts[idx], group.local(idx).numel()
+    if isinstance(value, DTensor):
+        piece = getattr(value._local_tensor, "_hsdp_piece", None)
+        if (piece != (p.shape, start, length) or value.device_mesh != p.device_mesh
+                or value.placements != p.placements):
+            raise ValueError(
+                f"hsdp: {key} is a DTensor sharded differently from this model (another "
+                f"mesh, strategy or library); load it with hsdp.load or hsdp.set_state_dict "
+                f"after torch.distributed.checkpoint.load, which reshard")
+        return value._local_tensor.reshape(-1)[:length]
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"hsdp: {key} must be a tensor, got {type(value).__name__}")
+    if value.shape != p.shape:
+        raise ValueError(f"hsdp: {key} has shape {tuple(value.shape)}, the model's is "
+                         f"{tuple(p.shape)}")
+    return value.reshape(-1)[start:start + length]
+
+
+# ---------------------------------------------------------------- state dicts
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its first name (the one ``named_parameters`` yields)."""
+    return {id(p): name for name, p in reversed(list(model.named_parameters()))}
+
+
+def get_state_dict(model: nn.Module,
+                   optimizer: torch.optim.Optimizer | None = None) -> tuple[ModelState,
+                                                                            OptimState]:
+    """``(model_state_dict, optim_state_dict)`` for ``torch.distributed.checkpoint.save`` /
+    ``load``: original names and global shapes; each rank's values are views of what it
+    owns (nothing is gathered or copied). The optimizer state is keyed by parameter name
+    and sharded like the parameters. A fresh optimizer gets its state initialized first (a
+    step with lr 0 on zero gradients), so that ``dcp.load`` has tensors to load into."""
+    quiesce(model, "get_state_dict")
+    model_sd = model.state_dict()
+    if optimizer is None:
+        return model_sd, {}
+    _init_optimizer_state(optimizer)
+    names = _param_names(model)
+    state: dict[str, dict[str, Any]] = {}
+    for p, st in optimizer.state.items():
+        name = _name_of(names, p)
+        state[name] = {k: _state_view(p, name, k, v) for k, v in st.items()}
+    groups = [{**{k: v for k, v in pg.items() if k != "params"},
+               "params": [_name_of(names, p) for p in pg["params"]]}
+              for pg in optimizer.param_groups]
+    return model_sd, {"state": state, "param_groups": groups}
+
+
+def _name_of(names: dict[int, str], p: torch.Tensor) -> str:
+    if id(p) not in names:
+        raise ValueError("hsdp: the optimizer holds a tensor that is not a parameter of the "
+                         "model (was it built before fully_shard?)")
+    return names[id(p)]
+
+
+def _state_view(p: torch.Tensor, name: str, key: str, value: Any) -> Any:
+    """Optimizer state laid out like its parameter's piece -> a checkpoint DTensor."""
+    managed = owner(p)
+    if managed is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    group, idx = managed
+    if not (isinstance(value, DTensor) and value._spec == p._spec
+            and value._local_tensor.numel() == p._local_tensor.numel()):
+        raise ValueError(
+            f"hsdp: optimizer state {name}.{key} is not laid out like its parameter (shape "
+            f"{tuple(value.shape)}); hsdp checkpoints support elementwise optimizer state")
+    return group.checkpoint_view(idx, value._local_tensor)
+
+
+@torch.no_grad()
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state of every parameter that has none: one step with lr 0 on zero
+    gradients (the parameters do not change), the existing gradients restored after."""
+    params = [p for pg in optimizer.param_groups for p in pg["params"] if p.requires_grad]
+    if all(p in optimizer.state for p in params):
+        return
+    grads = [p.grad for p in params]
+    lrs = [pg["lr"] for pg in optimizer.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for pg in optimizer.param_groups:
+            pg["lr"] = torch.zeros_like(pg["lr"]) if torch.is_tensor(pg["lr"]) else 0.0
+        optimizer.step()
+    finally:
+        for pg, lr in zip(optimizer.param_groups, lrs):
+            pg["lr"] = lr
+        for p, g in zip(params, grads):
+            p.grad = g
+
+
+def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                   model_state_dict: ModelState,
+                   optim_state_dict: OptimState | None = None) -> None:
+    """Load what ``torch.distributed.checkpoint.load`` read into ``get_state_dict``'s
+    dicts: the model's values (already in place when loaded into those views) and the
+    optimizer's state and hyperparameters."""
+    quiesce(model, "set_state_dict")
+    model.load_state_dict(model_state_dict)
+    if optimizer is None or not optim_state_dict:
+        return
+    names = _param_names(model)
+    index: dict[str, int] = {}
+    for p in (p for pg in optimizer.param_groups for p in pg["params"]):
+        index.setdefault(_name_of(names, p), len(index))
+    state = {index[name]: st for name, st in optim_state_dict["state"].items()}
+    groups = [{**pg, "params": [index[n] for n in pg["params"]]}
+              for pg in optim_state_dict["param_groups"]]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# ---------------------------------------------------------------- save / load
+
+class SaveHandle:
+    """An asynchronous ``save`` in flight. ``wait()`` (a collective: call it on every rank)
+    returns once the checkpoint is written and published at its path."""
+
+    def __init__(self, path: str, future: Future, publish: Any) -> None:
+        self.path = path
+        self._published = threading.Event()
+        self._error: BaseException | None = None
+
+        def done(f: Future) -> None:  # on DCP's upload thread: publish without a wait()
+            try:
+                f.result()
+                publish()
+            except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+                self._error = e
+            self._published.set()
+
+        future.add_done_callback(done)
+        self._waited = False
+
+    def done(self) -> bool:
+        return self._published.is_set()
+
+    def wait(self) -> None:
+        if self._waited:
+            return
+        self._waited = True
+        self._published.wait()
+        error = self._error
+        dist.barrier(group=host_group())  # every rank sees the published checkpoint
+        if error is not None:
+            raise _save_failed(self.path, error) from error
+
+
+_PENDING: list[SaveHandle] = []
+class _Writer(FileSystemWriter):
+    """DCP's file writer whose asynchronous staging keeps hsdp's chunk hooks (DCP's own
+    CPU copy would drop them and fall back to the DTensor placements)."""
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return _to_cpu(state_dict)
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    if isinstance(obj, DTensor):
+        local = obj._local_tensor.detach().to("cpu", copy=True)
+        size, start, length = obj._local_tensor._hsdp_piece
+        attach_chunks(local, tuple(size), start, length)
+        return DTensor(local, obj._spec, requires_grad=False)
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    return obj
+
+
+def save(path: str | os.PathLike, model: nn.Module,
+         optimizer: torch.optim.Optimizer | None = None, *,
+         async_save: bool = False) -> SaveHandle | None:
+    """Save model (and optimizer) to directory ``path`` with DCP; every rank writes its own
+    pieces. A collective. The data goes to a hidden sibling directory first; ``path``
+    (a symlink) is switched to it atomically once every rank has written, so an
+    interrupted save leaves the previous checkpoint at ``path`` intact.
+
+    ``async_save=True``: the state is copied to CPU, then written in the background while
+    training goes on; returns a handle whose ``wait()`` (on every rank) blocks until the
+    checkpoint is published. A later save first waits for the earlier one."""
+    while _PENDING:
+        _PENDING.pop(0).wait()
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path) and not os.path.islink(path):
+        raise FileExistsError(f"hsdp.save: {path} is a directory, not an hsdp checkpoint "
+                              f"(hsdp publishes checkpoints as a symlink); choose a new path")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    group = host_group()
+    staging = _staging_dir(path)
+    if dist.get_rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    dist.barrier(group=group)
+    writer = _Writer(staging)
+
+    def publish() -> None:
+        if dist.get_rank() == 0:
+            _publish(path, staging)
+
+    if async_save:  # DCP's upload thread gets a group of its own (see host_group)
+        handle = SaveHandle(path, dcp.async_save(state, storage_writer=writer,
+                                                 process_group=host_group("async save")),
+                            publish)
+        _PENDING.append(handle)
+        return handle
+    try:
+        dcp.save(state, storage_writer=writer, process_group=group)
+    except CheckpointException as e:  # a BaseException: keep it catchable as an error
+        raise _save_failed(path, e) from e
+    publish()
+    dist.barrier(group=group)
+    return None
+
+
+def _save_failed(path: str, error: BaseException) -> RuntimeError:
+    return RuntimeError(f"hsdp.save: writing {path} failed; the checkpoint previously at "
+                        f"that path (if any) is unchanged. {error}")
+
+
+def _staging_dir(path: str) -> str:
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
+
+
+def _publish(path: str, staging: str) -> None:
+    """Move the finished ``staging`` directory to a unique name and point ``path`` at it
+    (``os.replace`` of a symlink is atomic), then drop the previous target."""
+    parent, base = os.path.dirname(path), os.path.basename(path)
+    final = os.path.join(parent, f".{base}.{uuid.uuid4().hex}")
+    os.rename(staging, final)
+    old = os.path.realpath(path) if os.path.islink(path) else None
+    link = final + ".link"
+    os.symlink(os.path.basename(final), link)
+    os.replace(link, path)
+    if old is not None and old != final:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load(path: str | os.PathLike, model: nn.Module,
+         optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a checkpoint written by ``save`` (on any mesh, strategy or world size) into
+    ``model`` (and ``optimizer``). A collective. Names and shapes are checked against the
+    checkpoint first: a mismatch raises an error naming the first one and changes nothing."""
+    path = os.fspath(path)
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:
+        raise FileNotFoundError(f"hsdp.load: {path} is not a checkpoint ({e})") from e
+    fresh = optimizer is not None and not optimizer.state
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    try:
+        _check(path, state, metadata.state_dict_metadata)
+    except Exception:
+        if fresh:
+            optimizer.state.clear()  # undo get_state_dict's initialization
+        raise
+    dcp.load(state, storage_reader=FileSystemReader(path), process_group=host_group())
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+
+
+def _tensors(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(flattened DCP key, tensor) for every tensor in nested dicts."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, torch.Tensor):
+        yield prefix, obj
+
+
+def _check(path: str, state: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Every tensor we would load exists in the checkpoint with the same global shape, and
+    the checkpoint holds no model or optimizer tensor we lack."""
+    ours = dict(_tensors(state, ""))
+    for key, t in ours.items():
+        md = saved.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise KeyError(f"hsdp.load: {key} is not in the checkpoint at {path}")
+        if tuple(md.size) != tuple(t.shape):
+            raise ValueError(f"hsdp.load: {key} has shape {tuple(md.size)} in the checkpoint "
+                             f"at {path}, {tuple(t.shape)} here")
+    extra = sorted(k for k, md in saved.items()
+                   if isinstance(md, TensorStorageMetadata) and k not in ours
+                   and (k.startswith("model.") or (k.startswith("optim.") and state["optim"])))
+    if extra:
+        raise KeyError(f"hsdp.load: the checkpoint at {path} has {extra[0]}, which this model "
+                       f"(or optimizer) lacks" + (f" (and {len(extra) - 1} more)"
+                                                  if len(extra) > 1 else ""))

@@ -262,7 +262,11 @@ class Allocations(TorchDispatchMode):
         return out
 
 
-def memory_job(rank: int, world: int, strategy: str) -> dict[str, int]:
+def memory_job(rank: int, world: int) -> dict[str, dict[str, int]]:
+    return {s: _memory(rank, world, s) for s in ("hsdp", "hfsdp")}
+
+
+def _memory(rank: int, world: int, strategy: str) -> dict[str, int]:
     """get_state_dict allocates nothing full-size; full_state_dict(rank0_only=True) holds at
     most one group's full parameters at a time on the ranks other than 0."""
     cfg = GPTConfig(vocab=64, hidden=64, heads=4, ffn=128, layers=4)

@@ -75,9 +75,14 @@ def test_model_state_dict_with_plain_dcp(safety: list[dict]) -> None:
         assert r["full_tensors_load"], r
 
 
+@pytest.fixture(scope="module")
+def memory() -> list[dict]:
+    return run_ranks(memory_job, 4)
+
+
 @pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
-def test_state_dicts_allocate_nothing_full_size(strategy: str) -> None:
-    r = run_ranks(memory_job, 4, strategy)
+def test_state_dicts_allocate_nothing_full_size(strategy: str, memory: list[dict]) -> None:
+    r = [m[strategy] for m in memory]
     for rank, m in enumerate(r):
         assert m["get_peak"] < m["smallest_param_bytes"], m  # no parameter-sized tensor
         if rank:

@@ -1,4 +1,4 @@
-"""Spawn a gloo job on CPU and collect each rank's result."""
+"""Spawn a multi-rank job (gloo on CPU, or NCCL on GPUs) and collect each rank's result."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hsdp.bench.launch import host_barrier, shared_gpu
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -22,11 +24,15 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str,
-           backend: str) -> None:
+           backend: str, shared_inner: int | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    if backend == "nccl":
+    if backend == "nccl" and shared_inner is not None:
+        # Several ranks per GPU (hsdp.bench.launch): no communicator over the whole world.
+        torch.cuda.set_device(shared_gpu(rank, shared_inner, torch.cuda.device_count()))
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world)
+    elif backend == "nccl":
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", rank=rank, world_size=world,
                                 device_id=torch.device("cuda", rank))
@@ -36,7 +42,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir:
         result = fn(rank, world, *args)
         with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
-        dist.barrier()
+        host_barrier()
     finally:
         dist.destroy_process_group()
 
@@ -44,21 +50,23 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir:
 TIMEOUT_S = 900
 
 
-def run_ranks(fn: Callable, world: int, *args: Any, backend: str = "gloo") -> list[Any]:
+def run_ranks(fn: Callable, world: int, *args: Any, backend: str = "gloo",
+              shared_inner: int | None = None, timeout: float = TIMEOUT_S) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` ranks (gloo on CPU, or nccl with one
-    GPU each); returns their results. A job that hangs (a schedule deadlock) fails after
-    TIMEOUT_S instead of blocking CI."""
+    GPU each; with ``shared_inner``, the inner size of the job's mesh, nccl ranks share
+    GPUs as ``hsdp.bench.launch`` places them); returns their results. A job that hangs
+    (a schedule deadlock) fails after ``timeout`` seconds instead of blocking CI."""
     with tempfile.TemporaryDirectory() as d:
-        ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args, d, backend),
-                                 nprocs=world,
-                                 join=False, start_method="spawn")
-        deadline = time.monotonic() + TIMEOUT_S
+        ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args, d, backend,
+                                               shared_inner),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
         while not ctx.join(timeout=5):
             if time.monotonic() > deadline:
                 for p in ctx.processes:
                     p.kill()
                 raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish in "
-                                   f"{TIMEOUT_S} s")
+                                   f"{timeout} s")
         results = []
         for r in range(world):
             with open(os.path.join(d, f"{r}.pkl"), "rb") as f:

@@ -1,6 +1,11 @@
-"""Real NCCL on several GPUs of one host (skipped with fewer than 4): the parity matrix on
-CUDA, and the schedule seen in a profiler trace with real collectives. Not yet run: no
-multi-GPU machine was available when this was written (issue 4)."""
+"""Real NCCL on the GPUs of one host (skipped on fewer GPUs than a test needs).
+
+Two GPUs: the 2x2 parity matrix with two ranks per GPU (the shared layout of
+``hsdp.bench.launch``: rank (o, i) on GPU (o + i) mod 2, so every communicator spans two
+distinct GPUs; the default group never runs a CUDA collective), 1x2 and 2x1 with one rank
+per GPU, the schedule seen in real-NCCL profiler traces on the 2x2 mesh, and a soak test.
+Four GPUs: the parity matrix with one rank per GPU and the traces on 2x2 without sharing.
+"""
 
 from __future__ import annotations
 
@@ -11,31 +16,52 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from parity_jobs import Case, parity_job
+from soak_job import soak_job
 
-WORLD = 4
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < WORLD,
-    reason=f"needs {WORLD} GPUs")
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off on shared hosts
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
-CASES = [
-    Case(o, i, strategy, overlap, mb, ac, device="cuda")
-    for (o, i), strategy, overlap, mb, ac in itertools.product(
-        [(1, 4), (2, 2), (4, 1)], ["hsdp", "hfsdp"], [True, False], [1, 3],
-        ["none", "reentrant"])
-] + [Case(2, 2, "hsdp", True, mb, fsdp2=True, device="cuda") for mb in (1, 3)]
+
+def needs(n: int) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(GPUS < n, reason=f"needs {n} GPUs")
+
+
+def matrix(meshes: list[tuple[int, int]]) -> list[Case]:
+    return [Case(o, i, strategy, overlap, mb, ac, device="cuda")
+            for (o, i), strategy, overlap, mb, ac in itertools.product(
+                meshes, ["hsdp", "hfsdp"], [True, False], [1, 3], ["none", "reentrant"])]
+
+
+FSDP2_2X2 = [Case(2, 2, "hsdp", True, mb, fsdp2=True, device="cuda") for mb in (1, 3)]
 # fp32 matmuls on GPU run other kernels for other batch shapes than the reference's.
 TOL = 1e-4
 
 
-def test_parity_on_nccl() -> None:
-    results = run_ranks(parity_job, WORLD, CASES, backend="nccl")
-    for case in CASES:
+def check_parity(results: list[dict], cases: list[Case]) -> None:
+    for case in cases:
         e = results[0][case]
         assert all(r[case] == e for r in results), case
         assert all(v < TOL for v in e.values()), (case, e)
+
+
+@needs(2)
+def test_parity_2x2_two_ranks_per_gpu() -> None:
+    cases = matrix([(2, 2)]) + FSDP2_2X2
+    check_parity(run_ranks(parity_job, 4, cases, backend="nccl", shared_inner=2), cases)
+
+
+@needs(2)
+def test_parity_1x2_and_2x1_one_rank_per_gpu() -> None:
+    cases = matrix([(1, 2), (2, 1)])
+    check_parity(run_ranks(parity_job, 2, cases, backend="nccl"), cases)
+
+
+@needs(4)
+def test_parity_on_nccl() -> None:
+    cases = matrix([(1, 4), (2, 2), (4, 1)]) + FSDP2_2X2
+    check_parity(run_ranks(parity_job, 4, cases, backend="nccl"), cases)
 
 
 def _trace_job(rank: int, world: int, strategy: str) -> dict:
@@ -45,11 +71,34 @@ def _trace_job(rank: int, world: int, strategy: str) -> dict:
     return cuda_child.trace(strategy, hsdp.init_mesh(2, world // 2, "cuda"))
 
 
-@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
-def test_real_nccl_outer_overlaps_previous_rs(strategy: str) -> None:
-    r = run_ranks(_trace_job, WORLD, strategy, backend="nccl")[0]
+def check_trace(r: dict) -> None:
     print(r)
     assert r["rs_streams"] == ["rs"] and r["outer_streams"] == ["outer"]
+    assert r["n_outer"] == r["n_rs"] > 2
     assert r["outer_overlapping_next_rs"] >= 1, r
     assert r["rs_waits_on_outer"] == 0, r
     assert r["compute_waits_on_outer_before_last_outer_issue"] == 0, r
+
+
+@needs(2)
+@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
+def test_real_nccl_outer_overlaps_previous_rs_two_ranks_per_gpu(strategy: str) -> None:
+    check_trace(run_ranks(_trace_job, 4, strategy, backend="nccl", shared_inner=2)[0])
+
+
+@needs(4)
+@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
+def test_real_nccl_outer_overlaps_previous_rs(strategy: str) -> None:
+    check_trace(run_ranks(_trace_job, 4, strategy, backend="nccl")[0])
+
+
+SOAK_STEPS = 200
+
+
+@needs(2)
+def test_soak_random_delays_no_hang_bit_identical() -> None:
+    results = run_ranks(soak_job, 4, 2, SOAK_STEPS, "cuda", backend="nccl", shared_inner=2,
+                        timeout=540)
+    for key in results[0]:
+        assert all(r[key]["identical"] for r in results), (key, results)
+        assert all(r[key]["delays"] > 0 for r in results), (key, results)

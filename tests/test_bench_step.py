@@ -133,19 +133,27 @@ def test_mesh_not_matching_world_is_a_clear_error():
     assert "mesh 2x3 has 6 ranks but the job has 4" in proc.stderr
 
 
-def test_fabric_from_collectives_reproduces_largest_row(tmp_path):
-    rows = [{"size_bytes": 1 << 20, "t_rs_ms": 9.0, "t_ar_ms": 9.0},
-            {"size_bytes": 64 << 20, "t_rs_ms": 0.5, "t_ar_ms": 2.0}]
+def test_fabric_from_collectives_fits_latency_and_bandwidth(tmp_path):
+    true = Fabric(Link(150.0, 12.0), Link(20.0, 35.0))  # what the "measurements" follow
+    sizes = [1 << 20, 16 << 20, 256 << 20]
+    rows = [{"size_bytes": b, "t_rs_ms": 1e3 * true.seconds("reduce_scatter", "inner", b, 4),
+             "t_ar_ms": 1e3 * true.seconds("all_reduce", "outer", b // 4, 2)} for b in sizes]
     path = tmp_path / "collectives.json"
     path.write_text(json.dumps({"meta": {"outer": 2, "inner": 4}, "rows": rows}))
-    fabric = fabric_from_collectives(path, latency_us=20.0)
-    assert fabric.seconds("reduce_scatter", "inner", 64 << 20, 4) == pytest.approx(0.5e-3)
-    assert fabric.seconds("all_reduce", "outer", 16 << 20, 2) == pytest.approx(2.0e-3)
-    assert fabric.inner.latency_us == fabric.outer.latency_us == 20.0
-    assert isinstance(fabric, Fabric) and isinstance(fabric.inner, Link)
+    flags = Fabric(Link(370.0, 20.0), Link(47.0, 20.0))
+    fabric, err = fabric_from_collectives(path, flags)
+    for link, want in ((fabric.inner, true.inner), (fabric.outer, true.outer)):
+        assert link.bus_gbps == pytest.approx(want.bus_gbps, rel=1e-6)
+        assert link.latency_us == pytest.approx(want.latency_us, rel=1e-6)
+    assert err["inner"] < 1e-9 and err["outer"] < 1e-9
+    # one rank on an axis: nothing measured there, the flags' link is kept
     path.write_text(json.dumps({"meta": {"outer": 1, "inner": 4}, "rows": rows}))
-    with pytest.raises(SystemExit, match="outer group of 1 rank"):
-        fabric_from_collectives(path, latency_us=20.0)
+    fabric, err = fabric_from_collectives(path, flags)
+    assert fabric.outer == flags.outer and err["outer"] is None
+    assert fabric.inner.bus_gbps == pytest.approx(150.0, rel=1e-6)
+    path.write_text(json.dumps({"meta": {"outer": 1, "inner": 1}, "rows": rows}))
+    with pytest.raises(SystemExit, match="no group of two or more ranks"):
+        fabric_from_collectives(path, flags)
 
 
 def test_options_and_registration():

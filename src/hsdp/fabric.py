@@ -43,3 +43,37 @@ class Fabric:
         link = self.inner if axis == "inner" else self.outer
         factor = (group_size - 1) / group_size * (2.0 if kind == "all_reduce" else 1.0)
         return link.latency_us * 1e-6 + factor * nbytes / (link.bus_gbps * 1e9)
+
+
+def fit_link(kind: str, group_size: int, samples: list[tuple[int, float]],
+             latency_us: float) -> Link:
+    """The ``Link`` whose model best reproduces measured ``samples`` (full-buffer bytes,
+    seconds) of one collective ``kind`` over ``group_size`` ranks.
+
+    With two or more sizes: latency and bus bandwidth by least squares on the relative
+    error (``t = latency + moved_bytes / busbw`` is linear in both), a negative latency
+    clamped to zero. Otherwise, or when the fit gives no positive bandwidth: the bandwidth
+    alone, solved at the largest size with ``latency_us`` as the latency.
+    """
+    if group_size < 2 or not samples:
+        raise ValueError(f"nothing to fit: {len(samples)} samples over {group_size} ranks")
+    unit = Fabric(Link(1.0, 0.0), Link(1.0, 0.0))  # seconds at 1 GB/s, no latency
+    xs = [unit.seconds(kind, "inner", b, group_size) for b, _ in samples]
+    ts = [t for _, t in samples]
+    ws = [1.0 / t**2 for t in ts]
+    sw, sx, st = sum(ws), sum(w * x for w, x in zip(ws, xs)), sum(w * t for w, t in zip(ws, ts))
+    sxx = sum(w * x * x for w, x in zip(ws, xs))
+    sxt = sum(w * x * t for w, x, t in zip(ws, xs, ts))
+    det = sw * sxx - sx * sx
+    if len(set(xs)) > 1 and det > 0:
+        lat, inv_bw = (st * sxx - sx * sxt) / det, (sw * sxt - sx * st) / det
+        if lat < 0:
+            lat, inv_bw = 0.0, sxt / sxx
+        if inv_bw > 0:
+            return Link(1.0 / inv_bw, lat * 1e6)
+    x, t = max(zip(xs, ts))
+    moving = t - latency_us * 1e-6
+    if moving <= 0:
+        raise ValueError(f"{kind} of the largest size took {t * 1e3:.4f} ms, not more than "
+                         f"the latency {latency_us} us")
+    return Link(x / moving, latency_us)

@@ -97,7 +97,7 @@ from hsdp.bench.trainee import (
     build_unsharded,
     synthetic_batches,
 )
-from hsdp.fabric import Fabric, Link
+from hsdp.fabric import Fabric, Link, fit_link
 from hsdp.models import CHECKPOINT_MODES, GPTConfig, LlamaConfig, ModelConfig
 from hsdp.report.args import parse_mesh
 from hsdp.report.metrics import Interval, step_metrics
@@ -169,9 +169,11 @@ def add_arguments(p: argparse.ArgumentParser,
                      help="one process posing as the whole mesh, modelled collective times")
     emu.add_argument("--inner-gbps", type=float, default=370.0, help="inner bus GB/s")
     emu.add_argument("--outer-gbps", type=float, default=47.0, help="outer bus GB/s")
-    emu.add_argument("--latency-us", type=float, default=20.0, help="per collective, us")
+    emu.add_argument("--latency-us", type=float, default=20.0,
+                     help="per collective, us (with --fabric-json: where it cannot be fitted)")
     emu.add_argument("--fabric-json", default=None, metavar="PATH",
-                     help="fit inner/outer bandwidth to a `bench collectives` JSON instead")
+                     help="fit inner/outer latency and bandwidth to a `bench collectives` "
+                          "JSON instead (an axis of one rank keeps the flags' link)")
     p.add_argument("--json", default=None, metavar="PATH", help="write results here")
     p.add_argument("--out-dir", default="out/bench_step",
                    help="Chrome traces and timeline.png (default: ./out/bench_step)")
@@ -186,33 +188,36 @@ def parse_schedules(text: str) -> tuple[str, ...]:
     return names
 
 
-def fabric_from_collectives(path: str | Path, latency_us: float) -> Fabric:
-    """A ``Fabric`` fitted to the largest row of a ``bench collectives`` JSON.
+def fabric_from_collectives(path: str | Path, default: Fabric) -> tuple[Fabric, dict]:
+    """A ``Fabric`` fitted to every size of a ``bench collectives`` JSON.
 
-    Same bus-bandwidth convention as ``fabric.py``: a collective takes ``latency + f *
-    nbytes / busbw``. Inner: the reduce-scatter ``t_rs_ms`` of ``size_bytes`` (its input)
-    over the inner group; outer: the all-reduce ``t_ar_ms`` of ``size_bytes / inner``
-    (the RS output) over the outer group. Each bus bandwidth is solved for so that the
-    model, with ``latency_us`` added, reproduces the measured median at that size.
+    Inner: the reduce-scatter ``t_rs_ms`` of ``size_bytes`` (its input) over the inner
+    group; outer: the all-reduce ``t_ar_ms`` of ``size_bytes / inner`` (the RS output) over
+    the outer group; each fitted by ``hsdp.fabric.fit_link`` (latency and bus bandwidth;
+    ``default``'s latency where only the bandwidth can be fitted). An axis of one rank was
+    not measured and runs no collective: it keeps ``default``'s link. Returns the fabric
+    and, per axis, the fit's largest relative error over the sizes (None: not fitted).
     """
     data = json.loads(Path(path).read_text())
     inner, outer = data["meta"]["inner"], data["meta"]["outer"]
-    row = max(data["rows"], key=lambda r: r["size_bytes"])
-    unit = Fabric(Link(1.0, 0.0), Link(1.0, 0.0))  # 1 GB/s, no latency: seconds = f*bytes/1e9
-
-    def link(kind: str, axis: str, nbytes: int, n: int, ms: float) -> Link:
+    links, errors = {}, {}
+    for axis, kind, n, key, div in (("inner", "reduce_scatter", inner, "t_rs_ms", 1),
+                                    ("outer", "all_reduce", outer, "t_ar_ms", inner)):
+        links[axis], errors[axis] = getattr(default, axis), None
         if n < 2:
-            raise SystemExit(f"hsdp bench step: {path} has a {axis} group of {n} rank; "
-                             f"nothing to fit the {axis} bandwidth on")
-        moving = ms * 1e-3 - latency_us * 1e-6
-        if moving <= 0:
-            raise SystemExit(f"hsdp bench step: {path}: {kind} of {nbytes} B took {ms} ms, "
-                             f"not more than --latency-us {latency_us}")
-        return Link(unit.seconds(kind, axis, nbytes, n) / moving, latency_us)
-
-    return Fabric(link("reduce_scatter", "inner", row["size_bytes"], inner, row["t_rs_ms"]),
-                  link("all_reduce", "outer", row["size_bytes"] // inner, outer,
-                       row["t_ar_ms"]))
+            continue
+        samples = [(r["size_bytes"] // div, r[key] * 1e-3) for r in data["rows"]]
+        try:
+            link = fit_link(kind, n, samples, links[axis].latency_us)
+        except ValueError as e:
+            raise SystemExit(f"hsdp bench step: {path}: {axis}: {e}") from None
+        model = Fabric(link, link)
+        links[axis] = link
+        errors[axis] = max(abs(model.seconds(kind, "inner", b, n) - t) / t for b, t in samples)
+    if all(e is None for e in errors.values()):
+        raise SystemExit(f"hsdp bench step: {path}: mesh {outer}x{inner} has no group of "
+                         f"two or more ranks to fit a link on")
+    return Fabric(links["inner"], links["outer"]), errors
 
 
 @dataclass(frozen=True)
@@ -237,6 +242,7 @@ class Config:
     out_dir: str
     cuda: bool
     share_gpus: bool = False
+    fabric_fit: dict | None = None  # per axis: the fit's largest relative error
 
     @property
     def global_tokens(self) -> int:
@@ -296,18 +302,18 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
         model = ARCHS[arch](checkpoint=args.checkpoint, **sizes)
     except ValueError as e:
         raise fail(str(e)) from None
-    fabric, source = None, None
-    if args.emulate and args.fabric_json:
-        fabric = fabric_from_collectives(args.fabric_json, args.latency_us)
-        source = args.fabric_json
-    elif args.emulate:
+    fabric, source, fit = None, None, None
+    if args.emulate:
         fabric = Fabric(Link(args.inner_gbps, args.latency_us),
                         Link(args.outer_gbps, args.latency_us))
         source = "flags"
+    if args.emulate and args.fabric_json:
+        fabric, fit = fabric_from_collectives(args.fabric_json, fabric)
+        source = args.fabric_json
     return Config(world, outer, inner, model, mbs, args.microbatches,
                   args.dtype or ("bf16" if cuda else "fp32"), args.reduce_dtype,
                   tuple(args.schedules), args.steps, args.warmup, args.emulate, fabric,
-                  source, args.json, args.out_dir, cuda, share)
+                  source, args.json, args.out_dir, cuda, share, fit)
 
 
 # --------------------------------------------------------------------------- launch
@@ -662,7 +668,8 @@ def _meta(cfg: Config, device: torch.device, trainees: list[Trainee]) -> dict:
         nccl = torch.cuda.nccl.version()
         meta["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
     if cfg.fabric is not None:
-        meta["fabric"] = {**asdict(cfg.fabric), "source": cfg.fabric_source}
+        meta["fabric"] = {**asdict(cfg.fabric), "source": cfg.fabric_source,
+                          "fit_max_rel_err": cfg.fabric_fit}
     return meta
 
 
@@ -738,9 +745,9 @@ def print_table(result: dict) -> None:
     if m["emulate"] and m["fabric"]:
         f = m["fabric"]
         errs = {k: v for k, v in m["calibration_error"].items() if v is not None}
-        notes.append(f"fabric ({f['source']}): inner {f['inner']['bus_gbps']:.1f} GB/s, "
-                     f"outer {f['outer']['bus_gbps']:.1f} GB/s, latency "
-                     f"{f['inner']['latency_us']:.0f} us"
+        notes.append(f"fabric ({f['source']}): inner {f['inner']['bus_gbps']:.1f} GB/s + "
+                     f"{f['inner']['latency_us']:.0f} us, outer {f['outer']['bus_gbps']:.1f} "
+                     f"GB/s + {f['outer']['latency_us']:.0f} us"
                      + (f"; sleep calibration error {max(map(abs, errs.values())):.2%}"
                         if errs else ""))
     print_rows(title, headers, cells, notes)

@@ -1,6 +1,6 @@
 """CUDA checks run in a fresh process each (one process group per process).
 
-    python tests/cuda_child.py world1|trace|memory [args]   -> prints one JSON line
+    python tests/cuda_child.py world1|trace|memory|intercept [args]   -> prints one JSON line
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import copy
 import json
 import os
 import sys
+import tempfile
+import types
 
 import torch
 import torch.distributed as dist
@@ -16,10 +18,13 @@ import torch.nn as nn
 
 import hsdp
 from hsdp.bench.emulate import emulate, fake_mesh
+from hsdp.bench.intercept import intercept
 from hsdp.bench.trace import intervals_from_chrome_trace
+from hsdp.comm import SleepClock
 from hsdp.fabric import Fabric, Link
 from hsdp.models import GPT, GPTConfig, lm_loss
 from hsdp.report.metrics import step_metrics
+from hsdp.streams import Tracer
 
 DEV = torch.device("cuda", 0)
 
@@ -87,7 +92,7 @@ def trace(strategy: str, mesh=None) -> dict:
     torch.cuda.synchronize()
     model._hsdp_unit.tracer.enabled = True
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=acts, acc_events=True) as prof:
         step()
         torch.cuda.synchronize()
     recs = model._hsdp_unit.tracer.take()
@@ -100,7 +105,8 @@ def trace(strategy: str, mesh=None) -> dict:
     outer_issued = [i for i, (s, lbl) in enumerate(order)
                     if s == "outer" and lbl.startswith("wait:RS:")]
     rank = dist.get_rank()
-    path = os.path.join(os.environ.get("OUT", "/tmp"), f"cuda_trace_{strategy}_r{rank}.json")
+    out_dir = os.environ.get("HSDP_TRACE_DIR", tempfile.gettempdir())
+    path = os.path.join(out_dir, f"cuda_trace_{strategy}_r{rank}.json")
     prof.export_chrome_trace(path)
     ivs = intervals_from_chrome_trace(path)
     rs = sorted((i for i in ivs if i.label.startswith("RS:")), key=lambda i: i.start_us)
@@ -141,12 +147,47 @@ def memory(n: int) -> dict:
     return {"peak": torch.cuda.max_memory_allocated(), "steady": steady}
 
 
+def intercept_wait() -> dict:
+    """An emulated all-gather issued async on a side stream, coalesced (as Megatron-FSDP
+    issues its all-gathers) and plain, then waited through its work handle on compute:
+    ms from before the issue until compute passes the wait, with a 20 ms delay and without
+    (hsdp.bench.intercept)."""
+    mesh = fake_mesh(2, 4, "cuda")
+    group = mesh.get_group("inner")
+    clock = SleepClock.calibrate(DEV)
+    peer = types.SimpleNamespace(_coalescing_manager=dist._coalescing_manager)
+    side = torch.cuda.Stream()
+    out, inp = torch.zeros(4096, device=DEV), torch.zeros(1024, device=DEV)
+    result = {}
+    for delayed in (True, False):
+        fabric = Fabric(Link(1000.0, 20_000.0), Link(1000.0)) if delayed else None
+        for how in ("coalesced", "plain"):
+            with intercept({id(group): "inner"}, Tracer(), fabric, clock, (peer,)):
+                torch.cuda.synchronize()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    if how == "coalesced":
+                        with peer._coalescing_manager(group, async_ops=True) as work:
+                            dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
+                    else:
+                        work = dist.all_gather_into_tensor(out, inp, group=group,
+                                                           async_op=True)
+                work.wait()  # on the compute stream
+                end.record()
+                end.synchronize()
+            result[f"{how}_{'delayed' if delayed else 'free'}_ms"] = start.elapsed_time(end)
+    return result
+
+
 if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
     torch.cuda.set_device(DEV)
     try:
-        result = {"world1": world1, "trace": trace, "memory": lambda n: memory(int(n))}[mode](
-            *args)
+        result = {"world1": world1, "trace": trace, "memory": lambda n: memory(int(n)),
+                  "intercept": intercept_wait}[mode](*args)
         print(json.dumps(result))
     finally:
         if dist.is_initialized():

@@ -69,3 +69,12 @@ def test_checkpoint_save_and_load_with_nccl(tmp_path):
         env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     assert json.loads(out.read_text())["load_equal"]
+
+
+def test_compute_waits_for_emulated_delay_through_work_handles():
+    """Megatron-FSDP waits its all-gathers through work handles, which the fake process
+    group completes at once: under emulation compute must still wait for the delay."""
+    r = _child("intercept")
+    for how in ("coalesced", "plain"):
+        assert r[f"{how}_delayed_ms"] >= 19.0, r  # the 20 ms emulated delay
+        assert r[f"{how}_free_ms"] < 5.0, r

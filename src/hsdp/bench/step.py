@@ -488,7 +488,7 @@ def _trace(t: Trainee, batches: list[torch.Tensor], cfg: Config,
     cuda = recorded is None
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     host_barrier()
-    prof = profile(activities=activities)
+    prof = profile(activities=activities, acc_events=True)  # no warning about cycles
     with _without_kineto_log():
         prof.__enter__()
     try:

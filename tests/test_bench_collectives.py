@@ -70,16 +70,19 @@ def test_make_row_arithmetic():
     assert row["fwd_pair_over_max"] == pytest.approx(9.0 / 6.0)
 
 
-def test_bench_collectives_cli_writes_json(tmp_path):
-    out = tmp_path / "collectives.json"
+def bench_collectives(*argv: str, timeout: int = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1",
            "NCCL_LAUNCH_ORDER_IMPLICIT": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)  # spawn its own ranks, as outside torchrun
-    proc = subprocess.run(
-        [sys.executable, "-m", "hsdp", "bench", "collectives", "--nproc", "4", "--mesh", "2x2",
-         "--sizes", "64KiB,256KiB", "--iters", "3", "--warmup", "1", "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run([sys.executable, "-m", "hsdp", "bench", "collectives", *argv],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_bench_collectives_cli_writes_json(tmp_path):
+    out = tmp_path / "collectives.json"
+    proc = bench_collectives("--nproc", "4", "--mesh", "2x2", "--sizes", "64KiB,256KiB",
+                             "--iters", "3", "--warmup", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "saving %" in proc.stdout
     result = json.loads(out.read_text())
@@ -113,3 +116,18 @@ def test_shared_gpu_layout_keeps_every_communicator_on_distinct_gpus():
     assert [shared_gpu(r, 2, 2) for r in range(4)] == [0, 1, 1, 0]  # testing.md's recipe
     with pytest.raises(SystemExit, match="outer and inner <= the number of GPUs"):
         check_shared_layout("test", 2, 4, 2)
+
+
+def test_shared_links_put_the_outer_communicator_on_the_inner_ranks(tmp_path):
+    out = tmp_path / "collectives.json"
+    proc = bench_collectives("--nproc", "2", "--mesh", "1x2", "--shared-links", "--sizes",
+                             "64KiB", "--iters", "2", "--warmup", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "outer communicator over the inner ranks" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["meta"]["shared_links"] is True
+    assert result["meta"]["links"].startswith("shared")
+    (row,) = result["rows"]
+    assert row["t_ar_ms"] > 0 and row["t_overlap_ms"] > 0 and row["t_hfsdp_pair_ms"] > 0
+    bad = bench_collectives("--nproc", "4", "--mesh", "2x2", "--shared-links", timeout=60)
+    assert bad.returncode != 0 and "--shared-links needs a 1xN mesh" in bad.stderr

@@ -156,15 +156,23 @@ def _create_groups(mesh: DeviceMesh, nccl: dict[str, NcclConfig]) -> CommGroups:
     for name in COMMUNICATORS:  # same creation order on every rank
         members = ([[ranks[o][i] for o in range(outer)] for i in range(inner)]
                    if name == "outer" else ranks)
-        opts = _nccl_options(nccl.get(name)) if uses_nccl else None
         for group_ranks in members:
-            pg = (dist.new_group(group_ranks, backend="nccl", pg_options=opts) if opts
-                  else dist.new_group(group_ranks))
+            pg = new_communicator(group_ranks, mesh.device_type, nccl.get(name))
             if me in group_ranks:
                 mine[name] = pg
     # Shard index = rank inside the group (new_group orders members by global rank).
     return CommGroups(outer, inner, dist.get_rank(mine["outer"]), dist.get_rank(mine["inner_ag"]),
                       mine["inner_ag"], mine["inner_rs"], mine["outer"], mesh)
+
+
+def new_communicator(ranks: list[int], device_type: str,
+                     cfg: NcclConfig | None = None) -> dist.ProcessGroup:
+    """A process group over ``ranks`` with ``cfg``'s settings where they apply (NCCL on
+    CUDA). Every rank of the world must call it, in the same order."""
+    uses_nccl = device_type == "cuda" and "nccl" in str(dist.get_backend())
+    opts = _nccl_options(cfg) if uses_nccl else None
+    return (dist.new_group(ranks, backend="nccl", pg_options=opts) if opts
+            else dist.new_group(ranks))
 
 
 def _nccl_options(cfg: NcclConfig | None):

@@ -21,6 +21,11 @@ The default GPU sweep is 1 MiB to 1 GiB in steps of 4x. ``--max-ctas`` budgets S
 communicator; ``NCCL_LAUNCH_ORDER_IMPLICIT`` (set it in the environment) and the other NCCL
 settings that change the result are recorded in the JSON and the table's title.
 ``--share-gpus``: several ranks per GPU (``hsdp.bench.launch``), for correctness only.
+
+``--shared-links`` (a 1 x N mesh): the outer communicator spans the same N ranks as the
+inner ones, so that every pair above runs two communicators over the same links. On one
+host with one rank per GPU this is how the concurrency of two communicators is measured
+(a real outer axis would need more GPUs); the outer sizes stay those of an N x N mesh.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from functools import partial
 
@@ -52,7 +57,7 @@ from hsdp.bench.launch import (
     select_cuda,
 )
 from hsdp.comm import Collectives
-from hsdp.mesh import CommGroups, NcclConfig, comm_groups, init_mesh
+from hsdp.mesh import CommGroups, NcclConfig, comm_groups, init_mesh, new_communicator
 from hsdp.report.args import DTYPES, parse_mesh
 from hsdp.report.table import print_table as print_rows
 from hsdp.streams import SideStream, Streams
@@ -76,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", type=parse_mesh, default=None,
                    help="OUTERxINNER, e.g. 2x4 (default: 2 x world/2)")
     add_layout_argument(p)
+    p.add_argument("--shared-links", action="store_true",
+                   help="1xN mesh: the outer communicator spans the inner ranks too, to "
+                        "measure two communicators on the same links")
     p.add_argument("--sizes", type=parse_sizes, default=None,
                    help=f"inner buffer sizes, e.g. 64MiB,256MiB,1GiB "
                         f"(default: {GPU_SIZES} on GPU, 256KiB,1MiB,4MiB on CPU)")
@@ -150,6 +158,7 @@ class Config:
     json_path: str | None
     cuda: bool
     share_gpus: bool = False
+    shared_links: bool = False
 
 
 def resolve(args: argparse.Namespace, cuda: bool, world: int) -> Config:
@@ -162,12 +171,16 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int) -> Config:
                          f"ranks but the job has {world}")
     if args.iters < 1 or args.warmup < 0:
         raise SystemExit("hsdp bench collectives: need --iters >= 1 and --warmup >= 0")
+    if args.shared_links and (outer != 1 or inner < 2):
+        raise SystemExit(f"hsdp bench collectives: --shared-links needs a 1xN mesh with N >= 2 "
+                         f"(the outer communicator spans the inner ranks); got {outer}x{inner}")
     share = bool(args.share_gpus) and cuda
     if share:
         check_shared_layout("bench collectives", outer, inner, torch.cuda.device_count())
     sizes = args.sizes or parse_sizes(GPU_SIZES if cuda else "256KiB,1MiB,4MiB")
     return Config(world, outer, inner, tuple(sizes), args.dtype or ("bf16" if cuda else "fp32"),
-                  args.iters, args.warmup, args.max_ctas, args.json, cuda, share)
+                  args.iters, args.warmup, args.max_ctas, args.json, cuda, share,
+                  bool(args.shared_links))
 
 
 # --------------------------------------------------------------------------- launch
@@ -267,6 +280,10 @@ def bench(cfg: Config, device: torch.device) -> list[dict]:
     """All sizes on this rank; returns the rows (same on every rank)."""
     mesh = init_mesh(cfg.outer, cfg.inner, device.type, nccl=cfg.max_ctas)
     g = comm_groups(mesh)
+    if cfg.shared_links:
+        outer = new_communicator(list(range(cfg.world)), device.type,
+                                 (cfg.max_ctas or {}).get("outer"))
+        g = replace(g, outer_size=g.inner_size, outer_rank=g.inner_rank, outer=outer)
     s = Streams.create(device)
     coll = Collectives()
     rows = []
@@ -321,6 +338,8 @@ def _meta(cfg: Config, device: torch.device) -> dict:
         "timing": ("CUDA events" if device.type == "cuda" else "wall clock") +
                   "; median/min/max over iterations of the max over ranks",
         "layout": SHARED_LAYOUT_NOTE if cfg.share_gpus else "one rank per device",
+        "links": ("shared: the outer communicator spans the inner ranks" if cfg.shared_links
+                  else "separate: outer and inner communicators"),
         "env": {k: os.environ.get(k) for k in RECORDED_ENV},
         **{k: v for k, v in asdict(cfg).items() if k != "json_path"},
     }
@@ -356,6 +375,8 @@ def print_table(result: dict) -> None:
         ctas = {k: v["max_ctas"] for k, v in (m["max_ctas"] or {}).items()}
         title += (f", NCCL {m['nccl']}; max CTAs {ctas or 'default'}; "
                   + ", ".join(f"{k}={v}" for k, v in sorted(settings.items())))
+    if m["shared_links"]:
+        title += "; outer communicator over the inner ranks (shared links)"
     if m["layout"] == SHARED_LAYOUT_NOTE:
         title += f" -- {SHARED_LAYOUT_NOTE}"
     cells = [[fmt(row[key]) for _, key, fmt in COLUMNS] for row in result["rows"]]

@@ -93,6 +93,27 @@ def test_sim_runs_the_runtimes_own_schedule(fake_world_8):
         assert recompute == model.checkpoint.startswith("unit_")
 
 
+def test_memoized_meta_ops_record_the_same_program(fake_world_8, monkeypatch):
+    """Identical functional ops on meta tensors are memoized (speed); the program is the
+    one recorded without the memo, op for op."""
+    from hsdp.sim import engine
+
+    setup = Setup(dataclasses.replace(TINY_LLAMA, checkpoint="unit_non_reentrant"), 2, 4,
+                  "hfsdp", microbatches=2)
+
+    def program():
+        rec = record(setup)
+        rename = _names(rec.names)
+        return [(op.kind, op.stream, rename(op.label), op.deps, op.payload, op.phase)
+                for op in rec.program.ops]
+
+    fast = program()
+    monkeypatch.setattr(engine._IssueCompute, "MEMO", False)
+    slow = program()
+    assert len(fast) > 500
+    assert fast == slow
+
+
 # --------------------------------------------------------------------------- timing
 
 P = 1_000_000
@@ -197,7 +218,7 @@ def test_llama_70b_on_the_meta_device(fake_world_8):
 # --------------------------------------------------------------------------- calibration
 
 
-def _bench_json(tmp_path: Path, setup: Setup, busy_ms: float, trace: str | None = None,
+def _bench_json(tmp_path: Path, setup: Setup, busy_ms: float | dict, trace: str | None = None,
                 **extra) -> Path:
     model = {**dataclasses.asdict(setup.model), "mbs": setup.mbs,
              "microbatches": setup.microbatches, "dtype": setup.dtype,
@@ -205,7 +226,8 @@ def _bench_json(tmp_path: Path, setup: Setup, busy_ms: float, trace: str | None 
     path = tmp_path / "step.json"
     path.write_text(json.dumps({
         "meta": {"model": model, "mesh": {"outer": setup.outer, "inner": setup.inner}},
-        "schedules": {"overlap": {"metrics": {"busy_ms": {"by_kind": {"compute": busy_ms}}},
+        "schedules": {"overlap": {"metrics": {"busy_ms": {"by_kind": busy_ms if isinstance(
+            busy_ms, dict) else {"compute": busy_ms}}},
                                   "trace": trace, **extra}}}))
     return path
 
@@ -217,6 +239,18 @@ def test_tflops_calibration_reproduces_the_compute_busy_time(fake_world_8, tmp_p
     assert r.metrics["busy_ms"]["by_kind"]["compute"] == pytest.approx(7.5)
     with pytest.raises(ValueError, match="cannot fit"):
         fit_tflops(record(setup), 1e-9, 100.0)
+
+
+def test_calibration_scales_collectives_and_spreads_host_time(fake_world_8, tmp_path):
+    """Without a trace: each collective kind's busy time and the host time of the JSON."""
+    setup = Setup(TINY_GPT, 2, 4)
+    measured = {"compute": 3.0, "inner_ag": 2.0, "inner_rs": 1.5, "outer": 4.0}
+    path = _bench_json(tmp_path, setup, measured, t_host_ms=6.0)
+    r = evaluate(record(setup), calibrate(path, CostModel(mem_gbps=100.0)))
+    busy = r.metrics["busy_ms"]["by_kind"]
+    assert {k: busy[k] for k in measured} == pytest.approx(measured)
+    assert r.metrics["host_busy_ms"] == pytest.approx(6.0)
+    assert r.t_step_ms > 6.0
 
 
 def _ev(name, ts, dur, tid=1, cat="user_annotation", **args):
@@ -334,7 +368,7 @@ def test_cli_sweep(tmp_path, capsys):
     assert slow["saving_ms"] > fast["saving_ms"]  # a slow outer link gains more
     printed = capsys.readouterr().out
     assert "nodes=2 outer_gbps=0.01: " in printed
-    assert png.stat().st_size > 0
+    assert png.stat().st_size > 0 and png.with_name("sweep_bound.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="bad --sweep"):
         main(["sim", *MODEL, "--sweep", "colour=red"])
 

@@ -16,7 +16,11 @@ From the trace, when it has the runtime's phase marks (``hsdp.begin:<phase>`` /
 
 The profiler slows the host down; when the JSON has the unprofiled host time of the step
 (``t_host_ms``), host times are scaled by it over the traced step's host span (from the
-first phase mark to the end of the optimizer on the main thread).
+first phase mark to the end of the optimizer on the main thread). Without phase marks,
+``t_host_ms`` alone gives an even host cost per compute op.
+
+Communication: per kind (inner AG, inner RS, outer), the measured busy time of the
+traced step over the simulated one scales the fabric's times (``comm_scale``).
 
 These give: the achieved TFLOP/s (the simulator's FLOPs of the measured model phases
 over their device time), the memory bandwidth (device time of ``OPTIMIZER`` and
@@ -38,7 +42,7 @@ from pathlib import Path
 
 from hsdp.models import config_from_dict
 from hsdp.sim.costs import MEMORY_PHASES, CostModel, PhaseCost, phase_class, phase_kind
-from hsdp.sim.engine import Recording, Setup, record
+from hsdp.sim.engine import Recording, Setup, evaluate, record
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
@@ -90,10 +94,28 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap") -> C
     rec = record(setup)
     trace = find_trace(path, entry.get("trace"))
     measured = phases_from_trace(load_trace(trace)) if trace is not None else None
+    host_ms = entry.get("t_host_ms")
     if measured is None or not measured.phases:
-        return dataclasses.replace(base, tflops=fit_tflops(rec, busy, base.mem_gbps))
-    costs = _with_trace(base, rec, measured, entry.get("t_host_ms"))
-    return dataclasses.replace(costs, phases_key=setup.phase_key())
+        costs = dataclasses.replace(base, tflops=fit_tflops(rec, busy, base.mem_gbps))
+        if host_ms:
+            costs = dataclasses.replace(costs, host_us_per_op=host_ms * 1e3 / len(
+                _measured_step(rec)), host_us_per_side_op=0.0)
+    else:
+        costs = dataclasses.replace(_with_trace(base, rec, measured, host_ms),
+                                    phases_key=setup.phase_key())
+    return dataclasses.replace(costs, comm_scale=_comm_scale(
+        evaluate(rec, dataclasses.replace(costs, comm_scale={})).metrics,
+        entry["metrics"]["busy_ms"]["by_kind"]))
+
+
+def _comm_scale(sim: dict, measured: dict) -> dict[str, float]:
+    """Measured over simulated busy time per collective kind."""
+    out = {}
+    for kind in ("inner_ag", "inner_rs", "outer"):
+        a, b = sim["busy_ms"]["by_kind"].get(kind, 0.0), measured.get(kind)
+        if a > 0 and b:
+            out[kind] = b / a
+    return out
 
 
 def find_trace(json_path: str | Path, trace: str | None) -> Path | None:

@@ -10,7 +10,9 @@
   the optimizer (``OPTIMIZER``): memory bound, bytes read and written at ``mem_gbps``.
   These are the same ops on the meta device as on a GPU, and their cost follows the
   shard, not the FLOPs (hfsdp's optimizer works on 1/outer of hsdp's shard).
-- Collectives: their modelled time on the fabric (``hsdp.fabric``).
+- Collectives: their modelled time on the fabric (``hsdp.fabric``), times
+  ``comm_scale`` per kind (inner_ag / inner_rs / outer; a calibration's measured over
+  modelled busy time: e.g. collectives slowed down by compute sharing the GPU).
 - Host: ``host_us_per_op`` to issue each compute op, ``host_us_per_side_op`` per
   side-stream op; everything else is free.
 - ``phases``: measured costs per phase class (``phase_class``: "BWD:LlamaBlock", ...)
@@ -27,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hsdp.fabric import Fabric
+from hsdp.report.metrics import Interval, op_kind
 from hsdp.streams import Program, ProgramOp
 
 MEMORY_PHASES = ("COPY_IN", "OPTIMIZER")
@@ -61,10 +64,13 @@ class CostModel:
     host_us_per_side_op: float = 0.0
     phases: dict[str, PhaseCost] = field(default_factory=dict)
     phases_key: str = ""  # the setup they were measured on (``Setup.phase_key``)
+    comm_scale: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.tflops <= 0 or self.mem_gbps <= 0:
             raise ValueError("sim: tflops and mem_gbps must be > 0")
+        if any(v <= 0 for v in self.comm_scale.values()):
+            raise ValueError("sim: comm_scale factors must be > 0")
         if self.host_us_per_op < 0 or self.host_us_per_side_op < 0:
             raise ValueError("sim: host costs must be >= 0")
 
@@ -88,7 +94,8 @@ class CostModel:
                 return (measured.host_ms * 1e-3 * host_share,
                         measured.device_ms * 1e-3 * device_share)
             if op.kind == "side":
-                return host_side, sum(self.fabric.seconds(*c) for c in op.payload)
+                scale = self.comm_scale.get(op_kind(Interval(op.stream, op.label, 0, 0)), 1.0)
+                return host_side, scale * sum(self.fabric.seconds(*c) for c in op.payload)
             return 0.0, 0.0
 
         return price

@@ -18,12 +18,12 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import flop_registry
 
 import hsdp
@@ -86,14 +86,22 @@ class Recording:
 
 
 class _IssueCompute(TorchDispatchMode):
-    """Adds every kernel-launching op issued on compute to the program. Views launch
-    nothing; ops inside a side stream's closure belong to that stream's op; ops on
+    """Adds every kernel-launching op issued on compute to the program. Views and empty
+    tensors launch nothing; ops inside a side stream's closure belong to that stream's op; ops on
     tensor subclasses (DTensor) are counted as the local ops they run.
 
     Under a dispatch mode, in-place foreach ops (the optimizer's) leave the version
     counters of the tensors they write unchanged; the runtime detects optimizer updates
     by them (hfsdp's outer all-gather), so a write that did not bump one bumps it here.
+
+    Speed: meta kernels are mostly Python; a functional op (no aliasing, no in-place
+    write) on meta tensors is a pure function of its arguments' shapes, strides, dtypes
+    and scalars, so its outputs' metadata and cost are kept per such key (``_MEMO``, for
+    the process) and later calls (the next block's identical op, the next recording's)
+    make empty meta outputs instead.
     """
+
+    MEMO = True
 
     def __init__(self, program: Program) -> None:
         super().__init__()
@@ -105,29 +113,107 @@ class _IssueCompute(TorchDispatchMode):
             return NotImplemented  # the optimizer's DTensors: counted as their local ops
         if any(t not in (torch.Tensor, torch.nn.Parameter) for t in types):
             return func(*args, **kwargs)  # e.g. DTensor's fake-tensor sharding propagation
-        written = _written(func, args, kwargs)
-        versions = [t._version for t in written]
-        out = func(*args, **kwargs)
-        for t, v in zip(written, versions):
-            if t._version == v:
-                torch.autograd.graph.increment_version(t)
-        if func.is_view or self.program.issuing_side_op:
-            return out
-        formula = flop_registry.get(func._overloadpacket)
-        flops = formula(*args, **kwargs, out_val=out) if formula else 0
-        nbytes = sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
-                     if isinstance(t, torch.Tensor))
-        self.program.compute(OpCost(str(func.name()), float(flops), nbytes))
+        key = _memo_key(func, args, kwargs) if self.MEMO else None
+        if key is not None and key in _MEMO:
+            template, cost = _MEMO[key]
+            out = _from_template(template)
+        else:
+            written = _written(func, args, kwargs)
+            versions = [t._version for t in written]
+            out = func(*args, **kwargs)
+            for t, v in zip(written, versions):
+                if t._version == v:
+                    torch.autograd.graph.increment_version(t)
+            formula = flop_registry.get(func._overloadpacket)
+            flops = formula(*args, **kwargs, out_val=out) if formula else 0
+            nbytes = sum(t.numel() * t.element_size()
+                         for t in _tensors((args, tuple(kwargs.values()), out)))
+            cost = OpCost(str(func.name()), float(flops), nbytes)
+            template = _template(out) if key is not None else None
+            if template is not None:
+                _MEMO[key] = (template, cost)
+        if not (func.is_view or func in _NO_KERNEL or self.program.issuing_side_op):
+            self.program.compute(cost)
         return out
+
+
+# Allocation without a kernel (also what DTensor's sharding propagation makes, uncached).
+_NO_KERNEL = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+              torch.ops.aten.empty_like.default}
+
+
+_MEMO: dict[tuple, tuple[Any, OpCost]] = {}  # see _IssueCompute
+_FUNCTIONAL: dict = {}  # op -> True if it neither aliases nor writes any argument
+
+
+def _memo_key(func, args: tuple, kwargs: dict) -> tuple | None:
+    """A hashable description of a functional op's call on meta tensors, else None."""
+    if func not in _FUNCTIONAL:
+        schema = func._schema
+        _FUNCTIONAL[func] = not any(a.alias_info is not None
+                                    for a in (*schema.arguments, *schema.returns))
+    if not _FUNCTIONAL[func]:
+        return None
+    try:
+        key = (func, _describe(args), _describe(tuple(sorted(kwargs.items()))))
+        hash(key)
+    except (TypeError, _NotMeta):
+        return None
+    return key
+
+
+class _NotMeta(Exception):
+    pass
+
+
+def _describe(value):
+    if isinstance(value, torch.Tensor):
+        if not value.is_meta:
+            raise _NotMeta
+        return ("T", tuple(value.shape), value.stride(), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(_describe(v) for v in value)
+    return value
+
+
+def _template(out) -> tuple | None:
+    """The metadata of a memoizable output (meta tensors, or a tuple / list of meta
+    tensors and Nones; the outer tuple says which), else None."""
+    items = out if isinstance(out, (list, tuple)) else [out]
+    if not all(o is None or (isinstance(o, torch.Tensor) and o.is_meta) for o in items):
+        return None
+    meta = [None if o is None else (tuple(o.shape), o.stride(), o.dtype) for o in items]
+    return (type(out) if isinstance(out, (list, tuple)) else None, meta)
+
+
+def _from_template(template: tuple):
+    kind, meta = template
+    with _disable_current_modes():  # making the outputs is not an op of the program
+        outs = [None if m is None else torch.empty_strided(m[0], m[1], dtype=m[2],
+                                                           device="meta") for m in meta]
+    return outs[0] if kind is None else kind(outs)
+
+
+def _tensors(value) -> Iterator[torch.Tensor]:
+    """The tensors in ``value``: a tensor, or nested lists / tuples (op arguments)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+_WRITES: dict = {}  # op -> [(position, name)] of the arguments it writes in place
 
 
 def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors ``func`` writes in place (``Tensor(a!)`` arguments of its schema)."""
-    out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            value = args[i] if i < len(args) else kwargs.get(a.name)
-            out += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    if func not in _WRITES:
+        _WRITES[func] = [(i, a.name) for i, a in enumerate(func._schema.arguments)
+                         if a.alias_info is not None and a.alias_info.is_write]
+    out: list[torch.Tensor] = []
+    for i, name in _WRITES[func]:
+        out += _tensors(args[i] if i < len(args) else kwargs.get(name))
     return out
 
 

@@ -145,44 +145,78 @@ def print_sweep(report: dict) -> None:
         print(" ".join(f"{k}={r[k]}" for k in keys) + f": {r['line']}")
 
 
-def plot_sweep(report: dict, path: str | Path, x: str | None = None) -> Path:
-    """Saving (ms, %) and step time over the lower bound (overlapped solid, serialized
-    dashed) against the sweep key ``x`` (default: outer_gbps if swept, else the last
-    key), one line per combination of the other keys."""
+def _facets(keys: list[str], grid: dict, x: str) -> tuple[str | None, str | None]:
+    """Panel rows and columns: seq and microbatches when swept, else other swept keys."""
+    free = [k for k in keys if k != x and len(grid[k]) > 1]
+    rows = "seq" if "seq" in free else None
+    rest = [k for k in free if k != rows]
+    cols = "microbatches" if "microbatches" in rest else (rest[0] if rest else None)
+    return rows, cols
+
+
+def plot_sweep(report: dict, path: str | Path, x: str | None = None) -> list[Path]:
+    """Two PNGs: the overlap's saving (% of the serialized step; ``path``) and the step
+    time over the lower bound (overlapped solid, serialized dashed; ``<path>_bound``),
+    against the sweep key ``x`` (default: outer_gbps if swept, else the last key), in
+    panels by sequence length (rows) and microbatches (columns) when swept, one line per
+    combination of the other keys."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    keys = list(report["meta"]["grid"])
+    grid = report["meta"]["grid"]
+    keys = list(grid)
     x = x or ("outer_gbps" if "outer_gbps" in keys else keys[-1])
-    others = [k for k in keys if k != x]
-    lines: dict[tuple, list[dict]] = {}
-    for r in report["rows"]:
-        lines.setdefault(tuple(r[k] for k in others), []).append(r)
-    fig = Figure(figsize=(15, 4.5))
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, 3)
-    for i, (combo, rows) in enumerate(lines.items()):
-        rows = sorted(rows, key=lambda r: r[x])
-        xs = [r[x] for r in rows]
-        label = ", ".join(f"{k}={v}" for k, v in zip(others, combo)) or "all"
-        color = f"C{i % 10}"
-        axes[0].plot(xs, [r["saving_ms"] for r in rows], "o-", color=color, label=label)
-        axes[1].plot(xs, [r["saving_pct"] for r in rows], "o-", color=color)
-        axes[2].plot(xs, [r["t_overlap_ms"] / r["lower_bound_ms"] for r in rows], "o-",
-                     color=color)
-        axes[2].plot(xs, [r["t_serial_ms"] / r["lower_bound_ms"] for r in rows], "x--",
-                     color=color)
-    titles = ("overlap's saving (ms)", "overlap's saving (% of serialized)",
-              "step / lower bound (solid: overlapped, dashed: serialized)")
-    for ax, title in zip(axes, titles, strict=True):
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel(x)
-        if x.endswith("gbps") or x in ("nodes", "seq", "microbatches"):
-            ax.set_xscale("log", base=2)
-        ax.grid(alpha=0.3)
-    axes[1].axhline(PAYS_PCT, color="gray", lw=0.8, ls=":")
-    fig.legend(loc="lower center", ncol=min(4, len(lines)), fontsize=7)
-    fig.tight_layout(rect=(0, 0.06 + 0.025 * (len(lines) // 4), 1, 1))
+    frow, fcol = _facets(keys, grid, x)
+    others = [k for k in keys if k not in (x, frow, fcol)]
+    rvals = grid[frow] if frow else [None]
+    cvals = grid[fcol] if fcol else [None]
     path = Path(path)
-    fig.savefig(path, dpi=100)
-    return path
+    outs = []
+    for suffix, title in (("", "overlap's saving, % of the serialized step"),
+                          ("_bound", "step / lower bound (solid: overlapped, dashed: "
+                                     "serialized)")):
+        fig = Figure(figsize=(4 * len(cvals) + 1, 3.2 * len(rvals) + 1))
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(len(rvals), len(cvals), squeeze=False, sharex=True)
+        for i, rv in enumerate(rvals):
+            for j, cv in enumerate(cvals):
+                ax = axes[i][j]
+                sel = [r for r in report["rows"] if (frow is None or r[frow] == rv)
+                       and (fcol is None or r[fcol] == cv)]
+                lines: dict[tuple, list[dict]] = {}
+                for r in sel:
+                    lines.setdefault(tuple(r[k] for k in others), []).append(r)
+                for n, (combo, rs) in enumerate(lines.items()):
+                    rs = sorted(rs, key=lambda r: r[x])
+                    xs = [r[x] for r in rs]
+                    label = ", ".join(f"{k}={v}" for k, v in zip(others, combo)) or None
+                    color = f"C{n % 10}"
+                    if suffix:
+                        ax.plot(xs, [r["t_overlap_ms"] / r["lower_bound_ms"] for r in rs],
+                                "o-", color=color, label=label, ms=3)
+                        ax.plot(xs, [r["t_serial_ms"] / r["lower_bound_ms"] for r in rs],
+                                "x--", color=color, ms=3)
+                    else:
+                        ax.plot(xs, [r["saving_pct"] for r in rs], "o-", color=color,
+                                label=label, ms=3)
+                if not suffix:
+                    ax.axhline(PAYS_PCT, color="gray", lw=0.8, ls=":")
+                name = ", ".join(f"{k}={v}" for k, v in ((frow, rv), (fcol, cv)) if k)
+                ax.set_title(name, fontsize=9)
+                if x.endswith("gbps") or x in ("nodes", "seq", "microbatches"):
+                    ax.set_xscale("log", base=2)
+                ax.set_xticks(grid[x], [f"{v:g}" for v in grid[x]])
+                ax.minorticks_off()
+                ax.grid(alpha=0.3)
+                if i == len(rvals) - 1:
+                    ax.set_xlabel(x)
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        if labels:
+            fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)),
+                       fontsize=8)
+        fig.suptitle(title)
+        fig.tight_layout(rect=(0, 0.04 + 0.03 * ((len(labels) + 3) // 4), 1, 0.97))
+        out = path.with_name(path.stem + suffix + path.suffix)
+        fig.savefig(out, dpi=90)
+        outs.append(out)
+    return outs

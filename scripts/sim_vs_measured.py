@@ -70,6 +70,9 @@ def compare(path: Path, calibration: str, base: CostModel) -> list[dict]:
         cal = calibrate(source, costs, own)
         r = simulate(setup_from_results(data, name), cal)
         rows.append({"json": path.name, "row": row_name(path, meta), "schedule": name,
+                     "run": {"date": meta.get("date"), "torch": meta.get("torch"),
+                             "gpu": (meta.get("hardware") or {}).get("gpu"),
+                             "emulate": meta.get("emulate")},
                      "sim_ms": r.t_step_ms, "measured": measured, "metrics": r.metrics,
                      "calibration": {"tflops": cal.tflops, "mem_gbps": cal.mem_gbps,
                                      "host_us_per_op": cal.host_us_per_op,
@@ -145,6 +148,15 @@ def render(rows: list[dict], command: str, calibration: str) -> str:
                    f"{m['t_step_ms']:.1f} [{m['t_step_min_ms']:.1f}-{m['t_step_max_ms']:.1f}] "
                    f"| {e:+.1f} %{flag} | {r['metrics']['host_busy_ms']:.1f} | "
                    f"{'-' if host is None else f'{host:.1f}'} |")
+    no_host = sorted({r["row"] for r, e in zip(rows, errors) if abs(e) > WITHIN_PCT
+                      and r["measured"].get("t_host_ms") is None
+                      and not r["calibration"]["phases"]})
+    if no_host:
+        out += ["", "Rows marked **!** whose JSON has neither the host time of the step "
+                "(`t_host_ms`) nor a trace with phase marks: the simulator had no host cost "
+                "to go on (the host is then never the bottleneck), so a host-bound step "
+                "(short sequences) comes out short. Re-measure with the current `bench "
+                "step` (it records both): " + "; ".join(no_host) + "."]
     out += ["", "## Saving of the overlap", "",
             "Serialized minus overlapped step time, ms (% of the serialized step).", "",
             "| row | pair | sim | measured |", "|---|---|---|---|"]
@@ -183,6 +195,11 @@ def render(rows: list[dict], command: str, calibration: str) -> str:
         c = r["calibration"]
         out.append(f"| {r['row']} | {r['schedule']} | {c['tflops']:.0f} | "
                    f"{c['mem_gbps']:.0f} | {c['host_us_per_op']:.1f} | {c['phases']} |")
+    out += ["", "## Runs", "", "| JSON | date | GPU | torch | emulated |", "|---|---|---|---|---|"]
+    for r in {r["json"]: r for r in rows}.values():
+        run = r["run"]
+        out.append(f"| `{r['json']}` | {run['date']} | {run['gpu']} | {run['torch']} | "
+                   f"{run['emulate']} |")
     return "\n".join(out) + "\n"
 
 

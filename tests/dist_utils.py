@@ -8,6 +8,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str,
-           backend: str, shared_inner: int | None) -> None:
+           backend: str, shared_inner: int | None, pg_timeout_s: float | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -37,7 +38,8 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir:
         dist.init_process_group("nccl", rank=rank, world_size=world,
                                 device_id=torch.device("cuda", rank))
     else:
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        timeout = {} if pg_timeout_s is None else {"timeout": timedelta(seconds=pg_timeout_s)}
+        dist.init_process_group(backend, rank=rank, world_size=world, **timeout)
     try:
         result = fn(rank, world, *args)
         with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
@@ -51,14 +53,16 @@ TIMEOUT_S = 900
 
 
 def run_ranks(fn: Callable, world: int, *args: Any, backend: str = "gloo",
-              shared_inner: int | None = None, timeout: float = TIMEOUT_S) -> list[Any]:
+              shared_inner: int | None = None, timeout: float = TIMEOUT_S,
+              pg_timeout_s: float | None = None) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` ranks (gloo on CPU, or nccl with one
     GPU each; with ``shared_inner``, the inner size of the job's mesh, nccl ranks share
     GPUs as ``hsdp.bench.launch`` places them); returns their results. A job that hangs
-    (a schedule deadlock) fails after ``timeout`` seconds instead of blocking CI."""
+    (a schedule deadlock) fails after ``timeout`` seconds instead of blocking CI.
+    ``pg_timeout_s``: the default process group's timeout (gloo)."""
     with tempfile.TemporaryDirectory() as d:
         ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args, d, backend,
-                                               shared_inner),
+                                               shared_inner, pg_timeout_s),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=5):

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from hsdp.streams import Streams
+from hsdp.streams import StreamFailure, Streams
 
 
 def test_fifo_order_and_cross_stream_dependency():
@@ -24,14 +24,21 @@ def test_fifo_order_and_cross_stream_dependency():
     assert log.index("ag1") < log.index("rs1") and log.index("ag1") < log.index("ag2")
 
 
-def test_failure_surfaces_to_the_waiter_and_stream_keeps_running():
+def test_failure_surfaces_to_the_waiter_and_poisons_every_stream_until_cleared():
     s = Streams.create(torch.device("cpu"))
     bad = s.outer.submit(lambda: 1 / 0, label="OUTER_AR:x")
-    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+    with pytest.raises(StreamFailure, match="OUTER_AR:x.*ZeroDivisionError"):
         s.compute.wait(bad)
-    ok = s.outer.submit(lambda: None)
+    ran: list[str] = []
+    later = s.ag.submit(lambda: ran.append("ag"), label="AG:y")  # another stream
+    with pytest.raises(StreamFailure, match="AG:y.*ZeroDivisionError"):
+        s.compute.wait(later)
+    assert ran == []
+    assert s.quiesce(5.0)  # teardown: no error
+    s.failed.clear()
+    ok = s.ag.submit(lambda: ran.append("ag"))
     s.compute.wait(ok)
-    assert ok.query()
+    assert ran == ["ag"]
 
 
 def test_tracer_records_ops_and_blocking_compute_waits():

@@ -47,7 +47,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
     # torch.compile(module) made before fully_shard: hooks go on the wrapper (outside the
     # compiled region), the unit and the hsdp methods on the module it wraps.
     inner = module._orig_mod if isinstance(module, OptimizedModule) else module
-    params, slots = _owned_params(module)
+    params, slots, ties = _owned_params(module)
     meta = [p.is_meta for p in params]
     if any(meta) and not all(meta):
         raise RuntimeError(f"fully_shard: some parameters of this {type(inner).__name__} are "
@@ -69,6 +69,11 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
             if b is not None and b.device != device and b.device != shard_device:
                 m._buffers[name] = b.to(device)
     unit = Unit(module, label, groups, mesh, device, overlap_outer)
+    for nested in units_below(module):
+        if nested.enclosing is None and nested is not unit:
+            nested.enclosing = unit
+    for group, idx, slot in ties:
+        unit.borrow(group, idx, slot)
     adopt(inner)
     inner._hsdp_unit = unit
     inner.register_state_dict_post_hook(state_dict_hook)
@@ -76,14 +81,24 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
     return module
 
 
-def _owned_params(module: nn.Module) -> tuple[list[nn.Parameter], list[list[Slot]]]:
-    """Parameters not yet managed by hsdp, each once, with every (module, name) slot."""
+Tie = tuple[ParamGroup, int, Slot]
+
+
+def _owned_params(module: nn.Module) -> tuple[list[nn.Parameter], list[list[Slot]], list[Tie]]:
+    """Parameters not yet managed by hsdp, each once, with every (module, name) slot; and
+    the slots still holding a parameter that another unit's group took over (a tie across
+    units: that group stays its owner, this unit borrows it)."""
     nested = {g for u in units_below(module) for g in u.groups}
     params: list[nn.Parameter] = []
     slots: dict[int, list[Slot]] = {}
+    ties: list[Tie] = []
     for m in module.modules():
         for name, p in m._parameters.items():
             if p is None:
+                continue
+            moved = getattr(p, "_hsdp_moved_to", None)
+            if moved is not None:
+                ties.append((*moved, (m, name)))
                 continue
             managed = owner(p)
             if managed is not None:
@@ -97,13 +112,16 @@ def _owned_params(module: nn.Module) -> tuple[list[nn.Parameter], list[list[Slot
                 params.append(p)
                 slots[id(p)] = []
             slots[id(p)].append((m, name))
-    return params, [slots[id(p)] for p in params]
+    return params, [slots[id(p)] for p in params], ties
 
 
 def _root_unit(model: nn.Module) -> Unit:
     unit = getattr(model, "_hsdp_unit", None)
     if unit is None:
         raise ValueError("expected the root module passed to hsdp.fully_shard")
+    if unit.enclosing is not None:
+        raise ValueError(f"expected the root module (the outermost fully_shard-ed module), got "
+                         f"{unit.label}, which is part of a larger sharded model")
     return unit
 
 
@@ -149,11 +167,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float,
     gradient element once (not once per outer replica). Returns the total norm."""
     unit = _root_unit(model)
     rt = unit.runtime
+    if rt is not None:
+        rt.settle()
     if rt is not None and (rt.phase == "backward" or rt.awaiting_last):
         raise RuntimeError("hsdp.clip_grad_norm_: gradients are not final yet (call it after "
                            "the last microbatch's backward)")
     rep, sharded = _sharded_grads(model)
-    mesh = unit.mesh
+    comms = comm_groups(unit.mesh)
     inf = norm_type == float("inf")
 
     def local(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -166,9 +186,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float,
 
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     part_sharded = local(sharded)
-    dist.all_reduce(part_sharded, op=op, group=mesh.get_group("outer"))
+    dist.all_reduce(part_sharded, op=op, group=comms.host_outer)
     total = torch.maximum(local(rep), part_sharded) if inf else local(rep) + part_sharded
-    dist.all_reduce(total, op=op, group=mesh.get_group("inner"))
+    dist.all_reduce(total, op=op, group=comms.host_inner)
     total = total if inf else total.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     grads = rep + sharded

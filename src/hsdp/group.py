@@ -77,6 +77,8 @@ class ParamGroup:
         owned_lo, owned_hi = lay.owned_range(o, i)
         S, C, N = lay.shard_numel, lay.chunk_numel, lay.total
         sources = [p.detach().reshape(-1) for p in params]
+        for idx, p in enumerate(params):  # the originals: for ties and stale optimizers
+            p._hsdp_moved_to = (self, idx)
 
         self.main = self._filled(sources, owned_lo, C, self.orig_dtype, device)
         if not self.shard_outer:
@@ -133,6 +135,7 @@ class ParamGroup:
             self._marked_version = -1
             self._gaps = lay.gaps()
             self.received: set[int] = set()
+            self.used = [False] * len(params)  # got a gradient on this rank in this step
             self.reduced = False
             self.on_all_grads: Callable[[ParamGroup], None] | None = None
             for idx, up in enumerate(self.unsharded):
@@ -235,11 +238,12 @@ class ParamGroup:
         rs_in = torch.empty(self.layout.total, dtype=self.reduce_dtype,
                             device=self.main.device)
         dst, src, zero = [], [], [rs_in[a:b] for a, b in self._gaps]
-        for p, off in zip(self.unsharded, self.layout.offsets):
+        for i, (p, off) in enumerate(zip(self.unsharded, self.layout.offsets)):
             view = rs_in[off:off + p.numel()]
             if p.grad is None:
                 zero.append(view)
             else:
+                self.used[i] = True
                 dst.append(view)
                 src.append(p.grad.reshape(-1))
                 p.grad = None
@@ -273,6 +277,7 @@ class ParamGroup:
                      after: Sequence[Event]) -> Event:
         """Outer all-reduce of ``accum`` (hsdp) or outer reduce-scatter into ``grad_buf``."""
         def run() -> None:
+            _allocate(self.accum)  # a replayed reduction may find it freed
             src = self.accum.to(self.reduce_dtype)  # no copy when dtypes match
             if self.shard_outer:
                 _allocate(self.grad_buf)
@@ -305,11 +310,21 @@ class ParamGroup:
         self.received.clear()
         self.reduced = False
 
-    def expose_grads(self) -> None:
+    def abandon_step(self) -> None:
+        """Forget what a failed step left: unsharded gradients, received / used flags."""
+        for p in self.unsharded:
+            p.grad = None
+        self.used = [False] * len(self.used)
+        self.reset_backward()
+
+    def expose_grads(self, used: Sequence[bool]) -> None:
+        """Hand the reduced gradients to the optimizer; a parameter that no rank used
+        keeps ``.grad = None`` (as with DDP)."""
         if self._placeholder_grads:  # zero, whatever the user did to them last step
             torch._foreach_zero_(self._placeholder_grads)
-        for p, v in zip(self.sharded, self._grad_views):
-            p.grad = v
+        for p, v, u in zip(self.sharded, self._grad_views, used):
+            p.grad = v if u else None
+        self.used = [False] * len(self.used)
         self.mark_grads()
 
     def mark_grads(self) -> None:
@@ -335,12 +350,11 @@ class ParamGroup:
 
     def full_flat(self, coll: Collectives) -> torch.Tensor:
         """The whole flat buffer in the original dtype (host-side collectives on compute)."""
-        mesh = self.comms.mesh
         shard = self.main
         if self.shard_outer:
             shard = torch.empty(self.layout.shard_numel, dtype=self.orig_dtype,
                                 device=self.main.device)
-            coll.all_gather(shard, self.main, mesh.get_group("outer"), "outer")
+            coll.all_gather(shard, self.main, self.comms.host_outer, "outer")
         full = torch.empty(self.layout.total, dtype=self.orig_dtype, device=self.main.device)
-        coll.all_gather(full, shard, mesh.get_group("inner"), "inner")
+        coll.all_gather(full, shard, self.comms.host_inner, "inner")
         return full

@@ -4,7 +4,10 @@
 operations of one communicator in host launch order, so an all-gather and a
 reduce-scatter sharing one would serialize. ``outer`` is a third, so that the DP-outer
 reduction never queues behind inner traffic. Host-side collectives (state dict, grad norm)
-use the DeviceMesh's own per-dim groups and never touch these three.
+use two more groups per rank, ``host_inner`` / ``host_outer``, and never touch these three;
+``control`` is a CPU (gloo) group over the whole world for hsdp's tiny bookkeeping
+all-reduces (step agreement, recovery). Every group gets the same timeout: the default
+group's, or ``init_mesh(..., timeout=...)``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -49,6 +53,10 @@ class CommGroups:
     inner_ag: dist.ProcessGroup
     inner_rs: dist.ProcessGroup
     outer: dist.ProcessGroup
+    host_inner: dist.ProcessGroup
+    host_outer: dist.ProcessGroup
+    control: dist.ProcessGroup
+    timeout: timedelta
     mesh: DeviceMesh
 
     @property
@@ -57,12 +65,14 @@ class CommGroups:
 
 
 def init_mesh(outer: int, inner: int, device_type: str | None = None, *,
-              nccl: dict[str, NcclConfig] | None = None) -> DeviceMesh:
+              nccl: dict[str, NcclConfig] | None = None,
+              timeout: timedelta | None = None) -> DeviceMesh:
     """A 2-D DeviceMesh with dims ("outer", "inner") plus hsdp's three communicators.
 
     ``nccl`` maps "inner_ag" / "inner_rs" / "outer" to an ``NcclConfig``; it only applies to
-    the NCCL backend. Initializes the default process group from the environment (torchrun)
-    when none exists yet.
+    the NCCL backend. ``timeout``: how long any of hsdp's collectives may wait for a peer
+    before it fails (default: the default process group's timeout). Initializes the default
+    process group from the environment (torchrun), with this timeout, when none exists yet.
     """
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
                for n in (outer, inner)):
@@ -73,15 +83,17 @@ def init_mesh(outer: int, inner: int, device_type: str | None = None, *,
     if unknown:
         raise ValueError(f"init_mesh: unknown communicator(s) {sorted(unknown)} in nccl=; "
                          f"expected keys among {COMMUNICATORS}")
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(f"init_mesh: timeout must be a datetime.timedelta, got {timeout!r}")
     device_type = _check_device_type(device_type)
-    _init_default_group()
+    _init_default_group(timeout)
     if dist.get_world_size() != outer * inner:
         raise ValueError(
             f"init_mesh: outer*inner = {outer}*{inner} = {outer * inner} but the world has "
             f"{dist.get_world_size()} ranks; choose outer and inner whose product is the "
             f"world size")
     mesh = init_device_mesh(device_type, (outer, inner), mesh_dim_names=DIM_NAMES)
-    _GROUPS[_key(mesh)] = _create_groups(mesh, nccl)
+    _GROUPS[_key(mesh)] = _create_groups(mesh, nccl, timeout or default_timeout())
     return mesh
 
 
@@ -98,7 +110,7 @@ def _check_device_type(device_type: str | None) -> str:
     return device_type
 
 
-def _init_default_group() -> None:
+def _init_default_group(timeout: timedelta | None) -> None:
     """Initialize the default process group from torchrun's environment if needed."""
     if dist.is_initialized():
         return
@@ -109,7 +121,7 @@ def _init_default_group() -> None:
             f"init_mesh: no default process group and no torchrun environment (missing "
             f"{', '.join(missing)}); launch with torchrun or call "
             f"torch.distributed.init_process_group() first")
-    dist.init_process_group()
+    dist.init_process_group(**({} if timeout is None else {"timeout": timeout}))
 
 
 def comm_groups(mesh: DeviceMesh) -> CommGroups:
@@ -117,8 +129,19 @@ def comm_groups(mesh: DeviceMesh) -> CommGroups:
     check_mesh(mesh)
     key = _key(mesh)
     if key not in _GROUPS:
-        _GROUPS[key] = _create_groups(mesh, {})
+        _GROUPS[key] = _create_groups(mesh, {}, default_timeout())
     return _GROUPS[key]
+
+
+def default_timeout() -> timedelta:
+    """The default process group's timeout (``init_process_group(timeout=...)``)."""
+    pg = dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return dist.default_pg_timeout
 
 
 def check_mesh(mesh: DeviceMesh) -> None:
@@ -136,16 +159,25 @@ def check_mesh(mesh: DeviceMesh) -> None:
 _GROUPS: dict[tuple, CommGroups] = {}
 
 
+def longest_timeout() -> timedelta:
+    """The longest timeout of hsdp's groups in this world (teardown waits that long)."""
+    world = id(dist.distributed_c10d._get_default_group())
+    return max([g.timeout for k, g in _GROUPS.items() if k[0] == world],
+               default=default_timeout())
+
+
 def _key(mesh: DeviceMesh) -> tuple:
     world = id(dist.distributed_c10d._get_default_group())  # a re-initialized world is new
     return (world, mesh.device_type, tuple(mesh.mesh.flatten().tolist()),
             tuple(mesh.mesh.shape))
 
 
-def _create_groups(mesh: DeviceMesh, nccl: dict[str, NcclConfig]) -> CommGroups:
+def _create_groups(mesh: DeviceMesh, nccl: dict[str, NcclConfig],
+                   timeout: timedelta) -> CommGroups:
     check_mesh(mesh)
     ranks = mesh.mesh.tolist()  # ranks[o][i]
     outer, inner = len(ranks), len(ranks[0])
+    by_inner = [[ranks[o][i] for o in range(outer)] for i in range(inner)]  # outer groups
     me = dist.get_rank()
     backend = dist.get_backend()
     uses_nccl = mesh.device_type == "cuda" and "nccl" in str(backend)
@@ -153,32 +185,39 @@ def _create_groups(mesh: DeviceMesh, nccl: dict[str, NcclConfig]) -> CommGroups:
         warnings.warn(f"hsdp: NCCL settings {sorted(nccl)} have no effect on backend "
                       f"{backend!r}", stacklevel=3)
     mine: dict[str, dist.ProcessGroup] = {}
-    for name in COMMUNICATORS:  # same creation order on every rank
-        members = ([[ranks[o][i] for o in range(outer)] for i in range(inner)]
-                   if name == "outer" else ranks)
+    # Same creation order on every rank.
+    for name in (*COMMUNICATORS, "host_inner", "host_outer"):
+        members = by_inner if name in ("outer", "host_outer") else ranks
         for group_ranks in members:
-            pg = new_communicator(group_ranks, mesh.device_type, nccl.get(name))
+            pg = new_communicator(group_ranks, mesh.device_type, nccl.get(name), timeout)
             if me in group_ranks:
                 mine[name] = pg
+    # Bookkeeping values live on the host: a gloo group, whatever the data backend.
+    control = dist.new_group(timeout=timeout,
+                             backend=None if backend == "fake" else "gloo")
     # Shard index = rank inside the group (new_group orders members by global rank).
     return CommGroups(outer, inner, dist.get_rank(mine["outer"]), dist.get_rank(mine["inner_ag"]),
-                      mine["inner_ag"], mine["inner_rs"], mine["outer"], mesh)
+                      mine["inner_ag"], mine["inner_rs"], mine["outer"], mine["host_inner"],
+                      mine["host_outer"], control, timeout, mesh)
 
 
-def new_communicator(ranks: list[int], device_type: str,
-                     cfg: NcclConfig | None = None) -> dist.ProcessGroup:
+def new_communicator(ranks: list[int], device_type: str, cfg: NcclConfig | None = None,
+                     timeout: timedelta | None = None) -> dist.ProcessGroup:
     """A process group over ``ranks`` with ``cfg``'s settings where they apply (NCCL on
-    CUDA). Every rank of the world must call it, in the same order."""
+    CUDA) and ``timeout`` (default: the default group's). Every rank of the world must call
+    it, in the same order."""
+    timeout = timeout or default_timeout()
     uses_nccl = device_type == "cuda" and "nccl" in str(dist.get_backend())
-    opts = _nccl_options(cfg) if uses_nccl else None
-    return (dist.new_group(ranks, backend="nccl", pg_options=opts) if opts
-            else dist.new_group(ranks))
+    opts = _nccl_options(cfg, timeout) if uses_nccl else None
+    return (dist.new_group(ranks, timeout=timeout, backend="nccl", pg_options=opts) if opts
+            else dist.new_group(ranks, timeout=timeout))
 
 
-def _nccl_options(cfg: NcclConfig | None):
+def _nccl_options(cfg: NcclConfig | None, timeout: timedelta):
     if cfg is None or cfg.is_default():
         return None
     opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
     for k, v in vars(cfg).items():
         if v is not None:
             setattr(opts.config, k, v)
@@ -195,5 +234,7 @@ def host_group(purpose: str = "host") -> dist.ProcessGroup:
     checkpoint) needs a group of its own: two threads must not share one."""
     key = (id(dist.distributed_c10d._get_default_group()), purpose)
     if key not in _HOST_GROUPS:
-        _HOST_GROUPS[key] = dist.new_group(backend="gloo")
+        fake = dist.get_backend() == "fake"  # torch's fake world: one process, no gloo
+        _HOST_GROUPS[key] = dist.new_group(backend=None if fake else "gloo",
+                                           timeout=default_timeout())
     return _HOST_GROUPS[key]

@@ -16,13 +16,17 @@ forward pre-hook to its post-hook (``RECOMPUTE:<unit>`` when activation checkpoi
 runs it again in backward), ``BWD:<unit>`` from its pre-backward to its post-backward,
 ``COPY_IN:<group>``, ``OPTIMIZER:<root>``. The simulator prices compute by phase; on CUDA
 and CPU they are trace marks.
+
+Failures (README, "Failure semantics"): every collective is logged and the step's structure
+is agreed on at its end (``agreement.py``); a step whose forward or backward raised is
+abandoned consistently on every rank by the next call into hsdp (``Runtime.settle``).
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,10 +40,13 @@ from torch.optim.optimizer import (
 )
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+import hsdp.teardown  # noqa: F401  (destroy_process_group waits for hsdp's streams)
+from hsdp.agreement import COMM_OF, StepLog, Verdict, agree, missing, post_note, read_note
 from hsdp.comm import Collectives
-from hsdp.group import ParamGroup, owner
+from hsdp.group import ParamGroup, Slot, owner
+from hsdp.mesh import comm_groups
 from hsdp.pieces import same_layout
-from hsdp.streams import Event, Streams, Tracer
+from hsdp.streams import Event, SideStream, Streams, Tracer
 
 MAX_PENDING_RS = 4  # RS inputs awaiting release (a unit's post-backward releases them)
 
@@ -64,10 +71,18 @@ class Unit:
         self.streams: Streams | None = None  # root's is used; None: the device's (sim swaps)
         self.is_last_override: bool | None = None  # set by hsdp.microbatch on the root
         self.label = label
+        self.enclosing: Unit | None = None  # set when an enclosing module is fully_shard-ed
+        # Tied parameters owned by another unit's group, used here: (group, index, slot).
+        self.borrowed: list[tuple[ParamGroup, int, Slot]] = []
+        self.uses: list[ParamGroup] = list(groups)  # groups gathered for this unit
+        self.pending_bwd = 0  # _PostBackward nodes of this microbatch yet to run
+        self.unattached = 0  # grad-mode calls with no _PostBackward (no input needs grad)
         self.backward_started = False
         self.backward_done = False
         module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward_hook, always_call=False,
+                                     with_kwargs=True)
+        module.register_forward_hook(self._forward_failed_hook, always_call=True,
                                      with_kwargs=True)
 
     @property
@@ -79,17 +94,55 @@ class Unit:
     def trainable(self) -> list[ParamGroup]:
         return [g for g in self.groups if g.requires_grad]
 
+    def borrow(self, group: ParamGroup, idx: int, slot: Slot) -> None:
+        """A parameter tied to ``group``'s ``idx``-th, which another unit owns: ``slot``
+        shows that unit's parameter, gathered while this unit runs."""
+        self.borrowed.append((group, idx, slot))
+        if group not in self.uses:
+            self.uses.append(group)
+        module, name = slot
+        module._parameters[name] = group.sharded[idx]
+
+    def swap(self, unsharded: bool) -> None:
+        """Point this unit's parameter slots at the unsharded (or sharded) parameters."""
+        for g in self.groups:
+            if unsharded:
+                g.use_unsharded()
+            else:
+                g.use_sharded()
+        for g, idx, (module, name) in self.borrowed:
+            module._parameters[name] = (g.unsharded if unsharded else g.sharded)[idx]
+
     # Hooks run eagerly, outside any compiled region (torch.compile(block), block.compile()):
     # dynamo neither traces them nor breaks the block's graph on them.
     @torch.compiler.disable
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         if self.runtime is None:
+            if self.enclosing is not None:
+                raise RuntimeError(_outside_root(self))
             Runtime(self)
         return self.runtime._pre_forward(self, args, kwargs)
 
     @torch.compiler.disable
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
         return self.runtime._post_forward(self, output)
+
+    @torch.compiler.disable
+    def _forward_failed_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        # Also runs after a successful forward, when _post_forward_hook has set "idle".
+        rt = self.runtime
+        if rt is not None and rt.root is self and rt.phase == "forward" and not _in_backward():
+            rt.phase = "failed"
+
+
+def _outside_root(unit: Unit) -> str:
+    root = unit
+    while root.enclosing is not None:
+        root = root.enclosing
+    return (f"hsdp: forward of {unit.label} outside the forward of the model it belongs to "
+            f"({root.label}, the outermost fully_shard-ed module): hsdp gathers a unit's "
+            f"parameters only inside that forward. Call the model itself (nothing has been "
+            f"changed; the model can still be used).")
 
 
 def units_below(module: nn.Module) -> Iterator[Unit]:
@@ -129,6 +182,18 @@ class Runtime:
                     f"through its outermost fully_shard module")
             if u.overlap_outer != root.overlap_outer:
                 raise ValueError("hsdp: overlap_outer must be the same for every unit of a model")
+        self.groups = [g for u in self.units for g in u.groups]  # same order on every rank
+        self.gid = {g: i for i, g in enumerate(self.groups)}
+        self.trainable = [g for g in self.groups if g.requires_grad]
+        self._users: dict[ParamGroup, list[Unit]] = {g: [] for g in self.groups}
+        for u in self.units:
+            for g in u.uses:
+                if g not in self.gid:
+                    raise RuntimeError(
+                        f"hsdp: {u.label} shares a parameter with {g.label}, which is not part "
+                        f"of this model; tie parameters only within one model")
+                self._users[g].append(u)
+        for u in self.units:
             u.runtime = self
         self.coll = root.collectives
         self.streams = root.streams or Streams.for_device(root.device)
@@ -142,6 +207,11 @@ class Runtime:
         self._pending_rs: list[tuple[ParamGroup, torch.Tensor, Event]] = []
         self._outer_events: list[Event] = []
         self._params_written: Event | None = None
+        self._holders: dict[ParamGroup, set[Unit]] = {g: set() for g in self.groups}
+        self.comms = comm_groups(root.mesh)
+        self.log = StepLog()
+        self._gave_up = False  # this step raised because another rank gave it up
+        self.broken: str | None = None  # why hsdp's communicators cannot be used any more
         self.param_ids = {id(p) for u in self.units for g in u.groups for p in g.sharded}
         for u in self.units:
             for g in u.trainable:
@@ -160,33 +230,49 @@ class Runtime:
 
     # ------------------------------------------------------------------ gather
 
+    def _logged(self, kind: str, g: ParamGroup, stream: SideStream, event: Event) -> Event:
+        self.log.add(kind, self.gid[g], stream.name, event)
+        return event
+
     def _issue_unshard(self, unit: Unit) -> None:
-        for g in unit.groups:
+        for g in unit.uses:
             if g.gathered_event is None:
                 # ag waits: shards were last written on compute (optimizer) or, for hfsdp,
                 # by the outer all-gather.
                 after = [e for e in (self._params_written, g.params_ready) if e is not None]
-                g.unshard(self.streams.ag, self.coll, after)
+                self._logged("AG", g, self.streams.ag, g.unshard(self.streams.ag, self.coll, after))
 
     def _unshard(self, unit: Unit) -> None:
         self._issue_unshard(unit)
-        for g in unit.groups:
+        for g in unit.uses:
             # compute waits: it reads the gathered parameters.
             self.streams.compute.wait(g.gathered_event)
-        for g in unit.groups:
-            g.use_unsharded()
+            self._holders[g].add(unit)
+        unit.swap(True)
 
     def _reshard(self, unit: Unit) -> None:
-        gathered = [g for g in unit.groups if g.gathered_event is not None]
-        if gathered:
+        """Free the gathered groups ``unit`` uses, unless another running unit (a tie)
+        still holds them."""
+        free = []
+        for g in unit.uses:
+            self._holders[g].discard(unit)
+            if not self._holders[g] and g.gathered_event is not None:
+                free.append(g)
+        self._free(free)
+
+    def _free(self, groups: list[ParamGroup]) -> None:
+        if groups:
             done = self.streams.compute.record()
-            for g in gathered:
+            for g in groups:
                 # ag waits: compute must be done reading the buffer before it is reused.
                 g.reshard(self.streams.ag, [done])
 
     # ------------------------------------------------------------------ forward
 
     def _begin_forward(self) -> None:
+        self.settle()
+        self.streams.compute.poll = self._poll
+        self.log.forwards += 1
         for u in self.units:  # a forward whose backward never ran leaves buffers behind
             self._reshard(u)
         if self.first_microbatch:  # shards unchanged between microbatches of a step
@@ -212,9 +298,11 @@ class Runtime:
             nxt = self._next_bwd.get(unit)
             if nxt is not None:
                 self._issue_unshard(nxt)
+            if unit.pending_bwd:  # non-reentrant: the forward's _PostBackward is still due
+                return args, kwargs
             return self._attach_post_backward(unit, args, kwargs)
-        if unit is self.root and self.phase == "backward":
-            raise RuntimeError("hsdp: forward called during backward")
+        if unit is not self.root and self.phase != "forward":
+            raise RuntimeError(_outside_root(unit))
         self.streams.compute.begin(f"FWD:{unit.label}")
         if unit is self.root:
             self._begin_forward()
@@ -228,8 +316,7 @@ class Runtime:
         return self._attach_post_backward(unit, args, kwargs)
 
     def _post_forward(self, unit: Unit, output: Any) -> Any:
-        for g in unit.groups:
-            g.use_sharded()
+        unit.swap(False)
         if _in_backward():
             self.streams.compute.end(f"RECOMPUTE:{unit.label}")
             return output
@@ -249,12 +336,17 @@ class Runtime:
         return output
 
     def _attach_post_backward(self, unit: Unit, args: tuple, kwargs: dict):
+        """Make ``_post_backward(unit)`` run once the backward of this call is done. A unit
+        called several times is reduced after the last of its calls' backwards."""
         if not torch.is_grad_enabled():
             return args, kwargs
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
+            if not _in_backward():
+                unit.unattached += 1  # only the finalize knows this call's backward is done
             return args, kwargs
+        unit.pending_bwd += 1
         outs = _PostBackward.apply(self, unit, *(flat[i] for i in idx))
         for i, t in zip(idx, outs):
             flat[i] = t
@@ -273,6 +365,8 @@ class Runtime:
 
     def _begin_backward(self) -> None:
         self.phase = "backward"
+        self.streams.compute.poll = self._poll
+        self.log.microbatches += 1
         override = self.root.is_last_override
         self.is_last = True if override is None else override
         if self.first_microbatch:
@@ -295,17 +389,23 @@ class Runtime:
         if nxt is not None:  # prefetch AG_{i-1} before RS_i is issued
             self._issue_unshard(nxt)
 
-    def _post_backward(self, unit: Unit) -> None:
+    def _post_backward(self, unit: Unit, final: bool = False) -> None:
+        """After the backward of ``unit``'s (last) call; ``final``: the finalize, for units
+        whose _PostBackward never ran."""
+        if not final:
+            unit.pending_bwd -= 1
+            if unit.pending_bwd > 0 or unit.unattached:
+                return  # another call's backward still needs the gathered parameters
         if unit.backward_done:
             return
         unit.backward_done = True
-        for g in unit.groups:
-            g.use_sharded()
+        unit.swap(False)
         # Free first: the FREE (and every all-gather queued behind it on ag) then waits
         # for this unit's backward only, not for the reduce-scatter waits below.
         self._reshard(unit)
-        for g in unit.trainable:
-            if not g.reduced:
+        for g in unit.uses:  # a tied group is reduced once every unit using it is done
+            if (g.requires_grad and not g.reduced
+                    and all(u.backward_done for u in self._users[g])):
                 self._reduce(g)
         self._release_rs_inputs(keep=unit.groups)
         if unit.backward_started:
@@ -319,15 +419,16 @@ class Runtime:
         self.streams.compute.end(f"COPY_IN:{g.label}")
         copied = self.streams.compute.record()
         # rs waits: the reduce-scatter reads rs_in, written on compute by the copy-in.
-        ev_rs = g.reduce_scatter(self.streams.rs, self.coll, rs_in, self.first_microbatch,
-                                 [copied])
+        ev_rs = self._logged("RS", g, self.streams.rs, g.reduce_scatter(
+            self.streams.rs, self.coll, rs_in, self.first_microbatch, [copied]))
         if len(self._pending_rs) >= MAX_PENDING_RS:  # bound, for units never post-backward'd
             self._release_rs_inputs(keep=[e[0] for e in self._pending_rs[1:]])
         self._pending_rs.append((g, rs_in, ev_rs))
         if self.is_last:
             stream = self.streams.outer if self.overlap else self.streams.rs
             # outer waits: it reduces the inner shard that RS_i has just accumulated.
-            self._outer_events.append(g.outer_reduce(stream, self.coll, [ev_rs]))
+            self._outer_events.append(
+                self._logged("OUTER", g, stream, g.outer_reduce(stream, self.coll, [ev_rs])))
 
     def _release_rs_inputs(self, keep: Sequence[ParamGroup] = ()) -> None:
         """Drop the RS inputs of every group but ``keep``'s (normally: the previous unit's,
@@ -343,25 +444,143 @@ class Runtime:
         self._pending_rs = kept
 
     def _finalize(self) -> None:
-        """End of backward (autograd engine callback): leftovers, then stream waits."""
+        """End of backward (autograd engine callback): leftovers, the step agreement on the
+        last microbatch, then stream waits."""
         for unit in reversed(self.order):
-            self._post_backward(unit)
+            self._post_backward(unit, final=True)
         self._release_rs_inputs()
         if self.is_last:
+            verdict = self._agree(failed="", on_slow=lambda: self._note("ended"))
+            if not verdict.ok:
+                msg = verdict.message(self.log.step)
+                self._abandon()
+                raise RuntimeError(msg)
             for ev in self._outer_events:
                 # compute waits: the optimizer reads grads the outer reduction produced.
                 self.streams.compute.wait(ev)
             self._outer_events.clear()
-            for u in self.units:
-                for g in u.trainable:
-                    g.expose_grads()
+            used = iter(verdict.used)
+            for g in self.trainable:
+                g.expose_grads([next(used) for _ in g.used])
+            self.log.next_step()
         self.awaiting_last = not self.is_last
         self.first_microbatch = self.is_last
+        self._reset_units()
+        self.phase = "idle"
+
+    def _reset_units(self) -> None:
         for u in self.units:
             u.backward_started = u.backward_done = False
-            for g in u.trainable:
-                g.reset_backward()
+            u.pending_bwd = u.unattached = 0
+        for g in self.trainable:
+            g.reset_backward()
+
+    # ------------------------------------------------------------------ failures
+
+    def _agree(self, failed: str, on_slow: Callable[[], None] | None = None) -> Verdict:
+        used = [u for g in self.trainable for u in g.used]
+        try:
+            return agree(self.log, failed, used, self.comms.control, self.comms.timeout,
+                         on_slow)
+        except RuntimeError as exc:
+            self.broken = str(exc)
+            raise
+
+    def _note(self, kind: str) -> None:
+        post_note(f"hsdp/{self.root.label}/{self.log.step}",
+                  f"{kind} {dist.get_rank()} {self.log.forwards}")
+
+    def _poll(self) -> None:
+        """CPU, while a wait blocks: raise if another rank gave up this step, or ended it
+        after fewer microbatches than this one runs (it will not join our collectives)."""
+        note = read_note(f"hsdp/{self.root.label}/{self.log.step}")
+        if note is None:
+            return
+        kind, rank, forwards = note.split()
+        if kind == "failed":
+            self._gave_up = True
+            raise RuntimeError(
+                f"hsdp: rank {rank} gave up step {self.log.step} (its forward or backward "
+                f"raised), so this rank stops waiting for it. Handle this like that rank's "
+                f"error: the next forward abandons the step on every rank and starts a new one.")
+        if int(forwards) < self.log.forwards:
+            self._gave_up = True
+            raise RuntimeError(
+                f"hsdp: the ranks disagree on the structure of step {self.log.step}: rank "
+                f"{rank} ended it after {forwards} microbatch(es), this rank runs microbatch "
+                f"{self.log.forwards}. Every rank must run the same number of microbatches "
+                f"per step (is_last on the same one).")
+
+    def settle(self) -> None:
+        """If the last forward or backward raised (on this rank), abandon that step on
+        every rank before anything else runs: the entry points (forward, optimizer step,
+        state dict, clip, synchronize) call this; every rank reaches one of them."""
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
+        if self.phase == "idle" or _in_backward():
+            return
+        self._note("failed")
+        self._agree(failed="peer" if self._gave_up else "origin")
+        self._abandon()
+
+    def _abandon(self) -> None:
+        """Drop the current step consistently: complete the collectives that other ranks
+        issued and this one did not, drain every stream, and reset to a clean state (no
+        gradients; the next forward starts a new step)."""
+        self.streams.compute.poll = None  # every rank is here now: waits will complete
+        last: dict[str, Event] = {}
+        for op in self.log.ops:
+            last[COMM_OF[op.desc[0]]] = op.event
+        keep_alive = []
+        try:
+            extra = missing(self.log, self.comms.control)
+        except RuntimeError as exc:  # nothing can complete the pending collectives
+            self.streams.failed.append(exc)
+            self.broken = str(exc)
+            raise
+        for kind, gid, stream_name in extra:
+            g, stream = self.groups[gid], getattr(self.streams, stream_name)
+            comm = COMM_OF[kind]
+            # stream waits: collectives of one communicator must keep their order.
+            after = [last[comm]] if comm in last else []
+            last[comm] = self._replay(kind, g, stream, after, keep_alive)
+        self.streams.drain()
+        self.streams.compute.record().synchronize()
+        keep_alive.clear()
+        for u in self.units:
+            u.swap(False)
+        for holders in self._holders.values():
+            holders.clear()
+        self._free([g for g in self.groups if g.gathered_event is not None])
+        for g in self.trainable:
+            g.abandon_step()
+            g.hide_grads()
+        self._release_cleared_grads()
+        self._pending_rs.clear()
+        self._outer_events.clear()
+        self._reset_units()
+        if self._recording is not None:
+            self._recording = []
+        self.first_microbatch, self.awaiting_last, self.is_last = True, False, True
         self.phase = "idle"
+        self._gave_up = False
+        self.log.next_step()
+
+    def _replay(self, kind: str, g: ParamGroup, stream: SideStream, after: list[Event],
+                keep_alive: list) -> Event:
+        """Issue a collective another rank issued in the abandoned step, on real buffers
+        (their contents are discarded)."""
+        if kind == "AG":
+            return g.unshard(stream, self.coll, after)
+        if kind == "OUTER":
+            return g.outer_reduce(stream, self.coll, after)
+        if kind == "OUTER_AG":
+            return g.outer_all_gather(stream, self.coll, after)
+        rs_in = torch.zeros(g.layout.total, dtype=g.reduce_dtype, device=g.main.device)
+        keep_alive.append(rs_in)
+        # rs waits: rs_in was written on compute.
+        return g.reduce_scatter(stream, self.coll, rs_in, True,
+                                [*after, self.streams.compute.record()])
 
     # ------------------------------------------------------------------ optimizer
 
@@ -392,8 +611,9 @@ class Runtime:
                 "/ hsdp.set_state_dict with torch.distributed.checkpoint), which reshard.")
 
     def _before_optimizer_step(self) -> None:
-        if self.phase == "backward":
+        if _in_backward():
             raise RuntimeError("hsdp: optimizer.step() called during backward")
+        self.settle()
         if self.awaiting_last:
             raise RuntimeError(
                 "hsdp: optimizer.step() called while the outer gradient reduction is still "
@@ -426,15 +646,36 @@ class Runtime:
             updated = self.streams.compute.record()
             for g in stale:
                 # outer waits: it reads the main chunk updated on compute.
-                g.outer_all_gather(self.streams.outer, self.coll, [updated])
+                self._logged("OUTER_AG", g, self.streams.outer,
+                             g.outer_all_gather(self.streams.outer, self.coll, [updated]))
 
     def synchronize(self) -> None:
         """Block until every stream is idle (state dict, teardown)."""
+        self.settle()
         self.streams.drain()
         self.streams.compute.record().synchronize()
 
 
+_CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+
+
+def _check_not_stale(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer built before fully_shard holds the replaced parameters: its steps
+    would change nothing the model uses."""
+    params = [p for pg in optimizer.param_groups for p in pg["params"]]
+    if _CHECKED.get(optimizer) == len(params):
+        return
+    stale = sum(getattr(p, "_hsdp_moved_to", None) is not None for p in params)
+    if stale:
+        raise RuntimeError(
+            f"hsdp: this optimizer holds {stale} parameter(s) that fully_shard has replaced by "
+            f"their shards, so its step would not change the model. Build the optimizer after "
+            f"fully_shard, from model.parameters().")
+    _CHECKED[optimizer] = len(params)
+
+
 def _optimizer_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _check_not_stale(optimizer)
     for rt in list(_RUNTIMES):
         if rt._owns(optimizer):
             rt._before_optimizer_step()

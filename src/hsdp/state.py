@@ -13,12 +13,13 @@ from hsdp.mesh import host_group
 
 
 def quiesce(model: nn.Module, what: str) -> None:
-    """Wait for every stream; refuse during forward / backward."""
+    """Wait for every stream (after abandoning a step that raised: see README, "Failure
+    semantics"); refuse during forward / backward."""
     unit = getattr(model, "_hsdp_unit", None)
     if unit is not None and unit.runtime is not None:
+        unit.runtime.synchronize()
         if unit.runtime.phase != "idle":
             raise RuntimeError(f"hsdp.{what}: called during forward or backward")
-        unit.runtime.synchronize()
 
 
 def _entries(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -34,7 +35,8 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False,
     it. Gathers one parameter group at a time, so besides the result a rank holds at most
     one group's (<= one unit's) full parameters. ``rank0_only``: only rank 0 keeps the
     tensors, the others return ``{}``. ``cpu_offload``: results on CPU (else on the
-    model's device)."""
+    model's device). Buffers (e.g. BatchNorm statistics, which each rank updates from its
+    own batches) are rank 0's on every rank, as DDP broadcasts them."""
     quiesce(model, "full_state_dict")
     keep = not rank0_only or dist.get_rank() == 0
     entries = _entries(model)
@@ -55,6 +57,12 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False,
                 n = group.layout.numels[idx]
                 out[key] = _keep(flat[off:off + n].view(shape), cpu_offload)
         del flat  # before the next group's is gathered
+    if not rank0_only:
+        for key, t in entries.items():
+            if owner(t) is None and not isinstance(t, nn.Parameter):
+                cpu = out[key].cpu()
+                dist.broadcast(cpu, src=0, group=host_group())
+                out[key] = cpu if cpu_offload else cpu.to(t.device)
     return {k: out[k] for k in entries if k in out}
 
 

@@ -10,7 +10,10 @@ completes when it has finished.
   an event. Nothing blocks the host.
 - CPU: each stream is a worker thread; ``fn`` runs there, and its (blocking) gloo
   collectives occupy that stream only, so collectives of different streams overlap as
-  kernels of different CUDA streams would.
+  kernels of different CUDA streams would. The first op that fails (a collective timed out,
+  a peer died) poisons every stream of the set: later ops fail at once with that error
+  instead of waiting for further timeouts, until the process groups are torn down
+  (``quiesce_all``).
 - Virtual (the simulator, ``Streams.virtual``): nothing runs in time; every call is
   appended to a ``Program`` (``fn`` runs at once, on meta tensors, and reports its
   collectives' sizes), which ``Program.evaluate`` then times on a virtual clock with a
@@ -37,6 +40,7 @@ from typing import Any
 import torch
 
 STREAM_NAMES = ("compute", "ag", "rs", "outer")
+POLL_S = 0.05
 
 
 @dataclass
@@ -80,9 +84,21 @@ class Event(ABC):
     def synchronize(self) -> None:
         """Block the host until the event completes; re-raise a failure of its op."""
 
+    def wait_for(self, seconds: float) -> bool:
+        """Block up to ``seconds``; True once the op has finished (or failed)."""
+        deadline = time.monotonic() + seconds
+        while not self.query():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(1e-3)
+        return True
+
 
 class ComputeStream(ABC):
     name = "compute"
+    # CPU: called every POLL_S while a wait blocks the host; it may raise to abandon the
+    # wait (another rank gave up this step). CUDA waits never block the host.
+    poll: Callable[[], None] | None = None
 
     @abstractmethod
     def record(self) -> Event:
@@ -191,6 +207,10 @@ class CudaSideStream(SideStream):
 # --------------------------------------------------------------------------- CPU
 
 
+class StreamFailure(RuntimeError):
+    """An op on a communication stream failed; hsdp's communicators are unusable now."""
+
+
 class ThreadEvent(Event):
     def __init__(self, label: str = "") -> None:
         self.label = label
@@ -204,11 +224,19 @@ class ThreadEvent(Event):
     def query(self) -> bool:
         return self._done.is_set()
 
+    def wait_for(self, seconds: float) -> bool:
+        """Block up to ``seconds``; True once the op has finished (or failed)."""
+        return self._done.wait(seconds)
+
     def synchronize(self) -> None:
         self._done.wait()
         if self.error is not None:
-            raise RuntimeError(f"hsdp: an operation on a communication stream failed: "
-                               f"{self.error!r}") from self.error
+            raise StreamFailure(
+                f"hsdp: {self.label or 'an operation'} on a communication stream failed: "
+                f"{self.error!r}. If a collective timed out, a peer rank died, is stuck, or "
+                f"ran a different sequence of hsdp operations (e.g. another number of "
+                f"microbatches); hsdp's communicators cannot be used any more: restart the "
+                f"job (or destroy and re-create the process groups).") from self.error
 
 
 _DONE = ThreadEvent("done")
@@ -226,20 +254,24 @@ class InlineCompute(_TracedMarks, ComputeStream):
         return _DONE
 
     def wait(self, event: Event) -> None:
-        if not self.tracer.enabled:
-            event.synchronize()
-            return
         t0 = time.perf_counter()
+        while not event.wait_for(POLL_S):
+            if self.poll is not None:
+                self.poll()
         event.synchronize()
+        if not self.tracer.enabled:
+            return
         label = getattr(event, "label", "")
         self.tracer.add(OpRecord("compute", f"wait:{label}", t0, time.perf_counter()))
 
 
 class ThreadSideStream(SideStream):
-    """A CPU 'stream': a daemon thread running submitted closures in order."""
+    """A CPU 'stream': a daemon thread running submitted closures in order. ``failed``
+    is shared by the streams of one set: it holds the first error of any of them."""
 
-    def __init__(self, name: str, tracer: Tracer) -> None:
+    def __init__(self, name: str, tracer: Tracer, failed: list[BaseException]) -> None:
         super().__init__(name, tracer)
+        self.failed = failed
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"hsdp-{name}", daemon=True)
         self._thread.start()
@@ -255,6 +287,8 @@ class ThreadSideStream(SideStream):
         while True:
             fn, after, label, ev = self._queue.get()
             try:
+                if self.failed:
+                    raise self.failed[0]
                 for dep in after:
                     dep.synchronize()
                 t0 = time.perf_counter()
@@ -263,6 +297,8 @@ class ThreadSideStream(SideStream):
                     self.tracer.add(OpRecord(self.name, label, t0, time.perf_counter()))
                 ev.set()
             except BaseException as exc:  # surfaced to whoever waits on the event
+                if not self.failed:
+                    self.failed.append(exc)
                 ev.set(exc)
 
 
@@ -470,6 +506,7 @@ class Streams:
     outer: SideStream
     tracer: Tracer
     program: Program | None = None  # virtual streams only
+    failed: list[BaseException] = field(default_factory=list)  # CPU: see ThreadSideStream
 
     @staticmethod
     def create(device: torch.device, tracer: Tracer | None = None) -> Streams:
@@ -478,8 +515,10 @@ class Streams:
             return Streams(CudaCompute(tracer), CudaSideStream("ag", tracer, device),
                            CudaSideStream("rs", tracer, device),
                            CudaSideStream("outer", tracer, device), tracer)
-        return Streams(InlineCompute(tracer), ThreadSideStream("ag", tracer),
-                       ThreadSideStream("rs", tracer), ThreadSideStream("outer", tracer), tracer)
+        failed: list[BaseException] = []
+        return Streams(InlineCompute(tracer), ThreadSideStream("ag", tracer, failed),
+                       ThreadSideStream("rs", tracer, failed),
+                       ThreadSideStream("outer", tracer, failed), tracer, failed=failed)
 
     @staticmethod
     def virtual() -> Streams:
@@ -506,6 +545,29 @@ class Streams:
         for s in self.side():
             # Why: callers (state dict, teardown) need every collective finished.
             self.compute.wait(s.submit(lambda: None, label="drain"))
+
+    def quiesce(self, seconds: float) -> bool:
+        """Teardown: wait up to ``seconds`` until every stream is idle, ignoring failures
+        (they were reported to whoever waited on the failed op). False if some stream is
+        still busy (a collective whose peer is gone: NCCL's watchdog or gloo's timeout
+        ends it)."""
+        deadline = time.monotonic() + seconds
+        for ev in [s.submit(lambda: None, label="drain") for s in self.side()]:
+            if not ev.wait_for(max(0.0, deadline - time.monotonic())):
+                return False
+        done = self.compute.record()
+        return done.wait_for(max(0.0, deadline - time.monotonic()))
+
+
+def quiesce_all(seconds: float, clear_failures: bool) -> None:
+    """Wait (up to ``seconds`` in all) for every hsdp stream of the process;
+    ``clear_failures``: the process groups are being torn down, so the next world's
+    communicators are new."""
+    deadline = time.monotonic() + seconds
+    for s in _SHARED.values():
+        s.quiesce(max(0.0, deadline - time.monotonic()))
+        if clear_failures:
+            s.failed.clear()
 
 
 _SHARED: dict[torch.device, Streams] = {}

@@ -1,0 +1,170 @@
+"""Step agreement: the collectives a step issued, compared across ranks once per step.
+
+Every collective hsdp issues is logged (kind, group id, stream) until the end of the step.
+At the end of the step's last backward every rank all-reduces ONE small int64 tensor over
+the world's CPU ``control`` group: the step's structure (microbatches, per-communicator
+collective counts and a checksum of their sequence), whether this rank's step failed, and
+which parameters received a gradient. Ranks that ran another structure, or a failed step
+anywhere, are then known to every rank before the optimizer could use the gradients.
+
+A rank that gives up a step (its forward or backward raised) or waits unusually long for
+the agreement leaves a note in the default store; a CPU rank blocked on a collective that
+will never complete reads it while it waits (``streams.POLL_S``) and raises instead of
+waiting for the timeout. (On CUDA the host does not block on collectives: every rank
+reaches the agreement.)
+
+After a failed step the logs are exchanged: each rank's log is a prefix of the same
+sequence (the schedule is deterministic), so a rank that stopped early completes the
+collectives the others already issued (``missing``), with dummy data, and every stream can
+then be drained without waiting for a peer.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hsdp.streams import Event
+
+# Which communicator each logged kind of collective runs on.
+COMM_OF = {"AG": "inner_ag", "RS": "inner_rs", "OUTER": "outer", "OUTER_AG": "outer"}
+_COMMS = ("inner_ag", "inner_rs", "outer")
+SLOW_S = 1.0  # an agreement waiting this long leaves a note for blocked peers
+_FIELDS = ("step", "forwards", "microbatches", *(f"{c} collectives" for c in _COMMS),
+           *(f"{c} sequence" for c in _COMMS))
+
+Desc = tuple[str, int, str]  # (kind, group id, stream name): the same on every rank
+
+
+@dataclass
+class Issued:
+    desc: Desc
+    event: Event
+
+
+@dataclass
+class StepLog:
+    """What this rank issued since the last agreement (or recovery)."""
+
+    step: int = 0
+    forwards: int = 0
+    microbatches: int = 0
+    ops: list[Issued] = field(default_factory=list)
+
+    def add(self, kind: str, gid: int, stream: str, event: Event) -> None:
+        self.ops.append(Issued((kind, gid, stream), event))
+
+    def descs(self) -> list[Desc]:
+        return [op.desc for op in self.ops]
+
+    def fields(self) -> list[int]:
+        counts = dict.fromkeys(_COMMS, 0)
+        crcs = dict.fromkeys(_COMMS, 0)
+        for kind, gid, stream in self.descs():
+            comm = COMM_OF[kind]
+            counts[comm] += 1
+            crcs[comm] = zlib.crc32(f"{kind}:{gid}:{stream};".encode(), crcs[comm])
+        return [self.step, self.forwards, self.microbatches, *counts.values(), *crcs.values()]
+
+    def next_step(self) -> None:
+        self.step += 1
+        self.forwards = self.microbatches = 0
+        self.ops.clear()
+
+
+@dataclass
+class Verdict:
+    """What every rank learns from one agreement."""
+
+    failed: bool  # some rank's step raised
+    failed_rank: int | None  # the lowest rank where it raised first, if known
+    mismatch: list[str]  # "field: min..max" for each field the ranks disagree on
+    used: list[bool]  # per parameter: did any rank give it a gradient?
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.mismatch
+
+    def message(self, step: int) -> str:
+        if self.failed:
+            where = "" if self.failed_rank is None else f" on rank {self.failed_rank}"
+            why = f"its forward or backward raised{where} (see that rank's error)"
+        else:
+            why = (f"the ranks ran different step structures ({'; '.join(self.mismatch)}); "
+                   f"every rank must run the same number of microbatches (is_last on the same "
+                   f"one) and the same units in the same order")
+        return (f"hsdp: step {step} was abandoned on every rank: {why}. Its gradients are "
+                f"discarded; the next forward starts a new step.")
+
+
+def agree(log: StepLog, failed: str, used: list[bool], group: dist.ProcessGroup,
+          timeout: timedelta, on_slow: Callable[[], None] | None = None) -> Verdict:
+    """The one collective of a step: MAX-all-reduce of [failed, -failed rank, fields,
+    -fields, used flags] (MAX of -x is -min). ``failed``: this rank's step raised, "origin"
+    if it raised on its own, "peer" if only because another rank gave up (see ``read_note``).
+    ``on_slow`` runs if it takes SLOW_S."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    f = log.fields()
+    vals = [int(bool(failed)), -(rank if failed == "origin" else world), *f, *(-x for x in f),
+            *map(int, used)]
+    t = torch.tensor(vals, dtype=torch.int64)
+    timer = threading.Timer(SLOW_S, on_slow) if on_slow is not None else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    except RuntimeError as exc:  # gloo: a peer did not join in time
+        raise RuntimeError(
+            f"hsdp: step {log.step}: the other ranks did not reach the end of this step "
+            f"within the timeout ({timeout}): a rank died or is stuck, or the ranks run "
+            f"different step structures (numbers of microbatches, units, forward/backward "
+            f"passes). hsdp's communicators cannot be used any more: restart the job."
+        ) from exc
+    finally:
+        if timer is not None:
+            timer.cancel()
+    v = t.tolist()
+    n = len(f)
+    hi, lo = v[2:2 + n], [-x for x in v[2 + n:2 + 2 * n]]
+    mismatch = [f"{name}: {a}..{b}" for name, a, b in zip(_FIELDS, lo, hi) if a != b]
+    failed_rank = (-v[1] if -v[1] < world else None) if v[0] else None
+    return Verdict(bool(v[0]), failed_rank, mismatch, [bool(x) for x in v[2 + 2 * n:]])
+
+
+def missing(log: StepLog, group: dist.ProcessGroup) -> list[Desc]:
+    """The collectives other ranks issued in this step and this rank did not (a second,
+    rare collective: only after a failed step)."""
+    mine = log.descs()
+    if dist.get_backend(group) == "fake":
+        return []
+    logs: list[list[Desc] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(logs, mine, group=group)
+    longest = max(logs, key=len)
+    bad = [r for r, other in enumerate(logs) if longest[:len(other)] != other]
+    if bad:
+        raise RuntimeError(
+            f"hsdp: step {log.step} cannot be recovered: ranks {bad} issued another sequence "
+            f"of collectives than the others (another number of microbatches, is_last on "
+            f"another microbatch, or data-dependent control flow around hsdp units). hsdp's "
+            f"communicators cannot be used any more: restart the job.")
+    return [tuple(d) for d in longest[len(mine):]]
+
+
+def post_note(key: str, text: str) -> None:
+    """Leave ``text`` for peers blocked in this step (see the module docstring)."""
+    if dist.get_backend() != "fake":
+        dist.distributed_c10d._get_default_store().set(key, text)
+
+
+def read_note(key: str) -> str | None:
+    if dist.get_backend() == "fake":
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    return store.get(key).decode() if store.check([key]) else None

@@ -1,0 +1,39 @@
+"""Process group teardown waits for hsdp's asynchronous work.
+
+``optimizer.step()`` leaves HFSDP's outer all-gather running (it overlaps until the next
+forward), and a CPU stream may be inside a collective. Destroying a process group under a
+running collective aborts the process, so hsdp wraps
+``torch.distributed.destroy_process_group``: it first waits until every hsdp stream is idle
+(at most as long as hsdp's collectives may wait for a peer) and, when the whole world is
+destroyed, clears a stream failure (a new world starts clean).
+``hsdp.synchronize`` remains the explicit way to wait.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from hsdp.mesh import longest_timeout
+from hsdp.streams import quiesce_all
+
+
+def _install() -> None:
+    original = distributed_c10d.destroy_process_group
+    if getattr(original, "_hsdp_waits", False):
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
+        if dist.is_initialized():
+            quiesce_all(longest_timeout().total_seconds(), clear_failures=group is None)
+        original(group)
+
+    destroy_process_group._hsdp_waits = True
+    distributed_c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
+
+
+_install()

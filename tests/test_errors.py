@@ -168,7 +168,10 @@ def test_zero_grad_in_place_counts_as_cleared(fake_world_8):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             m(torch.randn(2, 5)).sum().backward()
-    # Still reported when the gradients really were left as they were.
+    # Still reported when the gradients really were left as they were (the fake world's
+    # collectives leave them undefined: set them).
     opt.step()
+    for p in m.parameters():
+        p.grad.fill_(1.0)
     with pytest.warns(UserWarning, match="not cleared"):
         m(torch.randn(2, 5)).sum().backward()

@@ -132,7 +132,6 @@ class ParamGroup:
             for buf in {id(b): b for b in (self.accum, self.grad_buf)}.values():
                 buf.untyped_storage().resize_(0)
             self.grads_live = False  # host view: buffers allocated (or about to be)
-            self._marked_version = -1
             self._gaps = lay.gaps()
             self.received: set[int] = set()
             self.used = [False] * len(params)  # got a gradient on this rank in this step
@@ -325,26 +324,15 @@ class ParamGroup:
         for p, v, u in zip(self.sharded, self._grad_views, used):
             p.grad = v if u else None
         self.used = [False] * len(self.used)
-        self.mark_grads()
-
-    def mark_grads(self) -> None:
-        """Remember the gradients' version (after they were exposed, after the optimizer
-        step): a later in-place write (``zero_grad(set_to_none=False)``) counts as cleared."""
-        self._marked_version = self._grads_version()
-
-    def _grads_version(self) -> int:
-        # An in-place op on a DTensor gradient bumps the DTensor's counter, a write through
-        # the buffer the buffer's; foreach ops on DTensors bump neither (zero_grad with an
-        # explicit foreach=True then still warns; the values are overwritten either way).
-        return self.grad_buf._version + sum(g._version for g in self._grad_views)
 
     def hide_grads(self) -> bool:
-        """Drop the sharded ``.grad``s; True if any was still set and not written since the
-        last mark (not cleared by the user, neither set to None nor zeroed in place)."""
+        """Drop the sharded ``.grad``s; True if they were not cleared: still set and not
+        all zero (``zero_grad(set_to_none=False)`` clears them too). Reading the values
+        syncs with the device, only when the gradients were left set."""
         was_set = any(p.grad is not None for p in self.sharded)
         for p in self.sharded:
             p.grad = None
-        return was_set and self._grads_version() == self._marked_version
+        return was_set and bool(self.grad_buf.any())
 
     # ------------------------------------------------------------------ state
 

@@ -631,10 +631,6 @@ class Runtime:
                 managed = owner(p)
                 if managed is not None:
                     managed[0].mark_written()
-        for u in self.units:
-            for g in u.trainable:
-                if g.grads_exposed():
-                    g.mark_grads()
         self._refresh_outer_shards()
 
     def _refresh_outer_shards(self) -> None:

@@ -94,6 +94,8 @@ def test_gradients_from_a_previous_step_are_reported(fake_world_8):
     mesh = hsdp.init_mesh(2, 4, "cpu")
     m = _sharded(mesh)
     m(torch.randn(2, 5)).sum().backward()
+    for p in m.parameters():  # the fake world's collectives leave them undefined
+        p.grad.fill_(1.0)
     with pytest.warns(UserWarning, match="not cleared"):
         m(torch.randn(2, 5)).sum().backward()
 

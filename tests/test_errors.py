@@ -78,7 +78,7 @@ def test_optimizer_step_while_outer_reduction_pending(fake_world_8):
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     with hsdp.microbatch(m, is_last=False):
         m(torch.randn(2, 5)).sum().backward()
-    with pytest.raises(RuntimeError, match="outer gradient reduction is still pending"):
+    with pytest.raises(RuntimeError, match="gradient reduction is still pending"):
         opt.step()
     with pytest.raises(RuntimeError, match="not final"):
         hsdp.clip_grad_norm_(m, 1.0)
@@ -177,3 +177,22 @@ def test_zero_grad_in_place_counts_as_cleared(fake_world_8):
         p.grad.fill_(1.0)
     with pytest.warns(UserWarning, match="not cleared"):
         m(torch.randn(2, 5)).sum().backward()
+
+
+def test_fsdp2_style_options_misused(fake_world_8):
+    mesh = hsdp.init_mesh(2, 4, "cpu")
+    with pytest.raises(TypeError, match="reshard_after_forward must be a bool"):
+        hsdp.fully_shard(_model(), mesh=mesh, reshard_after_forward=2)
+    m = _sharded(mesh)
+    with pytest.raises(RuntimeError, match="call it on the root"):
+        m[0].set_requires_gradient_sync(False)
+    with pytest.raises(ValueError, match="prefetch targets"):
+        m[0].set_modules_to_forward_prefetch([nn.Linear(2, 2)])
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m.set_requires_gradient_sync(False)
+    m(torch.randn(2, 5)).sum().backward()
+    with pytest.raises(RuntimeError, match="set_requires_gradient_sync"):
+        opt.step()
+    m.set_requires_gradient_sync(True)
+    m(torch.randn(2, 5)).sum().backward()
+    opt.step()

@@ -23,18 +23,25 @@ _UNIT_IDS = itertools.count()
 
 
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
-                mp_policy: MixedPrecision | None = None, overlap_outer: bool = True) -> nn.Module:
+                mp_policy: MixedPrecision | None = None, overlap_outer: bool = True,
+                reshard_after_forward: bool = True) -> nn.Module:
     """Shard the parameters ``module`` owns (those not owned by an already sharded
-    submodule) over ``mesh``. Call bottom-up: units first, the root last.
+    submodule) over ``mesh``. Call bottom-up: units first, the root last. ``module``
+    becomes an ``HSDPModule`` (see ``module.py`` for the methods it gains).
 
     strategy: "hsdp" (shard over inner, replicate over outer) or "hfsdp" (gradients and
     optimizer state sharded over outer too). ``overlap_outer=False`` issues the outer
     reduction on the inner reduce-scatter stream (the serialized baseline).
+    ``reshard_after_forward=False`` keeps the unit's gathered parameters from its forward
+    to its backward (no re-gather; more memory), as FSDP2's option of that name.
 
     A module whose parameters are all on the meta device gets meta shards and buffers
     (no memory, no data): ``hsdp sim`` runs the schedule on such models.
     """
     check_strategy(strategy)
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"fully_shard: reshard_after_forward must be a bool, got "
+                        f"{reshard_after_forward!r}")
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module)}")
     if getattr(module, "_hsdp_unit", None) is not None:
@@ -68,7 +75,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
         for name, b in m._buffers.items():
             if b is not None and b.device != device and b.device != shard_device:
                 m._buffers[name] = b.to(device)
-    unit = Unit(module, label, groups, mesh, device, overlap_outer)
+    unit = Unit(module, label, groups, mesh, device, overlap_outer, mp, reshard_after_forward)
     for nested in units_below(module):
         if nested.enclosing is None and nested is not unit:
             nested.enclosing = unit
@@ -128,7 +135,8 @@ def _root_unit(model: nn.Module) -> Unit:
 @contextmanager
 def microbatch(model: nn.Module, is_last: bool) -> Iterator[None]:
     """Gradient accumulation: inner reduce-scatter on every microbatch, the outer
-    reduction only on the one with ``is_last=True``."""
+    reduction only on the one with ``is_last=True``. For no communication at all on some
+    microbatches, see ``HSDPModule.set_requires_gradient_sync``."""
     unit = _root_unit(model)
     if unit.is_last_override is not None:
         raise RuntimeError("hsdp.microbatch contexts cannot be nested")

@@ -135,6 +135,7 @@ class ParamGroup:
             self._gaps = lay.gaps()
             self.received: set[int] = set()
             self.used = [False] * len(params)  # got a gradient on this rank in this step
+            self.local: torch.Tensor | None = None  # unsynced microbatches' gradients
             self.reduced = False
             self.on_all_grads: Callable[[ParamGroup], None] | None = None
             for idx, up in enumerate(self.unsharded):
@@ -233,7 +234,8 @@ class ParamGroup:
 
     def copy_in(self) -> torch.Tensor:
         """On compute: the reduce-scatter input, i.e. the unsharded grads laid out flat and
-        pre-divided by the world size (gradients average over all DP ranks)."""
+        pre-divided by the world size (gradients average over all DP ranks), plus those
+        kept by ``keep_local``."""
         rs_in = torch.empty(self.layout.total, dtype=self.reduce_dtype,
                             device=self.main.device)
         dst, src, zero = [], [], [rs_in[a:b] for a, b in self._gaps]
@@ -252,7 +254,16 @@ class ParamGroup:
             torch._foreach_zero_(zero)
         if self.comms.world > 1:
             rs_in.div_(self.comms.world)
+        if self.local is not None:  # gradients of microbatches that ran without sync
+            rs_in.add_(self.local)
+            self.local = None
         return rs_in
+
+    def keep_local(self, flat: torch.Tensor) -> None:
+        """A microbatch without gradient sync: keep ``copy_in``'s result (which includes
+        the earlier unsynced microbatches') on this rank for the next synced one."""
+        self.local = flat
+        self.reduced = True
 
     def reduce_scatter(self, stream: SideStream, coll: Collectives, rs_in: torch.Tensor,
                        first: bool, after: Sequence[Event]) -> Event:
@@ -314,6 +325,7 @@ class ParamGroup:
         for p in self.unsharded:
             p.grad = None
         self.used = [False] * len(self.used)
+        self.local = None
         self.reset_backward()
 
     def expose_grads(self, used: Sequence[bool]) -> None:

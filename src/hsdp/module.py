@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from hsdp.schedule import Unit, units_below
+from hsdp.schedule import Unit, UnshardHandle, units_below
 
 _CLASSES: dict[type, type] = {}
 
@@ -55,6 +55,50 @@ class HSDPModule:
         self.forward = torch.compile(types.MethodType(type(self).forward, self), *args,
                                      **kwargs)
 
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this unit's parameters now (not recursive). They stay gathered until
+        the unit's next forward ends (then ``reshard_after_forward`` applies), ``reshard()``,
+        or the next forward of the model's root, and are shown on the module once
+        gathered (at once, or at ``handle.wait()`` with ``async_op=True``)."""
+        handle = self._hsdp_unit.root_runtime().unshard(self._hsdp_unit)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this unit's gathered parameters and show the sharded ones again."""
+        self._hsdp_unit.root_runtime().reshard(self._hsdp_unit)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool,
+                                  recurse: bool = True) -> None:
+        """See ``fully_shard(reshard_after_forward=...)``; ``recurse``: also for every unit
+        below this one."""
+        for unit in units_below(self) if recurse else [self._hsdp_unit]:
+            unit.reshard_after_forward = bool(reshard_after_forward)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """False: the following backwards communicate nothing; each rank adds its unsharded
+        gradients (in the reduce dtype, one flat buffer per group) to a local
+        accumulation, and the next backward with sync on reduces them with its own
+        (``optimizer.step()`` before that raises). Applies to the whole model: call it on
+        the root module."""
+        unit = self._hsdp_unit
+        if unit.enclosing is not None:
+            raise RuntimeError(
+                f"hsdp: set_requires_gradient_sync applies to the whole model; call it on the "
+                f"root module, not on unit {unit.label}")
+        unit.gradient_sync = bool(requires_gradient_sync)
+
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """All-gather ``modules`` (fully_shard-ed) when this unit's forward starts, instead
+        of the next unit of the recorded order. More than one holds more gathered units."""
+        self._hsdp_unit.prefetch["forward"] = _units(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """As ``set_modules_to_forward_prefetch``, when this unit's backward starts."""
+        self._hsdp_unit.prefetch["backward"] = _units(modules)
+
     def _apply(self, fn, recurse: bool = True):
         """``.to()``, ``.double()``, ``.cuda()``, ``to_empty()``...: allowed where they leave
         hsdp's parameters as they are, refused (before anything changes) where they would
@@ -65,6 +109,13 @@ class HSDPModule:
                     if fn(p) is not p:
                         raise RuntimeError(_conversion_error(unit, slots[0], p))
         return super()._apply(fn, recurse)
+
+
+def _units(modules: list[nn.Module]) -> list[Unit]:
+    units = [getattr(m, "_hsdp_unit", None) for m in modules]
+    if any(u is None for u in units):
+        raise ValueError("hsdp: prefetch targets must be modules passed to hsdp.fully_shard")
+    return units
 
 
 def _conversion_error(unit: Unit, slot: tuple[nn.Module, str], p: torch.Tensor) -> str:

@@ -38,7 +38,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 import hsdp.teardown  # noqa: F401  (destroy_process_group waits for hsdp's streams)
 from hsdp.agreement import COMM_OF, StepLog, Verdict, agree, missing, post_note, read_note
@@ -46,6 +46,7 @@ from hsdp.comm import Collectives
 from hsdp.group import ParamGroup, Slot, owner
 from hsdp.mesh import comm_groups
 from hsdp.pieces import same_layout
+from hsdp.policy import MixedPrecision
 from hsdp.streams import Event, SideStream, Streams, Tracer
 
 MAX_PENDING_RS = 4  # RS inputs awaiting release (a unit's post-backward releases them)
@@ -60,12 +61,18 @@ class Unit:
     """The state and hooks of one fully_shard-ed module."""
 
     def __init__(self, module: nn.Module, label: str, groups: list[ParamGroup], mesh: DeviceMesh,
-                 device: torch.device, overlap_outer: bool) -> None:
+                 device: torch.device, overlap_outer: bool, mp: MixedPrecision,
+                 reshard_after_forward: bool) -> None:
         self.module = module
         self.groups = groups
         self.mesh = mesh
         self.device = device
         self.overlap_outer = overlap_outer
+        self.input_dtype = mp.input_dtype
+        self.output_dtype = mp.output_dtype
+        self.reshard_after_forward = reshard_after_forward
+        self.gradient_sync = True  # False: backward keeps local gradients, no communication
+        self.prefetch: dict[str, list[Unit] | None] = {"forward": None, "backward": None}
         self.runtime: Runtime | None = None
         self.collectives = Collectives()  # root's is used; bench swaps in an emulated one
         self.streams: Streams | None = None  # root's is used; None: the device's (sim swaps)
@@ -113,6 +120,16 @@ class Unit:
         for g, idx, (module, name) in self.borrowed:
             module._parameters[name] = (g.unsharded if unsharded else g.sharded)[idx]
 
+    def root_runtime(self) -> Runtime:
+        """The runtime of this unit's model, created (as the root's first forward would)
+        on first use."""
+        if self.runtime is None:
+            root = self
+            while root.enclosing is not None:
+                root = root.enclosing
+            Runtime(root)
+        return self.runtime
+
     # Hooks run eagerly, outside any compiled region (torch.compile(block), block.compile()):
     # dynamo neither traces them nor breaks the block's graph on them.
     @torch.compiler.disable
@@ -145,6 +162,12 @@ def _outside_root(unit: Unit) -> str:
             f"changed; the model can still be used).")
 
 
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with its floating-point tensors cast to ``dtype``."""
+    return tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
 def units_below(module: nn.Module) -> Iterator[Unit]:
     for m in module.modules():
         # vars, not getattr: a torch.compile wrapper forwards attribute reads to the module
@@ -166,6 +189,17 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         ctx.runtime._post_backward(ctx.unit)
         return (None, None, *grads)
+
+
+class UnshardHandle:
+    """``module.unshard(async_op=True)``'s result: ``wait()`` makes compute wait for the
+    all-gather and shows the unsharded parameters on the module."""
+
+    def __init__(self, runtime: Runtime, unit: Unit) -> None:
+        self.runtime, self.unit = runtime, unit
+
+    def wait(self) -> None:
+        self.runtime._unshard(self.unit)
 
 
 _RUNTIMES: weakref.WeakSet[Runtime] = weakref.WeakSet()
@@ -202,8 +236,10 @@ class Runtime:
         self._recording: list[Unit] | None = []
         self.phase = "idle"
         self.first_microbatch = True  # the next backward starts a new step's accumulation
+        self.rs_first = True  # the next reduce-scatter overwrites the inner accumulation
         self.awaiting_last = False  # a non-last microbatch ran; grads are not final
-        self.is_last = True
+        self.sync = True  # this backward communicates (else: local accumulation only)
+        self.is_last = True  # this backward's gradients are final (outer reduction)
         self._pending_rs: list[tuple[ParamGroup, torch.Tensor, Event]] = []
         self._outer_events: list[Event] = []
         self._params_written: Event | None = None
@@ -242,6 +278,16 @@ class Runtime:
                 after = [e for e in (self._params_written, g.params_ready) if e is not None]
                 self._logged("AG", g, self.streams.ag, g.unshard(self.streams.ag, self.coll, after))
 
+    def _prefetch(self, unit: Unit, direction: str) -> None:
+        """Issue the all-gathers of the units that run after ``unit`` (its explicit
+        prefetch list, else the next unit of the recorded order)."""
+        nxt = unit.prefetch[direction]
+        if nxt is None:
+            order = self._next_fwd if direction == "forward" else self._next_bwd
+            nxt = [order[unit]] if unit in order else []
+        for u in nxt:
+            self._issue_unshard(u)
+
     def _unshard(self, unit: Unit) -> None:
         self._issue_unshard(unit)
         for g in unit.uses:
@@ -249,6 +295,24 @@ class Runtime:
             self.streams.compute.wait(g.gathered_event)
             self._holders[g].add(unit)
         unit.swap(True)
+
+    def unshard(self, unit: Unit) -> UnshardHandle:
+        """Explicit ``module.unshard()``: gather ``unit`` now (shards as they are now)."""
+        if self.phase == "backward":
+            raise RuntimeError("hsdp: unshard() called during backward")
+        if self.phase == "idle":
+            self._refresh_outer_shards()
+            # ag waits: the shards may have been written on compute since the last forward.
+            self._params_written = self.streams.compute.record()
+        self._issue_unshard(unit)
+        return UnshardHandle(self, unit)
+
+    def reshard(self, unit: Unit) -> None:
+        """Explicit ``module.reshard()``: back to the sharded parameters, buffer freed."""
+        if self.phase == "backward":
+            raise RuntimeError("hsdp: reshard() called during backward")
+        unit.swap(False)
+        self._reshard(unit)
 
     def _reshard(self, unit: Unit) -> None:
         """Free the gathered groups ``unit`` uses, unless another running unit (a tie)
@@ -274,6 +338,7 @@ class Runtime:
         self.streams.compute.poll = self._poll
         self.log.forwards += 1
         for u in self.units:  # a forward whose backward never ran leaves buffers behind
+            u.swap(False)
             self._reshard(u)
         if self.first_microbatch:  # shards unchanged between microbatches of a step
             self._params_written = self.streams.compute.record()
@@ -292,12 +357,12 @@ class Runtime:
                 g.release_grads(self.streams.rs, self.streams.outer, [read])
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict):
+        if unit.input_dtype is not None:
+            args, kwargs = _cast_floats((args, kwargs), unit.input_dtype)
         if _in_backward():  # recomputation: gather again, keep it until unit's backward
             self.streams.compute.begin(f"RECOMPUTE:{unit.label}")
             self._unshard(unit)
-            nxt = self._next_bwd.get(unit)
-            if nxt is not None:
-                self._issue_unshard(nxt)
+            self._prefetch(unit, "backward")
             if unit.pending_bwd:  # non-reentrant: the forward's _PostBackward is still due
                 return args, kwargs
             return self._attach_post_backward(unit, args, kwargs)
@@ -310,20 +375,21 @@ class Runtime:
         if self._recording is not None and unit not in self._recording:
             self._recording.append(unit)
         self._unshard(unit)
-        nxt = self._next_fwd.get(unit)
-        if nxt is not None:  # prefetch AG_{i+1} before unit i's buffer is released
-            self._issue_unshard(nxt)
+        self._prefetch(unit, "forward")  # AG_{i+1} before unit i's buffer is released
         return self._attach_post_backward(unit, args, kwargs)
 
     def _post_forward(self, unit: Unit, output: Any) -> Any:
         unit.swap(False)
+        if unit.output_dtype is not None:
+            output = _cast_floats(output, unit.output_dtype)
         if _in_backward():
             self.streams.compute.end(f"RECOMPUTE:{unit.label}")
             return output
         expects_backward = self._register_pre_backward(unit, output)
         # The root and the last unit of the forward are the first the backward needs:
         # keep them gathered (once the order is known) instead of re-gathering at once.
-        keep = unit is self.root or (unit is self.order[-1] and self._recording is None)
+        keep = (unit is self.root or not unit.reshard_after_forward
+                or (unit is self.order[-1] and self._recording is None))
         if not (keep and expects_backward):
             self._reshard(unit)
         if unit is self.root:
@@ -368,7 +434,8 @@ class Runtime:
         self.streams.compute.poll = self._poll
         self.log.microbatches += 1
         override = self.root.is_last_override
-        self.is_last = True if override is None else override
+        self.sync = self.root.gradient_sync
+        self.is_last = (True if override is None else override) and self.sync
         if self.first_microbatch:
             stale = [g.hide_grads() for u in self.units for g in u.trainable]
             if any(stale):
@@ -385,9 +452,7 @@ class Runtime:
         unit.backward_started = True
         self.streams.compute.begin(f"BWD:{unit.label}")
         self._unshard(unit)
-        nxt = self._next_bwd.get(unit)
-        if nxt is not None:  # prefetch AG_{i-1} before RS_i is issued
-            self._issue_unshard(nxt)
+        self._prefetch(unit, "backward")  # AG_{i-1} before RS_i is issued
 
     def _post_backward(self, unit: Unit, final: bool = False) -> None:
         """After the backward of ``unit``'s (last) call; ``final``: the finalize, for units
@@ -417,10 +482,13 @@ class Runtime:
         self.streams.compute.begin(f"COPY_IN:{g.label}")
         rs_in = g.copy_in()
         self.streams.compute.end(f"COPY_IN:{g.label}")
+        if not self.sync:  # no communication: the gradients stay here until a synced one
+            g.keep_local(rs_in)
+            return
         copied = self.streams.compute.record()
         # rs waits: the reduce-scatter reads rs_in, written on compute by the copy-in.
         ev_rs = self._logged("RS", g, self.streams.rs, g.reduce_scatter(
-            self.streams.rs, self.coll, rs_in, self.first_microbatch, [copied]))
+            self.streams.rs, self.coll, rs_in, self.rs_first, [copied]))
         if len(self._pending_rs) >= MAX_PENDING_RS:  # bound, for units never post-backward'd
             self._release_rs_inputs(keep=[e[0] for e in self._pending_rs[1:]])
         self._pending_rs.append((g, rs_in, ev_rs))
@@ -465,6 +533,8 @@ class Runtime:
             self.log.next_step()
         self.awaiting_last = not self.is_last
         self.first_microbatch = self.is_last
+        if self.sync:
+            self.rs_first = self.is_last
         self._reset_units()
         self.phase = "idle"
 
@@ -562,6 +632,7 @@ class Runtime:
         if self._recording is not None:
             self._recording = []
         self.first_microbatch, self.awaiting_last, self.is_last = True, False, True
+        self.rs_first = True
         self.phase = "idle"
         self._gave_up = False
         self.log.next_step()
@@ -616,10 +687,11 @@ class Runtime:
         self.settle()
         if self.awaiting_last:
             raise RuntimeError(
-                "hsdp: optimizer.step() called while the outer gradient reduction is still "
-                "pending: the last backward ran inside hsdp.microbatch(model, is_last=False). "
-                "Run the step's final microbatch with is_last=True (or outside any "
-                "hsdp.microbatch context) before optimizer.step().")
+                "hsdp: optimizer.step() called while the gradient reduction is still "
+                "pending: the last backward ran inside hsdp.microbatch(model, is_last=False) "
+                "or with model.set_requires_gradient_sync(False). Run the step's final "
+                "microbatch with is_last=True (or outside any hsdp.microbatch context) and "
+                "gradient sync on before optimizer.step().")
         self.streams.compute.begin(f"OPTIMIZER:{self.root.label}")
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -1,0 +1,223 @@
+"""Multi-rank jobs for the FSDP2-style options (tests/test_drop_in.py): each case trains a
+small GPT on a 2x2 gloo mesh with one option in use and reports its relative error against
+a single-process reference (same data split as tests/parity_jobs.py)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.nn as nn
+
+import hsdp
+from hsdp.models import GPT, GPTConfig, lm_loss
+
+ROWS_PER_RANK = 2
+STEPS = 3
+LR, MOMENTUM = 0.1, 0.9
+COMPILE = {"backend": "aot_eager", "fullgraph": True}
+
+# Called before each microbatch's forward: (model, step, micro, n_micro) -> the context the
+# microbatch runs in (hsdp only; the reference runs plainly).
+MicroFn = Callable[[nn.Module, int, int, int], AbstractContextManager]
+
+
+def _default_micro(model: nn.Module, step: int, m: int, n: int) -> AbstractContextManager:
+    return hsdp.microbatch(model, is_last=m == n - 1)
+
+
+def _tokens(step: int, micro: int, world: int, cfg: GPTConfig) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randint(0, cfg.vocab, (world * ROWS_PER_RANK, cfg.seq), generator=g)
+
+
+def rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    a = {k.replace("_orig_mod.", ""): v for k, v in a.items()}  # torch.compile wrappers
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(((a[k].float() - b[k].float()).norm()
+                / b[k].float().norm().clamp_min(1e-12)).item() for k in a)
+
+
+def train(model: nn.Module, rank: int | None, world: int, cfg: GPTConfig, *,
+          microbatches: int = 1, micro: MicroFn = _default_micro,
+          opt: torch.optim.Optimizer | None = None) -> None:
+    """STEPS steps of SGD-momentum; ``rank=None``: the reference (whole batch, no hsdp)."""
+    opt = opt or torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    for step in range(STEPS):
+        for m in range(microbatches):
+            tokens = _tokens(step, m, world, cfg)
+            ctx: AbstractContextManager = nullcontext()
+            if rank is not None:
+                tokens = tokens[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK]
+                ctx = micro(model, step, m, microbatches)
+            with ctx:
+                (lm_loss(model(tokens), tokens) / microbatches).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _shard(model: GPT, mesh, **kwargs) -> GPT:
+    for blk in model.blocks:
+        hsdp.fully_shard(blk, mesh=mesh, **kwargs)
+    return hsdp.fully_shard(model, mesh=mesh, **kwargs)
+
+
+def _pair(cfg: GPTConfig) -> tuple[GPT, GPT]:
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    return ref, copy.deepcopy(ref)
+
+
+def _reference(cfg: GPTConfig, world: int, microbatches: int = 1) -> dict[str, torch.Tensor]:
+    ref, _ = _pair(cfg)
+    train(ref, None, world, cfg, microbatches=microbatches)
+    return {k: v.detach() for k, v in ref.state_dict().items()}
+
+
+# --------------------------------------------------------------------------- cases
+
+
+def case_compile(rank: int, world: int, mesh, mode: str) -> dict[str, float]:
+    """Blocks compiled (aot_eager, fullgraph) as ``torch.compile(block)`` before
+    fully_shard or ``block.compile()`` after it."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = GPTConfig()
+    _, model = _pair(cfg)
+    for i, blk in enumerate(model.blocks):
+        if mode == "wrap_before":
+            model.blocks[i] = blk = torch.compile(blk, **COMPILE)
+        hsdp.fully_shard(blk, mesh=mesh)
+        if mode == "method_after":
+            blk.compile(**COMPILE)
+    hsdp.fully_shard(model, mesh=mesh)
+    train(model, rank, world, cfg, microbatches=2)
+    return {"ref": rel_err(hsdp.full_state_dict(model), _reference(cfg, world, 2)),
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "graphs": counters["stats"]["unique_graphs"]}
+
+
+def case_mixed_precision(rank: int, world: int, mesh) -> dict[str, float]:
+    """fp32 root, bf16 blocks fed fp32 activations: cast_forward_inputs and output_dtype,
+    against the reference and FSDP2 with the same policy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    cfg = GPTConfig()
+    _, model = _pair(cfg)
+    fsdp2 = copy.deepcopy(model)
+    mp = hsdp.MixedPrecision(torch.bfloat16, torch.float32, output_dtype=torch.float32)
+    for blk in model.blocks:
+        hsdp.fully_shard(blk, mesh=mesh, mp_policy=mp)
+    hsdp.fully_shard(model, mesh=mesh)
+    dtypes = []
+    model.blocks[0].register_forward_hook(lambda m, a, o: dtypes.append((a[0].dtype, o.dtype)))
+    train(model, rank, world, cfg)
+
+    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32, output_dtype=torch.float32)
+    for blk in fsdp2.blocks:
+        fsdp2_shard(blk, mesh=mesh, mp_policy=policy)
+    fsdp2_shard(fsdp2, mesh=mesh)
+
+    def fsdp2_micro(m: nn.Module, step: int, i: int, n: int) -> AbstractContextManager:
+        return nullcontext()
+
+    train(fsdp2, rank, world, cfg, micro=fsdp2_micro)
+    f2 = {k: v.full_tensor().detach() for k, v in fsdp2.state_dict().items()}
+    mine = hsdp.full_state_dict(model)
+    return {"ref": rel_err(mine, _reference(cfg, world)), "fsdp2": rel_err(mine, f2),
+            "dtypes_ok": all(d == (torch.bfloat16, torch.float32) for d in dtypes)}
+
+
+def case_reshard_after_forward(rank: int, world: int, mesh) -> dict[str, float]:
+    """Blocks keep their gathered parameters from forward to backward."""
+    cfg = GPTConfig()
+    _, model = _pair(cfg)
+    _shard(model, mesh, reshard_after_forward=False)
+    model.blocks[1].set_reshard_after_forward(True)  # mixed, per unit
+    gathered = []
+
+    def after_forward(m: nn.Module, a: tuple, o: torch.Tensor) -> None:
+        model._hsdp_unit.runtime.synchronize()  # frees run on the all-gather stream
+        gathered.append([g.gathered.untyped_storage().nbytes() > 0
+                         for b in model.blocks for g in b._hsdp_unit.groups])
+
+    model.register_forward_hook(after_forward)
+    train(model, rank, world, cfg, microbatches=2)
+    return {"ref": rel_err(hsdp.full_state_dict(model), _reference(cfg, world, 2)),
+            "kept_ok": all(k == [True, False, True] for k in gathered)}
+
+
+def case_no_sync(rank: int, world: int, mesh, strategy: str) -> dict[str, float]:
+    """Microbatches 0-1 without gradient sync, 2 synced but not last, 3 last; on the second
+    step only the last one syncs (FSDP2's usual pattern)."""
+    cfg = GPTConfig()
+    _, model = _pair(cfg)
+    _shard(model, mesh, strategy=strategy)
+    tracer = model._hsdp_unit.tracer
+    comms_without_sync = []
+
+    def micro(m: nn.Module, step: int, i: int, n: int) -> AbstractContextManager:
+        sync = i >= 2 if step == 0 else i == n - 1
+        m.set_requires_gradient_sync(sync)
+        if not sync:
+            return _traced_backward(tracer, comms_without_sync)
+        return hsdp.microbatch(m, is_last=i == n - 1)
+
+    train(model, rank, world, cfg, microbatches=4, micro=micro)
+    return {"ref": rel_err(hsdp.full_state_dict(model), _reference(cfg, world, 4)),
+            "comms_without_sync": len(comms_without_sync)}
+
+
+class _traced_backward(AbstractContextManager):
+    """Collects the reduce ops hsdp's streams ran during the block (after draining)."""
+
+    def __init__(self, tracer, out: list) -> None:
+        self.tracer, self.out = tracer, out
+
+    def __enter__(self) -> None:
+        self.tracer.take()
+        self.tracer.enabled = True
+
+    def __exit__(self, *exc) -> None:
+        self.tracer.enabled = False
+        self.out.extend(r.label for r in self.tracer.take()
+                        if r.label.split(":")[0] in ("RS", "OUTER_AR", "OUTER_RS"))
+
+
+def case_unshard_prefetch(rank: int, world: int, mesh) -> dict[str, float]:
+    """Explicit prefetch lists and an explicit async unshard of the first block before
+    each forward; unshard() shows the full parameters."""
+    cfg = GPTConfig()
+    _, model = _pair(cfg)
+    _shard(model, mesh)
+    b = model.blocks
+    b[0].set_modules_to_forward_prefetch([b[1], b[2]])
+    b[2].set_modules_to_backward_prefetch([b[1], b[0]])
+
+    def micro(m: nn.Module, step: int, i: int, n: int) -> AbstractContextManager:
+        b[0].unshard(async_op=True)
+        return hsdp.microbatch(m, is_last=i == n - 1)
+
+    train(model, rank, world, cfg, microbatches=2, micro=micro)
+    full = hsdp.full_state_dict(model)
+    b[1].unshard()
+    shown = b[1].fc1.weight.detach().clone()
+    b[1].reshard()
+    return {"ref": rel_err(full, _reference(cfg, world, 2)),
+            "shown": rel_err({"w": shown}, {"w": full["blocks.1.fc1.weight"]}),
+            "resharded": b[1].fc1.weight.dim() == 1}
+
+
+def drop_in_job(rank: int, world: int, cases: list[tuple]) -> dict[tuple, dict]:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    mesh = hsdp.init_mesh(2, world // 2, "cpu")
+    out = {}
+    for case in cases:
+        out[case] = globals()[f"case_{case[0]}"](rank, world, mesh, *case[1:])
+    return out

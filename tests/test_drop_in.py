@@ -1,0 +1,58 @@
+"""FSDP2-style options on a 2x2 gloo mesh, each against a single-process reference (one
+spawned job for every case; see drop_in_jobs.py)."""
+
+from __future__ import annotations
+
+import pytest
+from dist_utils import run_ranks
+from drop_in_jobs import drop_in_job
+
+TOL = 1e-5  # fp32, SGD with momentum
+BF16_TOL = 2e-2
+
+CASES = [
+    ("compile", "wrap_before"), ("compile", "method_after"),
+    ("mixed_precision",),
+    ("reshard_after_forward",),
+    ("no_sync", "hsdp"), ("no_sync", "hfsdp"),
+    ("unshard_prefetch",),
+]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    per_rank = run_ranks(drop_in_job, 4, CASES)
+    return {case: [r[case] for r in per_rank] for case in CASES}
+
+
+def _same_on_every_rank(res: list[dict]) -> dict:
+    assert all(r == res[0] for r in res), res
+    return res[0]
+
+
+@pytest.mark.parametrize("mode", ["wrap_before", "method_after"])
+def test_compiled_blocks_train_like_the_reference(results, mode):
+    r = _same_on_every_rank(results[("compile", mode)])
+    assert r["ref"] < TOL and r["graph_breaks"] == 0 and r["graphs"] >= 1, r
+
+
+def test_input_casting_and_output_dtype(results):
+    r = _same_on_every_rank(results[("mixed_precision",)])
+    assert r["dtypes_ok"], r
+    assert r["ref"] < BF16_TOL and r["fsdp2"] < TOL, r
+
+
+def test_reshard_after_forward_per_unit(results):
+    r = _same_on_every_rank(results[("reshard_after_forward",)])
+    assert r["kept_ok"] and r["ref"] < TOL, r
+
+
+@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
+def test_microbatches_without_gradient_sync(results, strategy):
+    r = _same_on_every_rank(results[("no_sync", strategy)])
+    assert r["comms_without_sync"] == 0 and r["ref"] < TOL, r
+
+
+def test_explicit_unshard_and_prefetch(results):
+    r = _same_on_every_rank(results[("unshard_prefetch",)])
+    assert r["ref"] < TOL and r["shown"] == 0.0 and r["resharded"], r

@@ -2,6 +2,7 @@
 
 from hsdp.api import clip_grad_norm_, fully_shard, microbatch, synchronize
 from hsdp.checkpoint import get_state_dict, load, save, set_state_dict
+from hsdp.materialize import materialize
 from hsdp.mesh import NcclConfig, init_mesh
 from hsdp.policy import MixedPrecision
 from hsdp.state import full_state_dict, load_full_state_dict
@@ -18,6 +19,7 @@ __all__ = [
     "init_mesh",
     "load",
     "load_full_state_dict",
+    "materialize",
     "microbatch",
     "save",
     "set_state_dict",

@@ -59,6 +59,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
     if any(meta) and not all(meta):
         raise RuntimeError(f"fully_shard: some parameters of this {type(inner).__name__} are "
                            f"on the meta device and some are not; build it on one device")
+    # Meta parameters: the shards stay on meta (no data touched) until hsdp.materialize.
     shard_device = torch.device("meta") if params and all(meta) else device
     keyed: dict[tuple, tuple[list[nn.Parameter], list[list[Slot]]]] = {}
     for p, s in zip(params, slots):
@@ -73,7 +74,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
         g.use_sharded()
     for m in module.modules():
         for name, b in m._buffers.items():
-            if b is not None and b.device != device and b.device != shard_device:
+            if b is not None and not b.is_meta and b.device != device:
                 m._buffers[name] = b.to(device)
     unit = Unit(module, label, groups, mesh, device, overlap_outer, mp, reshard_after_forward)
     for nested in units_below(module):

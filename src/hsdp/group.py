@@ -65,6 +65,8 @@ class ParamGroup:
         self.label = label
         self.slots = slots
         self.comms = comms
+        self.mp = mp
+        self.outer_requested = shard_outer  # the strategy's (only trainable groups get it)
         self.requires_grad = params[0].requires_grad
         self.orig_dtype = params[0].dtype
         self.param_dtype, self.reduce_dtype = mp.resolve(self.orig_dtype)
@@ -169,10 +171,11 @@ class ParamGroup:
 
     def _filled(self, sources: list[torch.Tensor], lo: int, numel: int, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
-        """``numel`` elements of the flat layout starting at ``lo``, padding zeroed."""
+        """``numel`` elements of the flat layout starting at ``lo``, padding zeroed (and
+        where the source is on the meta device: no values yet)."""
         out = torch.zeros(numel, dtype=dtype, device=device)
         for src, pc in zip(sources, self.layout.pieces(lo, lo + numel)):
-            if pc is not None:
+            if pc is not None and not src.is_meta:
                 out[pc.range_offset:pc.range_offset + pc.length].copy_(
                     src[pc.param_start:pc.param_start + pc.length])
         return out
@@ -347,6 +350,15 @@ class ParamGroup:
         return was_set and bool(self.grad_buf.any())
 
     # ------------------------------------------------------------------ state
+
+    def load_flat(self, flat: torch.Tensor) -> None:
+        """Take this rank's shards from ``flat``, the whole group in the original dtype
+        (identical on every rank; no communication)."""
+        lo, hi = self.layout.owned_range(self.comms.outer_rank, self.comms.inner_rank)
+        self.main.copy_(flat[lo:hi])
+        if self.shard_outer:
+            self.inner_shard.copy_(flat[self.inner_lo:self.inner_lo + self.layout.shard_numel])
+        self.synced_version = self.main._version  # the inner shard is up to date
 
     def full_flat(self, coll: Collectives) -> torch.Tensor:
         """The whole flat buffer in the original dtype (host-side collectives on compute)."""

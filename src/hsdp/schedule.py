@@ -24,6 +24,7 @@ abandoned consistently on every rank by the next call into hsdp (``Runtime.settl
 
 from __future__ import annotations
 
+import itertools
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -137,6 +138,7 @@ class Unit:
         if self.runtime is None:
             if self.enclosing is not None:
                 raise RuntimeError(_outside_root(self))
+            _refuse_meta_run(module, args, kwargs)
             Runtime(self)
         return self.runtime._pre_forward(self, args, kwargs)
 
@@ -160,6 +162,16 @@ def _outside_root(unit: Unit) -> str:
             f"({root.label}, the outermost fully_shard-ed module): hsdp gathers a unit's "
             f"parameters only inside that forward. Call the model itself (nothing has been "
             f"changed; the model can still be used).")
+
+
+def _refuse_meta_run(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A model still on the meta device may run on meta inputs (a simulation), not on data."""
+    on_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+    if on_meta and any(isinstance(t, torch.Tensor) and not t.is_meta
+                       for t in tree_flatten((args, kwargs))[0]):
+        raise RuntimeError(
+            "hsdp: the model's parameters or buffers are on the meta device; allocate and "
+            "initialize them with hsdp.materialize(model, init_fn) before running it on data")
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

@@ -1,0 +1,166 @@
+"""Meta-device initialization: ``materialize`` gives a model that was built on the meta
+device and then ``fully_shard``-ed its shards on the mesh's device, running the user's
+init once per module.
+
+Each rank runs the same ``init_fn`` on the same full values under the same seed, so each
+can keep its own shards without any communication. Full values exist one unit at a time
+(plus the root's, whose modules usually come first and last): a unit's whole flat buffer
+in the parameters' own dtype, shown to ``init_fn(m)`` as ``m``'s parameters, and turned
+into the unit's shards (a new ``ParamGroup`` on the mesh's device) when the walk leaves it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from hsdp.comm import Collectives
+from hsdp.group import ParamGroup, owner
+from hsdp.schedule import Unit, units_below
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, init_fn: Callable[[nn.Module], None]) -> None:
+    """Allocate the shards of ``model`` (the root passed to ``fully_shard``) on the mesh's
+    device and initialize them: ``init_fn(m)`` runs once for every ``m`` in
+    ``model.modules()`` order, with ``m``'s own parameters and buffers present in full,
+    and must initialize every parameter and buffer that was on the meta device (as after
+    ``to_empty``). The result equals ``for m in model.modules(): init_fn(m)`` on the
+    same model built normally, under the same random seed. Call it before the first
+    forward and before building the optimizer; every rank must call it."""
+    root = getattr(model, "_hsdp_unit", None)
+    if root is None:
+        raise ValueError("hsdp.materialize: expected the root module passed to "
+                         "hsdp.fully_shard")
+    units = list(units_below(model))
+    if any(u.runtime is not None for u in units):
+        raise RuntimeError("hsdp.materialize: the model has already run; materialize it "
+                           "before its first forward")
+    walk = _Walk(root, units)
+    for m in model.modules():
+        walk.visit(m, init_fn)
+    walk.close_all()
+    missing = walk.unwritten()
+    if missing:
+        raise RuntimeError(f"hsdp.materialize: init_fn left these meta tensors "
+                           f"uninitialized: {', '.join(missing)}")
+
+
+class _Walk:
+    """Full values of the open units' groups, and which meta tensors were initialized."""
+
+    def __init__(self, root: Unit, units: list[Unit]) -> None:
+        self.root = root
+        self.units = units
+        self.unit_of = {g: u for u in units for g in u.groups}
+        self.flats: dict[ParamGroup, torch.Tensor] = {}  # open groups' full values
+        self.open_units: list[Unit] = []
+        self.fresh: list[ParamGroup] = []  # allocated here (were on meta)
+        self.written: set[tuple[ParamGroup, int]] = set()  # fresh parameters initialized
+        self.paths = {id(m): path for path, m in root.module.named_modules()}
+        self.pending_buffers: dict[tuple[int, str], str] = {}
+
+    # ------------------------------------------------------------------ units
+
+    def _open(self, unit: Unit) -> None:
+        for g in list(unit.groups):
+            if g.main.is_meta:  # allocate the shards (no data yet), then the full values
+                metas = [nn.Parameter(torch.empty(shape, dtype=g.orig_dtype, device="meta"),
+                                      requires_grad=sp.requires_grad)
+                         for shape, sp in zip(g.layout.shapes, g.sharded)]
+                old, g = g, ParamGroup(g.label, metas, g.slots, g.comms, unit.device,
+                                       g.outer_requested, g.mp)
+                self._replace(old, g)
+                self.fresh.append(g)
+                fill = float("nan") if g.orig_dtype.is_floating_point else 0
+                flat = torch.full((g.layout.total,), fill, dtype=g.orig_dtype,
+                                  device=unit.device)
+                for a, b in g.layout.gaps():
+                    flat[a:b] = 0
+                self.flats[g] = flat
+            else:  # allocated already: start from its current values (a collective)
+                self.flats[g] = g.full_flat(Collectives())
+        self.open_units.append(unit)
+
+    def _replace(self, old: ParamGroup, new: ParamGroup) -> None:
+        """Put ``new`` wherever ``old`` was: its unit, the units that use it (ties), the
+        module slots that show its parameters."""
+        unit = self.unit_of[old]
+        unit.groups[unit.groups.index(old)] = new
+        self.unit_of[new] = unit
+        new.use_sharded()
+        for u in self.units:
+            u.uses = [new if g is old else g for g in u.uses]
+            u.borrowed = [(new if g is old else g, idx, slot) for g, idx, slot in u.borrowed]
+            for g, idx, (module, name) in u.borrowed:
+                if g is new:
+                    module._parameters[name] = new.sharded[idx]
+
+    def _close(self, unit: Unit) -> None:
+        for g in unit.groups:
+            g.load_flat(self.flats.pop(g))
+        self.open_units.remove(unit)
+
+    def close_all(self) -> None:
+        for unit in list(self.open_units):
+            self._close(unit)
+
+    # ------------------------------------------------------------------ modules
+
+    def visit(self, m: nn.Module, init_fn: Callable[[nn.Module], None]) -> None:
+        names = [n for n, p in m._parameters.items() if p is not None]
+        if any(owner(m._parameters[n]) is None for n in names):
+            raise RuntimeError(f"hsdp.materialize: {type(m).__name__} has parameters no "
+                               f"fully_shard unit manages; fully_shard the root module")
+        needed: list[Unit] = []  # in parameter order: the same on every rank
+        for n in names:
+            unit = self.unit_of[owner(m._parameters[n])[0]]
+            if unit not in needed:
+                needed.append(unit)
+        for unit in list(self.open_units):  # at most the root and the units m needs
+            if unit is not self.root and unit not in needed:
+                self._close(unit)
+        for unit in needed:
+            if unit not in self.open_units:
+                self._open(unit)
+
+        own = {n: owner(m._parameters[n]) for n in names}  # groups opened may be new
+        shown = {}
+        for n, (g, idx) in own.items():
+            off, numel = g.layout.offsets[idx], g.layout.numels[idx]
+            view = self.flats[g][off:off + numel].view(g.layout.shapes[idx])
+            shown[n] = m._parameters[n] = nn.Parameter(
+                view, requires_grad=g.sharded[idx].requires_grad)
+        versions = {n: p._version for n, p in shown.items()}
+        buffers = {}
+        for n, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                buffers[n] = m._buffers[n] = torch.empty_like(b, device=self.root.device)
+                path = self.paths.get(id(m), "")
+                self.pending_buffers[(id(m), n)] = f"{path}.{n}" if path else n
+        buf_versions = {n: b._version for n, b in buffers.items()}
+
+        init_fn(m)
+
+        for n, (g, idx) in own.items():
+            now = m._parameters[n]
+            if now is not shown[n]:  # init_fn assigned a new parameter: take its values
+                shown[n].copy_(now)
+            if now is not shown[n] or shown[n]._version != versions[n]:
+                self.written.add((g, idx))
+            m._parameters[n] = g.sharded[idx]
+        for n, b in buffers.items():
+            if m._buffers[n] is not b or b._version != buf_versions[n]:
+                self.pending_buffers.pop((id(m), n))
+
+    def unwritten(self) -> list[str]:
+        names = []
+        for g in self.fresh:
+            for idx, slots in enumerate(g.slots):
+                if (g, idx) not in self.written:
+                    module, attr = slots[0]
+                    path = self.paths.get(id(module), "")
+                    names.append(f"{path}.{attr}" if path else attr)
+        return names + sorted(self.pending_buffers.values())

@@ -214,6 +214,48 @@ def case_unshard_prefetch(rank: int, world: int, mesh) -> dict[str, float]:
             "resharded": b[1].fc1.weight.dim() == 1}
 
 
+def case_freeze(rank: int, world: int, mesh, strategy: str) -> dict[str, float]:
+    """requires_grad_ changes after fully_shard, the same on the reference: step 1 freezes
+    the embedding (one parameter of the root's group) and block 1 (whole groups), step 2
+    unfreezes block 1; hsdp also unfreezes block 2, frozen when fully_shard ran. SGD with
+    weight decay: a zero gradient would still move a frozen weight."""
+    cfg = GPTConfig()
+    ref, model = _pair(cfg)
+    late = strategy == "hsdp"  # hfsdp refuses it (tests/test_errors.py)
+    for m in (ref, model):
+        m.blocks[2].requires_grad_(not late)
+    _shard(model, mesh, strategy=strategy)
+    opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=0.01)
+            for m in (ref, model)]
+    block1 = model.blocks[1]._hsdp_unit.label
+    norms, reduced_frozen = [], []
+    for step in range(STEPS):
+        for m in (ref, model):
+            if step == 1:
+                m.embed.weight.requires_grad_(False)
+                m.blocks[1].requires_grad_(False)
+                m.blocks[2].requires_grad_(True)
+            if step == 2:
+                m.blocks[1].requires_grad_(True)
+        tokens = _tokens(step, 0, world, cfg)
+        lm_loss(ref(tokens), tokens).backward()
+        mine = tokens[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK]
+        tracer = model._hsdp_unit.tracer
+        with _traced_backward(tracer, reduced_frozen) if step == 1 else nullcontext():
+            lm_loss(model(mine), mine).backward()
+        reduced_frozen[:] = [op for op in reduced_frozen
+                             if op.split(":")[1].split("/")[0] == block1]
+        n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+        n_mine = hsdp.clip_grad_norm_(model, 1e9)
+        norms.append(abs(n_ref.item() - n_mine.item()) / n_ref.item())
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return {"ref": rel_err(hsdp.full_state_dict(model),
+                           {k: v.detach() for k, v in ref.state_dict().items()}),
+            "norm": max(norms), "reduced_frozen": len(reduced_frozen)}
+
+
 def drop_in_job(rank: int, world: int, cases: list[tuple]) -> dict[tuple, dict]:
     warnings.filterwarnings("ignore", category=FutureWarning)
     mesh = hsdp.init_mesh(2, world // 2, "cpu")

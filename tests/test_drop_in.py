@@ -16,6 +16,7 @@ CASES = [
     ("reshard_after_forward",),
     ("no_sync", "hsdp"), ("no_sync", "hfsdp"),
     ("unshard_prefetch",),
+    ("freeze", "hsdp"), ("freeze", "hfsdp"),
 ]
 
 
@@ -56,3 +57,11 @@ def test_microbatches_without_gradient_sync(results, strategy):
 def test_explicit_unshard_and_prefetch(results):
     r = _same_on_every_rank(results[("unshard_prefetch",)])
     assert r["ref"] < TOL and r["shown"] == 0.0 and r["resharded"], r
+
+
+@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
+def test_requires_grad_changes_after_sharding(results, strategy):
+    r = _same_on_every_rank(results[("freeze", strategy)])
+    # A frozen parameter gets no update (weight decay included), is not counted by the
+    # gradient norm, and a wholly frozen unit is not reduced at all.
+    assert r["ref"] < TOL and r["norm"] < TOL and r["reduced_frozen"] == 0, r

@@ -196,3 +196,16 @@ def test_fsdp2_style_options_misused(fake_world_8):
     m.set_requires_gradient_sync(True)
     m(torch.randn(2, 5)).sum().backward()
     opt.step()
+
+
+def test_hfsdp_cannot_unfreeze_what_was_frozen_at_fully_shard(fake_world_8):
+    mesh = hsdp.init_mesh(2, 4, "cpu")
+    m = _model()
+    m[1].requires_grad_(False)
+    for layer in m:
+        hsdp.fully_shard(layer, mesh=mesh, strategy="hfsdp")
+    hsdp.fully_shard(m, mesh=mesh, strategy="hfsdp")
+    m(torch.randn(2, 5)).sum().backward()
+    m[1].weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="frozen when fully_shard ran"):
+        m(torch.randn(2, 5))

@@ -122,29 +122,59 @@ class ParamGroup:
         self._gathered_bytes = N * self.gathered.element_size()
         self.gathered.untyped_storage().resize_(0)
 
+        self.has_grads = False  # gradient state (buffers, hooks) made
+        self.on_all_grads: Callable[[ParamGroup], None] | None = None
+        self.param_requires_grad = [p.requires_grad for p in params]
         if self.requires_grad:
-            self.accum = torch.empty(S, dtype=self.orig_dtype, device=device)
-            self.grad_buf = (torch.empty(C, dtype=self.orig_dtype, device=device)
-                             if self.shard_outer else self.accum)
-            # The sharded .grad DTensors, made once (while the storage exists), then freed.
-            self._grad_views = [as_dtensor(placeholder_if_empty(self.grad_buf[a:a + n]), dspec)
-                                for (a, n), dspec in zip(self._slices, self.specs)]
-            self._placeholder_grads = [g._local_tensor for g, (_, n) in
-                                       zip(self._grad_views, self._slices) if n == 0]
-            for buf in {id(b): b for b in (self.accum, self.grad_buf)}.values():
-                buf.untyped_storage().resize_(0)
-            self.grads_live = False  # host view: buffers allocated (or about to be)
-            self._gaps = lay.gaps()
-            self.received: set[int] = set()
-            self.used = [False] * len(params)  # got a gradient on this rank in this step
-            self.local: torch.Tensor | None = None  # unsynced microbatches' gradients
-            self.reduced = False
-            self.on_all_grads: Callable[[ParamGroup], None] | None = None
-            for idx, up in enumerate(self.unsharded):
-                up.register_post_accumulate_grad_hook(
-                    lambda _p, idx=idx: self._on_grad(idx))
+            self._init_grad_state()
         self.gathered_event: Event | None = None  # None: not gathered
         self.params_ready: Event | None = None  # hfsdp: last outer all-gather
+
+    def _init_grad_state(self) -> None:
+        S, C = self.layout.shard_numel, self.layout.chunk_numel
+        device = self.main.device
+        self.accum = torch.empty(S, dtype=self.orig_dtype, device=device)
+        self.grad_buf = (torch.empty(C, dtype=self.orig_dtype, device=device)
+                         if self.shard_outer else self.accum)
+        # The sharded .grad DTensors, made once (while the storage exists), then freed.
+        self._grad_views = [as_dtensor(placeholder_if_empty(self.grad_buf[a:a + n]), dspec)
+                            for (a, n), dspec in zip(self._slices, self.specs)]
+        self._placeholder_grads = [g._local_tensor for g, (_, n) in
+                                   zip(self._grad_views, self._slices) if n == 0]
+        for buf in {id(b): b for b in (self.accum, self.grad_buf)}.values():
+            buf.untyped_storage().resize_(0)
+        self.grads_live = False  # host view: buffers allocated (or about to be)
+        self._gaps = self.layout.gaps()
+        self.received: set[int] = set()
+        self.used = [False] * len(self.unsharded)  # got a gradient on this rank in this step
+        self.local: torch.Tensor | None = None  # unsynced microbatches' gradients
+        self.reduced = False
+        for idx, up in enumerate(self.unsharded):
+            frozen = not up.requires_grad
+            up.requires_grad_(True)  # a hook needs it
+            up.register_post_accumulate_grad_hook(lambda _p, idx=idx: self._on_grad(idx))
+            up.requires_grad_(not frozen)
+        self.has_grads = True
+
+    def sync_requires_grad(self) -> None:
+        """Follow ``requires_grad_`` changes made on the sharded parameters since
+        fully_shard (FSDP2 does the same at each unshard): a frozen parameter gets no
+        gradient, no reduction and no update; a group with none trainable is not reduced."""
+        now = [p.requires_grad for p in self.sharded]
+        if now == self.param_requires_grad:
+            return
+        if any(now) and not self.has_grads:
+            if self.outer_requested:
+                module, name = self.slots[now.index(True)][0]
+                raise RuntimeError(
+                    f"hsdp: {type(module).__name__}.{name} was frozen when fully_shard ran; "
+                    f"with strategy='hfsdp' its shards cannot become trainable later (they "
+                    f"are not sharded over outer). Set requires_grad before fully_shard.")
+            self._init_grad_state()
+        for up, flag in zip(self.unsharded, now):
+            up.requires_grad_(flag)
+        self.param_requires_grad = now
+        self.requires_grad = any(now)
 
     def version(self) -> int:
         """Changes when the sharded values were written through ``main`` (checkpoint
@@ -232,7 +262,7 @@ class ParamGroup:
                 f"or both inside and outside a reentrant checkpoint?). Make it belong to the "
                 f"unit that uses it.")
         self.received.add(idx)
-        if len(self.received) == len(self.unsharded) and self.on_all_grads is not None:
+        if len(self.received) == sum(self.param_requires_grad) and self.on_all_grads is not None:
             self.on_all_grads(self)
 
     def copy_in(self) -> torch.Tensor:
@@ -358,7 +388,7 @@ class ParamGroup:
         self.main.copy_(flat[lo:hi])
         if self.shard_outer:
             self.inner_shard.copy_(flat[self.inner_lo:self.inner_lo + self.layout.shard_numel])
-        self.synced_version = self.main._version  # the inner shard is up to date
+        self.synced_version = self.version()  # the inner shard is up to date
 
     def full_flat(self, coll: Collectives) -> torch.Tensor:
         """The whole flat buffer in the original dtype (host-side collectives on compute)."""

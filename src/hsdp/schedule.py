@@ -100,6 +100,7 @@ class Unit:
 
     @property
     def trainable(self) -> list[ParamGroup]:
+        """Groups with a trainable parameter now (their gradients are reduced)."""
         return [g for g in self.groups if g.requires_grad]
 
     def borrow(self, group: ParamGroup, idx: int, slot: Slot) -> None:
@@ -120,6 +121,11 @@ class Unit:
                 g.use_sharded()
         for g, idx, (module, name) in self.borrowed:
             module._parameters[name] = (g.unsharded if unsharded else g.sharded)[idx]
+
+    @property
+    def with_grads(self) -> list[ParamGroup]:
+        """Groups with gradient state (trainable now or before)."""
+        return [g for g in self.groups if g.has_grads]
 
     def root_runtime(self) -> Runtime:
         """The runtime of this unit's model, created (as the root's first forward would)
@@ -230,7 +236,6 @@ class Runtime:
                 raise ValueError("hsdp: overlap_outer must be the same for every unit of a model")
         self.groups = [g for u in self.units for g in u.groups]  # same order on every rank
         self.gid = {g: i for i, g in enumerate(self.groups)}
-        self.trainable = [g for g in self.groups if g.requires_grad]
         self._users: dict[ParamGroup, list[Unit]] = {g: [] for g in self.groups}
         for u in self.units:
             for g in u.uses:
@@ -262,10 +267,15 @@ class Runtime:
         self.broken: str | None = None  # why hsdp's communicators cannot be used any more
         self.param_ids = {id(p) for u in self.units for g in u.groups for p in g.sharded}
         for u in self.units:
-            for g in u.trainable:
+            for g in u.groups:
                 g.on_all_grads = self._reduce
         self._checked_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         _RUNTIMES.add(self)
+
+    @property
+    def trainable(self) -> list[ParamGroup]:
+        """Groups with gradient state (trainable now or earlier), in group order."""
+        return [g for g in self.groups if g.has_grads]
 
     # ------------------------------------------------------------------ order
 
@@ -351,6 +361,8 @@ class Runtime:
         self.log.forwards += 1
         for u in self.units:  # a forward whose backward never ran leaves buffers behind
             u.swap(False)
+            for g in u.groups:
+                g.sync_requires_grad()
             self._reshard(u)
         if self.first_microbatch:  # shards unchanged between microbatches of a step
             self._params_written = self.streams.compute.record()
@@ -360,7 +372,7 @@ class Runtime:
     def _release_cleared_grads(self) -> None:
         """Once the user has cleared the gradients (zero_grad), free their buffers until
         the next reduce-scatter needs them, so they are not held through the forward."""
-        groups = [g for u in self.units for g in u.trainable
+        groups = [g for u in self.units for g in u.with_grads
                   if g.grads_live and not g.grads_exposed()]
         if groups:
             # rs / outer wait: the optimizer on compute may still read the gradients.
@@ -449,7 +461,7 @@ class Runtime:
         self.sync = self.root.gradient_sync
         self.is_last = (True if override is None else override) and self.sync
         if self.first_microbatch:
-            stale = [g.hide_grads() for u in self.units for g in u.trainable]
+            stale = [g.hide_grads() for u in self.units for g in u.with_grads]
             if any(stale):
                 warnings.warn("hsdp: gradients from the previous step were not cleared; "
                               "hsdp overwrites them (accumulate with hsdp.microbatch)",
@@ -720,7 +732,7 @@ class Runtime:
     def _refresh_outer_shards(self) -> None:
         """hfsdp: outer all-gather of every main chunk the optimizer changed, issued at
         once so it overlaps whatever runs until the next forward needs it."""
-        stale = [g for u in self.order for g in u.trainable
+        stale = [g for u in self.order for g in u.groups
                  if g.shard_outer and g.version() != g.synced_version]
         if stale:
             updated = self.streams.compute.record()

@@ -37,16 +37,12 @@ def init_fn(m: nn.Module) -> None:
             m.logit_scale.fill_(1.0)
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if hasattr(p, "to_local") else p
-
-
 def _check_pieces(model: nn.Module, ref: nn.Module) -> None:
     for (name, p), (rname, r) in zip(model.named_parameters(), ref.named_parameters()):
         assert name == rname
         g, idx = owner(p)
         start = g.shard_starts[idx]
-        piece = _local(p).detach()
+        piece = g.local(idx)  # this rank's piece of the flattened parameter
         want = r.detach().reshape(-1)[start:start + piece.numel()]
         assert piece.device.type == "cpu" and torch.equal(piece, want), name
 

@@ -147,7 +147,7 @@ class ParamGroup:
         self._gaps = self.layout.gaps()
         self.received: set[int] = set()
         self.used = [False] * len(self.unsharded)  # got a gradient on this rank in this step
-        self.local: torch.Tensor | None = None  # unsynced microbatches' gradients
+        self.local_grads: torch.Tensor | None = None  # unsynced microbatches' gradients
         self.reduced = False
         for idx, up in enumerate(self.unsharded):
             frozen = not up.requires_grad
@@ -287,15 +287,15 @@ class ParamGroup:
             torch._foreach_zero_(zero)
         if self.comms.world > 1:
             rs_in.div_(self.comms.world)
-        if self.local is not None:  # gradients of microbatches that ran without sync
-            rs_in.add_(self.local)
-            self.local = None
+        if self.local_grads is not None:  # gradients of microbatches that ran without sync
+            rs_in.add_(self.local_grads)
+            self.local_grads = None
         return rs_in
 
     def keep_local(self, flat: torch.Tensor) -> None:
         """A microbatch without gradient sync: keep ``copy_in``'s result (which includes
         the earlier unsynced microbatches') on this rank for the next synced one."""
-        self.local = flat
+        self.local_grads = flat
         self.reduced = True
 
     def reduce_scatter(self, stream: SideStream, coll: Collectives, rs_in: torch.Tensor,
@@ -358,7 +358,7 @@ class ParamGroup:
         for p in self.unsharded:
             p.grad = None
         self.used = [False] * len(self.used)
-        self.local = None
+        self.local_grads = None
         self.reset_backward()
 
     def expose_grads(self, used: Sequence[bool]) -> None:

@@ -264,3 +264,47 @@ def drop_in_job(rank: int, world: int, cases: list[tuple]) -> dict[tuple, dict]:
     for case in cases:
         out[case] = globals()[f"case_{case[0]}"](rank, world, mesh, *case[1:])
     return out
+
+
+def transformers_job(rank: int, world: int) -> dict[str, float]:
+    """A transformers LlamaForCausalLM the way the example builds its own model: meta
+    device, fully_shard per decoder layer, hsdp.materialize with the model's own
+    ``_init_weights``; trained against the same model built and initialized normally."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    warnings.filterwarnings("ignore")
+    mesh = hsdp.init_mesh(2, world // 2, "cpu")
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    ref = LlamaForCausalLM(cfg)
+    for p in ref.parameters():  # a normal build marks them initialized
+        p.__dict__.pop("_is_hf_initialized", None)
+    torch.manual_seed(3)
+    for m in ref.modules():
+        ref._init_weights(m)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    for layer in model.model.layers:
+        hsdp.fully_shard(layer, mesh=mesh)
+    hsdp.fully_shard(model, mesh=mesh)
+    torch.manual_seed(3)
+    hsdp.materialize(model, model._init_weights)
+    def ref_state() -> dict[str, torch.Tensor]:  # full_state_dict has every buffer
+        return {k: v.detach() for k, v in [*ref.named_parameters(), *ref.named_buffers()]}
+
+    init_err = rel_err(hsdp.full_state_dict(model), ref_state())
+    opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for m in (ref, model)]
+    losses = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(0)  # one batch, learnt step by step
+        ids = torch.randint(0, cfg.vocab_size, (world * ROWS_PER_RANK, 12), generator=g)
+        mine = ids[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK]
+        ref_loss = ref(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        model(input_ids=mine, labels=mine).loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        losses.append(ref_loss.item())
+    return {"init": init_err, "ref": rel_err(hsdp.full_state_dict(model), ref_state()),
+            "loss_moved": losses[-1] < losses[0]}

@@ -77,3 +77,13 @@ def test_example_matches_reference_and_resumes(tmp_path):
     assert [r["step"] for r in resumed] == [3, 4]
     for mine, want in zip(resumed, run[3:]):
         assert mine["loss"] == pytest.approx(want["loss"], rel=1e-6), (resumed, run)
+
+
+def test_transformers_llama_meta_init_and_training():
+    pytest.importorskip("transformers")
+    from dist_utils import run_ranks
+    from drop_in_jobs import transformers_job
+
+    res = run_ranks(transformers_job, 4)
+    assert all(r == res[0] for r in res), res
+    assert res[0]["init"] == 0.0 and res[0]["ref"] < 1e-5 and res[0]["loss_moved"], res[0]

@@ -295,9 +295,9 @@ def transformers_job(rank: int, world: int) -> dict[str, float]:
     init_err = rel_err(hsdp.full_state_dict(model), ref_state())
     opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for m in (ref, model)]
     losses = []
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(0)  # one batch, learnt step by step
-        ids = torch.randint(0, cfg.vocab_size, (world * ROWS_PER_RANK, 12), generator=g)
+    g = torch.Generator().manual_seed(0)  # one batch, learnt step by step
+    ids = torch.randint(0, cfg.vocab_size, (world * ROWS_PER_RANK, 12), generator=g)
+    for _ in range(STEPS):
         mine = ids[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK]
         ref_loss = ref(input_ids=ids, labels=ids).loss
         ref_loss.backward()

@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-.venv/bin/ruff check src tests
+.venv/bin/ruff check src tests examples
 OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q "$@"

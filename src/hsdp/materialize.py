@@ -3,10 +3,13 @@ device and then ``fully_shard``-ed its shards on the mesh's device, running the 
 init once per module.
 
 Each rank runs the same ``init_fn`` on the same full values under the same seed, so each
-can keep its own shards without any communication. Full values exist one unit at a time
-(plus the root's, whose modules usually come first and last): a unit's whole flat buffer
-in the parameters' own dtype, shown to ``init_fn(m)`` as ``m``'s parameters, and turned
-into the unit's shards (a new ``ParamGroup`` on the mesh's device) when the walk leaves it.
+can keep its own shards without any communication. When the walk over ``model.modules()``
+reaches a unit, its groups are rebuilt on the mesh's device (shards allocated, no values)
+and a flat buffer of the unit's full values is made in the parameters' own dtype; views of
+it are ``m``'s parameters while ``init_fn(m)`` runs; when the walk leaves the unit, each
+rank copies its shards out of it and frees it. So full values exist for the root (whose
+modules usually come first and last) and one other unit at a time. A unit reached again
+later starts from its shards, all-gathered (the only communication).
 """
 
 from __future__ import annotations

@@ -257,6 +257,55 @@ def case_freeze(rank: int, world: int, mesh, strategy: str) -> dict[str, float]:
             "norm": max(norms), "reduced_frozen": len(reduced_frozen)}
 
 
+class _Nested(nn.Module):
+    """A unit whose own modules come both before and after a nested unit's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 6)
+        self.inner = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+        self.last = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.inner(self.first(x)))
+
+
+def case_materialize(rank: int, world: int, mesh, strategy: str) -> dict[str, float]:
+    """Meta init of nested units (the walk leaves a unit and comes back to it: its values
+    so far are all-gathered), then training, against a normal build under the same seed."""
+    def init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight)
+            nn.init.uniform_(m.bias)
+
+    def build() -> nn.Sequential:
+        return nn.Sequential(_Nested(), nn.Linear(3, 2))
+
+    ref = build()
+    torch.manual_seed(5)
+    for m in ref.modules():
+        init(m)
+    with torch.device("meta"):
+        model = build()
+    hsdp.fully_shard(model[0].inner, mesh=mesh, strategy=strategy)
+    hsdp.fully_shard(model[0], mesh=mesh, strategy=strategy)
+    hsdp.fully_shard(model, mesh=mesh, strategy=strategy)
+    torch.manual_seed(5)
+    hsdp.materialize(model, init)
+    state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    init_err = rel_err(hsdp.full_state_dict(model), state)
+    opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for m in (ref, model)]
+    for step in range(STEPS):
+        x = torch.randn(world * ROWS_PER_RANK, 4, generator=torch.Generator().manual_seed(step))
+        ref(x).square().mean().backward()
+        model(x[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK]).square().mean().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return {"init": init_err, "ref": rel_err(hsdp.full_state_dict(model),
+                                             {k: v.detach() for k, v in ref.state_dict().items()})}
+
+
 def drop_in_job(rank: int, world: int, cases: list[tuple]) -> dict[tuple, dict]:
     warnings.filterwarnings("ignore", category=FutureWarning)
     mesh = hsdp.init_mesh(2, world // 2, "cpu")

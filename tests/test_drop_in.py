@@ -17,6 +17,7 @@ CASES = [
     ("no_sync", "hsdp"), ("no_sync", "hfsdp"),
     ("unshard_prefetch",),
     ("freeze", "hsdp"), ("freeze", "hfsdp"),
+    ("materialize", "hsdp"), ("materialize", "hfsdp"),
 ]
 
 
@@ -65,3 +66,9 @@ def test_requires_grad_changes_after_sharding(results, strategy):
     # A frozen parameter gets no update (weight decay included), is not counted by the
     # gradient norm, and a wholly frozen unit is not reduced at all.
     assert r["ref"] < TOL and r["norm"] < TOL and r["reduced_frozen"] == 0, r
+
+
+@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
+def test_meta_init_of_nested_units_then_training(results, strategy):
+    r = _same_on_every_rank(results[("materialize", strategy)])
+    assert r["init"] == 0.0 and r["ref"] < TOL, r

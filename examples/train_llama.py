@@ -226,14 +226,16 @@ def build(args: argparse.Namespace, cfg: LlamaConfig, mesh) -> Llama:
     with torch.device("meta"):
         model = Llama(cfg)
     model.activation_checkpointing = args.ac
-    mp = hsdp.MixedPrecision(param_dtype=torch.bfloat16 if args.dtype == "bf16" else None,
-                             reduce_dtype=torch.float32, output_dtype=torch.float32)
+    # Blocks compute in bf16 and pass bf16 on; the root returns fp32 logits for the loss.
+    param_dtype = torch.bfloat16 if args.dtype == "bf16" else None
+    mp = hsdp.MixedPrecision(param_dtype, reduce_dtype=torch.float32)
     for i, block in enumerate(model.layers):
         if args.compile:
             model.layers[i] = block = torch.compile(block, backend=args.compile_backend,
                                                     fullgraph=True)
         hsdp.fully_shard(block, mesh=mesh, strategy=args.strategy, mp_policy=mp)
-    hsdp.fully_shard(model, mesh=mesh, strategy=args.strategy, mp_policy=mp)
+    hsdp.fully_shard(model, mesh=mesh, strategy=args.strategy, mp_policy=hsdp.MixedPrecision(
+        param_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32))
     torch.manual_seed(args.seed)  # the init's random draws: as in a single process
     hsdp.materialize(model, init_weights)
     return model

@@ -241,25 +241,25 @@ def build(args: argparse.Namespace, cfg: LlamaConfig, mesh) -> Llama:
     return model
 
 
-def save(path: str, model: nn.Module, opt, sched, step: int) -> None:
-    """Full model state on rank 0; each rank's optimizer shard (same mesh on resume)."""
-    os.makedirs(path, exist_ok=True)
-    state = hsdp.full_state_dict(model)
-    rank = dist.get_rank()
-    torch.save({"optim": opt.state_dict(), "sched": sched.state_dict(), "step": step},
-               os.path.join(path, f"optim.{rank}.pt"))
-    if rank == 0:
-        torch.save(state, os.path.join(path, "model.pt.tmp"))
-        os.replace(os.path.join(path, "model.pt.tmp"), os.path.join(path, "model.pt"))
+def save(ckpt: str, model: nn.Module, opt, sched, step: int) -> None:
+    """``ckpt/step-N``: model and optimizer with DCP (every rank writes its pieces; any mesh
+    can load it), then the LR schedule next to it."""
+    hsdp.save(os.path.join(ckpt, f"step-{step}"), model, opt)
+    if dist.get_rank() == 0:
+        torch.save(sched.state_dict(), os.path.join(ckpt, f"step-{step}.sched.pt"))
     dist.barrier()
 
 
-def load(path: str, model: nn.Module, opt, sched) -> int:
-    hsdp.load_full_state_dict(model, torch.load(os.path.join(path, "model.pt")))
-    own = torch.load(os.path.join(path, f"optim.{dist.get_rank()}.pt"))
-    opt.load_state_dict(own["optim"])
-    sched.load_state_dict(own["sched"])
-    return own["step"]
+def latest(ckpt: str) -> int | None:
+    """The last step saved completely (both parts), if any."""
+    steps = [int(name[5:-9]) for name in os.listdir(ckpt) if name.startswith("step-")
+             and name.endswith(".sched.pt")] if os.path.isdir(ckpt) else []
+    return max(steps, default=None)
+
+
+def load(ckpt: str, step: int, model: nn.Module, opt, sched) -> None:
+    hsdp.load(os.path.join(ckpt, f"step-{step}"), model, opt)
+    sched.load_state_dict(torch.load(os.path.join(ckpt, f"step-{step}.sched.pt")))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -279,11 +279,11 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lr_lambda(args.warmup, args.steps, args.min_lr_ratio))
-    start = 0
-    if args.resume and args.ckpt and os.path.exists(os.path.join(args.ckpt, "model.pt")):
-        start = load(args.ckpt, model, opt, sched)
+    start = (latest(args.ckpt) if args.resume and args.ckpt else None) or 0
+    if start:
+        load(args.ckpt, start, model, opt, sched)
         if rank == 0:
-            print(f"resumed from {args.ckpt} at step {start}")
+            print(f"resumed from {args.ckpt}/step-{start}")
     log = open(args.log_file, "a") if args.log_file and rank == 0 else None
 
     rows = args.batch // world

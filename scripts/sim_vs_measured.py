@@ -1,8 +1,26 @@
 """Build docs/sim_vs_measured.md: `hsdp sim` next to measured `bench step` runs.
 
     python scripts/sim_vs_measured.py                        # every docs/results/step_*.json
-    python scripts/sim_vs_measured.py runs/*.json --calibrate-from self
-    python scripts/sim_vs_measured.py runs/*.json --calibrate-from runs/step_2x4_4096.json
+    python scripts/sim_vs_measured.py runs/*/*.json --calibrate-from self
+    python scripts/sim_vs_measured.py runs/*/*.json --calibrate-from runs/a/a.json
+
+Measuring the rows (one H200, emulated; each run's JSON next to its traces, so that the
+calibration finds them):
+
+    M="--arch gpt --layers 16 --hidden 2048 --heads 16 --ffn 8192 --vocab 32000 --mbs 2"
+    run() { n=$1; shift; python -m hsdp bench step --emulate $M \
+            --json runs/$n/$n.json --out-dir runs/$n "$@"; }
+    run step_2x4_4096  --mesh 2x4  --seq 4096 --schedules overlap,serial
+    run step_16x8_4096 --mesh 16x8 --seq 4096 --schedules overlap,serial,hfsdp,hfsdp-serial
+    run step_2x4_4096_outer12.5 --mesh 2x4 --seq 4096 --outer-gbps 12.5 \
+        --schedules overlap,serial,hfsdp,hfsdp-serial
+    run step_2x4_4096_mb4 --mesh 2x4 --seq 4096 --microbatches 4 --schedules overlap,serial
+    run step_2x4_1024  --mesh 2x4  --seq 1024 --schedules overlap,serial
+    run step_16x8_1024 --mesh 16x8 --seq 1024 --schedules overlap,serial
+
+Real NCCL on two GPUs (one rank per GPU): the same without ``--emulate``, ``--mesh 1x2``
+or ``2x1``; the fabric is then the default one scaled to the run's measured collective
+times (``comm_scale``), or ``--fabric-json`` from ``bench collectives``.
 
 For each JSON and each hsdp schedule in it, the simulator runs the same setup (model,
 mesh, microbatches, dtypes; the JSON's emulated fabric, else ``--fabric-json`` /
@@ -17,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -76,7 +95,8 @@ def compare(path: Path, calibration: str, base: CostModel) -> list[dict]:
                      "sim_ms": r.t_step_ms, "measured": measured, "metrics": r.metrics,
                      "calibration": {"tflops": cal.tflops, "mem_gbps": cal.mem_gbps,
                                      "host_us_per_op": cal.host_us_per_op,
-                                     "phases": len(cal.phases)}})
+                                     "phases": len(cal.phases),
+                                     "comm_scale": cal.comm_scale}})
         print(f"{path.name} {name}: sim {r.t_step_ms:.1f} ms, measured "
               f"{measured['t_step_ms']:.1f} ms", file=sys.stderr)
     return rows
@@ -86,7 +106,8 @@ def _pct(sim: float, measured: float) -> str:
     return f"{100.0 * (sim - measured) / measured:+.1f} %"
 
 
-def render(rows: list[dict], command: str, calibration: str) -> str:
+def render(rows: list[dict], command: str, calibration: str, host_us: float,
+           note: str = "") -> str:
     errors = [100.0 * (r["sim_ms"] - r["measured"]["t_step_ms"]) / r["measured"]["t_step_ms"]
               for r in rows]
     within = sum(abs(e) <= WITHIN_PCT for e in errors)
@@ -101,6 +122,9 @@ def render(rows: list[dict], command: str, calibration: str) -> str:
         f"every row is fitted to one run, `{calibration}` (its trace's per-phase table "
         f"applies to rows of the same model, sequence and micro-batch size; the others "
         f"use the fitted TFLOP/s, memory bandwidth and host cost per op)")
+    if host_us:
+        cal_text += (f". A JSON with neither a trace nor `t_host_ms` gets a host cost of "
+                     f"{host_us:g} us per compute op (`--host-us-per-op`)")
     out = [
         "# `hsdp sim` against measured step times",
         "",
@@ -111,7 +135,7 @@ def render(rows: list[dict], command: str, calibration: str) -> str:
         "sets its step time next to `bench step` measurements of the same setup: model, "
         "mesh, microbatches, dtypes and, for emulated runs, the fabric the run emulated.",
         "",
-        f"Calibration: {cal_text}.",
+        f"Calibration: {cal_text}. {note}".rstrip(),
         "",
         "Measured: median [min-max] of the timed steps (wall clock between barriers, "
         "every stream idle at the end). Simulated: from the step's start to every stream "
@@ -150,7 +174,7 @@ def render(rows: list[dict], command: str, calibration: str) -> str:
                    f"{'-' if host is None else f'{host:.1f}'} |")
     no_host = sorted({r["row"] for r, e in zip(rows, errors) if abs(e) > WITHIN_PCT
                       and r["measured"].get("t_host_ms") is None
-                      and not r["calibration"]["phases"]})
+                      and not r["calibration"]["phases"] and not host_us})
     if no_host:
         out += ["", "Rows marked **!** whose JSON has neither the host time of the step "
                 "(`t_host_ms`) nor a trace with phase marks: the simulator had no host cost "
@@ -189,12 +213,17 @@ def render(rows: list[dict], command: str, calibration: str) -> str:
                   pair(sim["outer_tail_ms"], meas.get("outer_tail_ms"))]
         out.append(f"| {r['row']} | {r['schedule']} | " + " | ".join(cells) + " |")
     out += ["", "## Calibration per row", "",
-            "| row | schedule | TFLOP/s | memory GB/s | host us/op | measured phases |",
-            "|---|---|---|---|---|---|"]
+            "`comm_scale`: measured over modelled busy time of inner all-gathers, inner "
+            "reduce-scatters and outer collectives in the calibration run.", "",
+            "| row | schedule | TFLOP/s | memory GB/s | host us/op | measured phases | "
+            "comm_scale AG / RS / outer |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["calibration"]
+        scale = " / ".join(f"{c['comm_scale'].get(k, 1.0):.2f}"
+                           for k in ("inner_ag", "inner_rs", "outer"))
         out.append(f"| {r['row']} | {r['schedule']} | {c['tflops']:.0f} | "
-                   f"{c['mem_gbps']:.0f} | {c['host_us_per_op']:.1f} | {c['phases']} |")
+                   f"{c['mem_gbps']:.0f} | {c['host_us_per_op']:.1f} | {c['phases']} | "
+                   f"{scale} |")
     out += ["", "## Runs", "", "| JSON | date | GPU | torch | emulated |", "|---|---|---|---|---|"]
     for r in {r["json"]: r for r in rows}.values():
         run = r["run"]
@@ -209,18 +238,23 @@ def main() -> int:
     p.add_argument("--calibrate-from", default="self", help="'self' or one bench step JSON")
     p.add_argument("--fabric-json", default=None,
                    help="`bench collectives` JSON for runs on real NCCL (no emulated fabric)")
+    p.add_argument("--host-us-per-op", type=float, default=0.0,
+                   help="host cost per compute op for JSONs with neither a trace nor "
+                        "t_host_ms (default 0: the host is never the bottleneck)")
     p.add_argument("--out", default=str(ROOT / "docs" / "sim_vs_measured.md"))
+    p.add_argument("--note", default="", help="where given numbers come from")
     args = p.parse_args()
     paths = [Path(j) for j in args.jsons] or sorted((ROOT / "docs" / "results").glob("step_*"))
-    base = CostModel()
+    base = CostModel(host_us_per_op=args.host_us_per_op)
     if args.fabric_json:
         from hsdp.bench.step import fabric_from_collectives  # the script, not sim
 
         base = dataclasses.replace(base, fabric=fabric_from_collectives(args.fabric_json,
                                                                         20.0))
     rows = [r for path in paths for r in compare(path, args.calibrate_from, base)]
-    command = "python scripts/sim_vs_measured.py " + " ".join(sys.argv[1:])
-    Path(args.out).write_text(render(rows, command.strip(), args.calibrate_from))
+    command = "python scripts/sim_vs_measured.py " + shlex.join(sys.argv[1:])
+    Path(args.out).write_text(render(rows, command.strip(), args.calibrate_from,
+                                     args.host_us_per_op, args.note))
     print(f"wrote {args.out}")
     return 0
 

@@ -2,6 +2,7 @@
 
     python scripts/when_overlap_pays.py                   # runs the sweep (long), writes all
     python scripts/when_overlap_pays.py --from sweep.json  # only re-renders the page
+    python scripts/when_overlap_pays.py -- --tflops 540    # `hsdp sim` options after --
 
 Runs (or reads) the sweep of the issue's grid, writes its JSON and plot next to the
 page, and renders the page: the arithmetic of the saving, the rule of thumb next to the
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import statistics
 import sys
 from collections import defaultdict
@@ -39,13 +42,13 @@ def run(args: argparse.Namespace) -> dict:
 def rule_of_thumb(r: dict, units: int) -> float:
     """Saving (ms) if every unit were alike: per unit, the serialized rs stream carries
     RS + outer and the overlapped streams RS and outer apart; each runs behind the last
-    microbatch's backward compute B of that unit."""
+    microbatch's backward B of that unit (its share of the backward's duration)."""
     b, rs, o = (r["last_backward_ms"] / units, r["inner_rs_ms"] / r["microbatches"] / units,
                 r["outer_ms"] / units)
     return units * (max(b, rs + o) - max(b, rs, o))
 
 
-def render(report: dict, pngs: list[str], json_name: str, command: str) -> str:
+def render(report: dict, pngs: list[str], json_name: str, command: str, note: str) -> str:
     meta = report["meta"]["base"]
     model, costs = meta["model"], meta["costs"]
     units = model["layers"] + 1
@@ -71,7 +74,7 @@ def render(report: dict, pngs: list[str], json_name: str, command: str) -> str:
         f"inner (NVLink) {costs['fabric']['inner']['bus_gbps']:g} GB/s bus bandwidth, "
         f"{costs['fabric']['inner']['latency_us']:g} us per collective; host time "
         f"{costs['host_us_per_op']:g} us per compute op. bf16 parameters, micro-batch "
-        f"{meta['mbs']} sequence per GPU.",
+        f"{meta['mbs']} sequence per GPU. {note}".rstrip(),
         "",
         "Regenerate (about 30-60 min on two cores; `--from` re-renders a saved sweep):",
         "",
@@ -90,7 +93,8 @@ def render(report: dict, pngs: list[str], json_name: str, command: str) -> str:
         "    RS    = a + (7/8) x N x r / BW_inner",
         "    outer = a + 2 (n-1)/n x (N/8) x r / BW_outer      (n nodes, r = 2 or 4 bytes)",
         "",
-        "and it has B ms of backward compute of the next unit to hide behind. Serialized, "
+        "and it has B ms of backward of the next unit to hide behind (its compute, or the "
+        "host's time to issue it when that is longer). Serialized, "
         "the rs stream carries RS + outer for every unit, and compute waits for the "
         "previous unit's RS before it frees that RS's input: once RS + outer > B, every "
         "unit adds the difference. Overlapped, RS and outer run on two streams, each "
@@ -116,8 +120,9 @@ def render(report: dict, pngs: list[str], json_name: str, command: str) -> str:
         "saving is spread over a step that is `microbatches` times longer.",
         "",
         f"The `rule` column below is that formula with the simulated per-unit averages "
-        f"(B: the last backward's compute / {units} units; the root unit, embedding and "
-        f"head, is larger than a block, so it is rough); `saving` is the simulation.",
+        f"(B: the last backward's duration / {units} units; the root unit, embedding and "
+        f"head, is larger than a block, and the tail is left out, so it is rough); "
+        f"`saving` is the simulation.",
         "",
         "## Summary",
         "",
@@ -125,8 +130,8 @@ def render(report: dict, pngs: list[str], json_name: str, command: str) -> str:
         f"the largest saving is {max(r['saving_pct'] for r in rows):.1f}% "
         f"({max(r['saving_ms'] for r in rows):.1f} ms).",
         "",
-        "Median saving (%) by outer bandwidth (columns) and sequence length (rows), over "
-        "nodes, microbatches and reduction dtype:",
+        "Median / largest saving (% of the serialized step) by outer bandwidth (columns) "
+        "and sequence length (rows), over nodes, microbatches and reduction dtype:",
         "",
     ]
     lines += _pivot(rows, "seq", "outer_gbps", "saving_pct")
@@ -156,8 +161,9 @@ def _pivot(rows: list[dict], row_key: str, col_key: str, value: str) -> list[str
     out = [f"| {row_key} \\ {col_key} | " + " | ".join(str(c) for c in cs) + " |",
            "|" + "---|" * (len(cs) + 1)]
     for rk in rs:
-        out.append(f"| {rk} | " + " | ".join(f"{statistics.median(cells[(rk, c)]):.1f}"
-                                              for c in cs) + " |")
+        out.append(f"| {rk} | " + " | ".join(
+            f"{statistics.median(cells[(rk, c)]):.1f} / {max(cells[(rk, c)]):.1f}"
+            for c in cs) + " |")
     return out
 
 
@@ -165,26 +171,25 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--from", dest="source", default=None, help="a saved sweep JSON")
     p.add_argument("--out", default=str(ROOT / "docs" / "when_overlap_pays.md"))
+    p.add_argument("--note", default="", help="where the cost model's numbers come from")
     p.add_argument("sim_args", nargs="*", help="more `hsdp sim` options, after --")
     args = p.parse_args()
     out = Path(args.out)
     json_path = out.parent / "results" / "sweep_when_overlap_pays.json"
     png = out.parent / "img" / "when_overlap_pays.png"
-    if args.source:
-        report = json.loads(Path(args.source).read_text())
-    else:
-        report = run(args)
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=1))
+    report = json.loads(Path(args.source).read_text()) if args.source else run(args)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=1))
     from hsdp.sim.sweep import plot_sweep
 
     png.parent.mkdir(parents=True, exist_ok=True)
     saving_png, bound_png = plot_sweep(report, png)
     command = "python scripts/when_overlap_pays.py" + (
+        f" --note {shlex.quote(args.note)}" if args.note else "") + (
         " -- " + " ".join(args.sim_args) if args.sim_args else "")
-    out.write_text(render(report, [str(p.relative_to(out.parent)) for p in (saving_png,
-                                                                           bound_png)],
-                          str(json_path.relative_to(ROOT)), command))
+    out.write_text(render(report, [os.path.relpath(p, out.parent) for p in (saving_png,
+                                                                            bound_png)],
+                          os.path.relpath(json_path, ROOT), command, args.note))
     print(f"wrote {out}, {saving_png}, {bound_png}, {json_path}")
     return 0
 

@@ -380,3 +380,28 @@ def test_sim_imports_no_bench_module():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.startswith("hsdp.bench") for n in names), (path, names)
+
+
+def test_sweep_verdicts():
+    """The reason given per row: host-bound, outer-bound, serialized rs stream behind the
+    backward, or hidden either way."""
+    from hsdp.report.metrics import Interval
+    from hsdp.sim.engine import SimResult
+    from hsdp.sim.sweep import last_backward_ms, row
+
+    def result(t_step, host, compute, rs, outer):
+        ivs = [Interval("compute", "FWD:B", 0, 1000), Interval("compute", "BWD:B", 1000, 3000),
+               Interval("compute", "COPY_IN:B/0", 3000, 3500)]
+        metrics = {"busy_ms": {"by_kind": {"compute": compute, "inner_rs": rs, "outer": outer,
+                                           "inner_ag": 1.0}},
+                   "host_busy_ms": host, "lower_bound_ms": 1.0}
+        return SimResult(ivs, metrics, t_step)
+
+    setup = Setup(TINY_GPT, 2, 4)
+    assert last_backward_ms(result(10, 0, 3, 1, 1)) == pytest.approx(2.5)
+    cases = [((10, 9.5, 3, 1, 1), "host-bound"), ((10, 0, 3, 1, 4), "bottleneck"),
+             ((10, 0, 5, 1, 2), "outlast"), ((10, 0, 5, 1, 1), "either way")]
+    for args, reason in cases:
+        r = row({"nodes": 2}, result(*args), result(args[0] + 1.0, *args[1:]), setup)
+        assert reason in r["line"] and r["saving_ms"] == pytest.approx(1.0)
+        assert r["verdict"] == "pays"  # 1 ms of 11

@@ -97,12 +97,14 @@ def _describe(base: Setup, costs: CostModel) -> dict:
 
 
 def last_backward_ms(r: SimResult) -> float:
-    """Compute time of the last microbatch's backward (and copy-in): what the inner and
-    outer reductions can hide behind."""
+    """How long the last microbatch's backward takes, from the end of the last forward
+    op to the end of the last backward or copy-in op (compute, or the host issuing it
+    when that is slower): what the reductions can hide behind."""
     compute = [iv for iv in r.intervals if iv.stream == "compute"]
     last_fwd = max((iv.end_us for iv in compute if iv.label.startswith("FWD:")), default=0.0)
-    return sum(iv.end_us - iv.start_us for iv in compute if iv.start_us >= last_fwd
-               and iv.label.startswith(("BWD:", "COPY_IN:", "RECOMPUTE:"))) / 1e3
+    end = max((iv.end_us for iv in compute if iv.start_us >= last_fwd
+               and iv.label.startswith(("BWD:", "COPY_IN:", "RECOMPUTE:"))), default=last_fwd)
+    return (end - last_fwd) / 1e3
 
 
 def row(point: dict, over: SimResult, ser: SimResult, setup: Setup) -> dict:
@@ -113,11 +115,15 @@ def row(point: dict, over: SimResult, ser: SimResult, setup: Setup) -> dict:
     rs, outer, compute = busy["inner_rs"], busy["outer"], busy["compute"]
     rs_last = rs / setup.microbatches  # the reductions of the last microbatch
     backward = last_backward_ms(over)
-    if outer >= compute:
+    host = over.metrics["host_busy_ms"]
+    if host >= 0.9 * over.t_step_ms:
+        why = (f"host-bound (issuing the step takes {host:.1f} of its {over.t_step_ms:.1f} "
+               f"ms): the reductions hide behind the host; the tail after it differs")
+    elif outer >= compute:
         why = f"the outer link is the bottleneck (outer {outer:.1f} ms >= compute {compute:.1f})"
     elif rs_last + outer > backward:
         why = (f"serialized, the last backward's RS + outer ({rs_last + outer:.1f} ms) outlast "
-               f"its compute ({backward:.1f} ms)")
+               f"it ({backward:.1f} ms)")
     else:
         why = (f"RS + outer ({rs_last + outer:.1f} ms) hide behind the last backward "
                f"({backward:.1f} ms) either way: only the tail differs")

@@ -43,7 +43,7 @@ def rule_of_thumb(r: dict, units: int) -> float:
     """Saving (ms) if every unit were alike: per unit, the serialized rs stream carries
     RS + outer and the overlapped streams RS and outer apart; each runs behind the last
     microbatch's backward B of that unit (its share of the backward's duration)."""
-    b, rs, o = (r["last_backward_ms"] / units, r["inner_rs_ms"] / r["microbatches"] / units,
+    b, rs, o = (r["last_backward_ms"] / units, r["inner_rs_ms"] / r["n_microbatches"] / units,
                 r["outer_ms"] / units)
     return units * (max(b, rs + o) - max(b, rs, o))
 
@@ -178,6 +178,11 @@ def main() -> int:
     json_path = out.parent / "results" / "sweep_when_overlap_pays.json"
     png = out.parent / "img" / "when_overlap_pays.png"
     report = json.loads(Path(args.source).read_text()) if args.source else run(args)
+    from hsdp.sim.sweep import explain
+
+    for r in report["rows"]:  # the wording of this version
+        r.setdefault("n_microbatches", r.get("microbatches", 1))
+        r.update(explain(r))
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report, indent=1))
     from hsdp.sim.sweep import plot_sweep

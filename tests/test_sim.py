@@ -399,7 +399,7 @@ def test_sweep_verdicts():
 
     setup = Setup(TINY_GPT, 2, 4)
     assert last_backward_ms(result(10, 0, 3, 1, 1)) == pytest.approx(2.5)
-    cases = [((10, 9.5, 3, 1, 1), "host-bound"), ((10, 0, 3, 1, 4), "bottleneck"),
+    cases = [((10, 10.0, 3, 1, 1), "host-bound"), ((10, 0, 3, 1, 4), "carries more"),
              ((10, 0, 5, 1, 2), "outlast"), ((10, 0, 5, 1, 1), "either way")]
     for args, reason in cases:
         r = row({"nodes": 2}, result(*args), result(args[0] + 1.0, *args[1:]), setup)

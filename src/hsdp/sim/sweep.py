@@ -110,31 +110,38 @@ def last_backward_ms(r: SimResult) -> float:
 def row(point: dict, over: SimResult, ser: SimResult, setup: Setup) -> dict:
     """One sweep row: both step times, the bound, the saving and the verdict line."""
     saving = ser.t_step_ms - over.t_step_ms
-    pct = 100.0 * saving / ser.t_step_ms
     busy = over.metrics["busy_ms"]["by_kind"]
-    rs, outer, compute = busy["inner_rs"], busy["outer"], busy["compute"]
-    rs_last = rs / setup.microbatches  # the reductions of the last microbatch
-    backward = last_backward_ms(over)
-    host = over.metrics["host_busy_ms"]
-    if host >= 0.9 * over.t_step_ms:
-        why = (f"host-bound (issuing the step takes {host:.1f} of its {over.t_step_ms:.1f} "
-               f"ms): the reductions hide behind the host; the tail after it differs")
+    r = {**point, "t_overlap_ms": over.t_step_ms, "t_serial_ms": ser.t_step_ms,
+         "lower_bound_ms": over.metrics["lower_bound_ms"], "saving_ms": saving,
+         "saving_pct": 100.0 * saving / ser.t_step_ms, "compute_ms": busy["compute"],
+         "inner_rs_ms": busy["inner_rs"], "inner_ag_ms": busy["inner_ag"],
+         "outer_ms": busy["outer"], "host_ms": over.metrics["host_busy_ms"],
+         "last_backward_ms": last_backward_ms(over), "n_microbatches": setup.microbatches}
+    return {**r, **explain(r)}
+
+
+def explain(r: dict) -> dict:
+    """The verdict of a row and its line: the saving and the reason it is what it is."""
+    host, outer, compute = r["host_ms"], r["outer_ms"], r["compute_ms"]
+    comm = r["inner_rs_ms"] / r["n_microbatches"] + outer  # the last microbatch's
+    backward = r["last_backward_ms"]
+    if host >= 0.9 * r["t_serial_ms"]:
+        why = (f"host-bound both ways (issuing the step takes {host:.1f} ms): the reductions "
+               f"hide behind the host; the tail after it differs")
     elif outer >= compute:
-        why = f"the outer link is the bottleneck (outer {outer:.1f} ms >= compute {compute:.1f})"
-    elif rs_last + outer > backward:
-        why = (f"serialized, the last backward's RS + outer ({rs_last + outer:.1f} ms) outlast "
-               f"it ({backward:.1f} ms)")
+        why = (f"the outer link carries more than compute (outer {outer:.1f} ms >= compute "
+               f"{compute:.1f}); serialized, the rs stream carries both")
+    elif comm > backward:
+        why = (f"serialized, the last backward's RS + outer ({comm:.1f} ms) outlast it "
+               f"({backward:.1f} ms)")
     else:
-        why = (f"RS + outer ({rs_last + outer:.1f} ms) hide behind the last backward "
-               f"({backward:.1f} ms) either way: only the tail differs")
+        why = (f"RS + outer ({comm:.1f} ms) hide behind the last backward ({backward:.1f} ms) "
+               f"either way: only the tail differs")
+    pct = r["saving_pct"]
     verdict = ("pays" if pct >= PAYS_PCT else "marginal" if pct >= MARGINAL_PCT
                else "does not pay")
-    return {**point, "t_overlap_ms": over.t_step_ms, "t_serial_ms": ser.t_step_ms,
-            "lower_bound_ms": over.metrics["lower_bound_ms"], "saving_ms": saving,
-            "saving_pct": pct, "compute_ms": compute, "inner_rs_ms": rs,
-            "inner_ag_ms": busy["inner_ag"], "outer_ms": outer,
-            "host_ms": over.metrics["host_busy_ms"], "last_backward_ms": backward,
-            "verdict": verdict, "line": f"{verdict}: saves {saving:.1f} ms ({pct:.1f}%); {why}"}
+    return {"verdict": verdict,
+            "line": f"{verdict}: saves {r['saving_ms']:.1f} ms ({pct:.1f}%); {why}"}
 
 
 def print_sweep(report: dict) -> None:

@@ -5,12 +5,17 @@ Two GPUs: the 2x2 parity matrix with two ranks per GPU (the shared layout of
 distinct GPUs; the default group never runs a CUDA collective), 1x2 and 2x1 with one rank
 per GPU, the schedule seen in real-NCCL profiler traces on the 2x2 mesh, and a soak test.
 Four GPUs: the parity matrix with one rank per GPU and the traces on 2x2 without sharing.
+Failures (two GPUs): a rank killed mid-step makes the other raise within the timeout.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import signal
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -102,3 +107,94 @@ def test_soak_random_delays_no_hang_bit_identical() -> None:
     for key in results[0]:
         assert all(r[key]["identical"] for r in results), (key, results)
         assert all(r[key]["delays"] > 0 for r in results), (key, results)
+
+
+# --------------------------------------------------------------------------- failures
+
+KILL_TIMEOUT_S = 30.0
+
+
+class _Die(torch.autograd.Function):
+    """Identity whose backward kills the process (SIGKILL: no cleanup, like a lost node)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return grad
+
+
+def _killed_rank_entry(rank: int, world: int, port: int, out_dir: str) -> None:
+    """1x2 mesh, one rank per GPU. Rank 1 dies in the middle of the second step's backward
+    (after two units' reduce-scatters). Rank 0 writes what it raised and when, then leaves
+    without teardown: its NCCL kernels still wait for the dead peer."""
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    import hsdp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=KILL_TIMEOUT_S))
+    mesh = hsdp.init_mesh(1, world, "cuda")
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(4))).cuda()
+    for layer in model:
+        hsdp.fully_shard(layer, mesh=mesh)
+    hsdp.fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, 256, device="cuda")
+    result: dict = {}
+    for step in range(3):
+        if step == 1 and rank == 1:
+            model[1].register_forward_hook(lambda m, args, out: _Die.apply(out))
+            with open(os.path.join(out_dir, "killed"), "w") as f:
+                f.write(repr(time.time()))  # (the backward runs within milliseconds)
+        t0 = time.time()
+        try:
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            hsdp.synchronize(model)
+        except Exception as exc:  # what the user's training loop would see
+            result = {"error": f"{type(exc).__name__}: {exc}", "step": step,
+                      "raised_at": time.time(), "step_start": t0}
+            break
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(result, f)
+    os._exit(0)
+
+
+@needs(2)
+def test_killed_rank_makes_the_other_raise_within_the_timeout(tmp_path) -> None:
+    """Issue 9's GPU acceptance: real NCCL, a rank killed mid-step. The survivor raises
+    hsdp's error at the end-of-step agreement (its gloo group sees the peer gone), unless
+    NCCL's watchdog notices first and ends it with its own error; either well within the
+    timeout, never a hang."""
+    import torch.multiprocessing as mp
+    from dist_utils import free_port
+
+    ctx = mp.start_processes(_killed_rank_entry, args=(2, free_port(), str(tmp_path)),
+                             nprocs=2, join=False, start_method="spawn")
+    survivor = ctx.processes[0]
+    deadline = time.monotonic() + 300 + KILL_TIMEOUT_S
+    while survivor.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ended = time.time()
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+    killed = float((tmp_path / "killed").read_text())
+    report = tmp_path / "0.json"
+    result = json.loads(report.read_text()) if report.exists() else {}
+    print(f"survivor exit code {survivor.exitcode}, ended {ended - killed:.1f} s after the "
+          f"kill; {result}")
+    assert ended - killed < KILL_TIMEOUT_S, "the survivor hung past the timeout"
+    if result:  # hsdp's error, in the step where the peer died
+        assert result["step"] == 1 and result["error"].startswith("RuntimeError: hsdp:"), result
+    else:  # NCCL noticed first: its watchdog ended the process with an error
+        assert survivor.exitcode != 0, survivor.exitcode

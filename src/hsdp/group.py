@@ -106,6 +106,8 @@ class ParamGroup:
             attach_chunks(sp._local_tensor, shape, start, n)  # state_dict(keep_vars=True)
             sp._hsdp_group = self  # marks the parameter as managed by hsdp (see owner())
             sp._hsdp_index = len(self.sharded)
+            if self.requires_grad:
+                sp.register_post_accumulate_grad_hook(self._grad_on_shard)
             self.sharded.append(sp)
             self._slices.append((a, n))
             self.shard_starts.append(start)
@@ -253,6 +255,16 @@ class ParamGroup:
         return self.params_ready
 
     # ------------------------------------------------------------------ backward
+
+    def _grad_on_shard(self, p: nn.Parameter) -> None:
+        """Autograd reached a sharded parameter: it was used outside its unit's forward
+        (e.g. through ``to_local()`` in a loss term), where its gradient would be lost."""
+        module, name = self.slots[p._hsdp_index][0]
+        raise RuntimeError(
+            f"hsdp: a gradient reached the sharded {type(module).__name__}.{name} (group "
+            f"{self.label}) directly: it was used outside the forward of the unit that owns "
+            f"it, where hsdp would lose that gradient. Use it inside that unit's forward, or "
+            f"fully_shard the module that uses it together with it (their common parent).")
 
     def _on_grad(self, idx: int) -> None:
         if self.reduced:

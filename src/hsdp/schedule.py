@@ -25,6 +25,7 @@ abandoned consistently on every rank by the next call into hsdp (``Runtime.settl
 from __future__ import annotations
 
 import itertools
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -158,6 +159,13 @@ class Unit:
         rt = self.runtime
         if rt is not None and rt.root is self and rt.phase == "forward" and not _in_backward():
             rt.phase = "failed"
+            exc = sys.exc_info()[1]
+            if exc is not None and "mixed torch.Tensor and DTensor" in str(exc):
+                exc.add_note(
+                    "hsdp: outside its unit's forward a parameter is this rank's shard (a "
+                    "DTensor): it was probably used outside the forward of the unit that "
+                    "owns it. Use it inside that forward, or fully_shard the module that uses "
+                    "it together with it (their common parent).")
 
 
 def _outside_root(unit: Unit) -> str:

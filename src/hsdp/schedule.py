@@ -426,10 +426,11 @@ class Runtime:
             self._reshard(unit)
         if unit is self.root:
             if self._recording is not None:
-                missing = [u for u in self.units if u not in self._recording]
-                self._set_order(self._recording + missing)
+                unseen = [u for u in self.units if u not in self._recording]
+                self._set_order(self._recording + unseen)
                 self._recording = None
             self.phase = "idle"
+            self.streams.compute.poll = None  # the streams are shared: hold no model
         self.streams.compute.end(f"FWD:{unit.label}")
         return output
 
@@ -569,6 +570,7 @@ class Runtime:
             self.rs_first = self.is_last
         self._reset_units()
         self.phase = "idle"
+        self.streams.compute.poll = None
 
     def _reset_units(self) -> None:
         for u in self.units:

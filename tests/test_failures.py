@@ -256,12 +256,28 @@ def _batchnorm(rank: int, mesh) -> dict:
             "state": hsdp.full_state_dict(model)["norm.running_mean"]}
 
 
+def _evaluation_log(rank: int, mesh) -> list[int]:
+    """Forward-only passes (evaluation) do not grow the step log: one pass's collectives."""
+    torch.manual_seed(0)
+    model = Net()
+    case = Case("eval")
+    _shard(model, mesh, case)
+    _loss(model, rank, 0, 0, case).backward()
+    sizes = []
+    with torch.no_grad():
+        for step in range(4):
+            _loss(model, rank, step, 0, case)
+            sizes.append(len(model._hsdp_unit.runtime.log.ops))
+    return sizes
+
+
 def recoverable_job(rank: int, world: int) -> dict:
     mesh = hsdp.init_mesh(2, 2, "cpu", timeout=timedelta(seconds=30))
     # A mesh of the user's own: hsdp's groups get the default group's timeout.
     user_mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("outer", "inner"))
     out = {"timeout": comm_groups(mesh).timeout, "default": comm_groups(user_mesh).timeout,
-           "misuse": _misuse(rank, mesh), "bn": _batchnorm(rank, mesh)}
+           "misuse": _misuse(rank, mesh), "bn": _batchnorm(rank, mesh),
+           "eval_log": _evaluation_log(rank, mesh)}
     for case in CASES:
         out[case.name] = _run_case(rank, mesh, case)
     # The last case (hfsdp) ends with optimizer.step(): its outer all-gather may still run
@@ -321,6 +337,12 @@ def test_buffers_in_the_full_state_dict_are_rank_0s(recoverable) -> None:
     bn = [res["bn"] for res in recoverable]
     assert not torch.equal(bn[0]["local"], bn[1]["local"])  # each rank's own statistics
     assert all(torch.equal(b["state"], bn[0]["local"]) for b in bn)
+
+
+def test_evaluation_does_not_grow_the_step_log(recoverable) -> None:
+    for res in recoverable:
+        sizes = res["eval_log"]
+        assert sizes[0] > 0 and len(set(sizes[1:])) == 1 and sizes[-1] <= sizes[0], sizes
 
 
 def test_timeouts_of_hsdp_groups(recoverable) -> None:

@@ -72,10 +72,14 @@ class StepLog:
             crcs[comm] = zlib.crc32(f"{kind}:{gid}:{stream};".encode(), crcs[comm])
         return [self.step, self.forwards, self.microbatches, *counts.values(), *crcs.values()]
 
-    def next_step(self) -> None:
-        self.step += 1
+    def forget(self) -> None:
+        """Drop what this step has logged so far (every rank does, at the same point)."""
         self.forwards = self.microbatches = 0
         self.ops.clear()
+
+    def next_step(self) -> None:
+        self.step += 1
+        self.forget()
 
 
 @dataclass

@@ -273,6 +273,7 @@ class Runtime:
         self.log = StepLog()
         self._gave_up = False  # this step raised because another rank gave it up
         self.broken: str | None = None  # why hsdp's communicators cannot be used any more
+        self._backward_expected = False  # the last root forward's output needs a backward
         self.param_ids = {id(p) for u in self.units for g in u.groups for p in g.sharded}
         for u in self.units:
             for g in u.groups:
@@ -366,6 +367,10 @@ class Runtime:
     def _begin_forward(self) -> None:
         self.settle()
         self.streams.compute.poll = self._poll
+        if not self.log.microbatches and not self._backward_expected:
+            # Only forward-only passes since the last agreement (evaluation): every rank
+            # issued all their collectives, so the log need not grow with them.
+            self.log.forget()
         self.log.forwards += 1
         for u in self.units:  # a forward whose backward never ran leaves buffers behind
             u.swap(False)
@@ -418,6 +423,8 @@ class Runtime:
             self.streams.compute.end(f"RECOMPUTE:{unit.label}")
             return output
         expects_backward = self._register_pre_backward(unit, output)
+        if unit is self.root:
+            self._backward_expected = expects_backward
         # The root and the last unit of the forward are the first the backward needs:
         # keep them gathered (once the order is known) instead of re-gathering at once.
         keep = (unit is self.root or not unit.reshard_after_forward

@@ -366,8 +366,9 @@ class ParamGroup:
         self.reduced = False
 
     def abandon_step(self) -> None:
-        """Forget what a failed step left: unsharded gradients, received / used flags."""
-        for p in self.unsharded:
+        """Forget what a failed step left: gradients (unsharded, and sharded ones, which may be
+        the last step's or set by autograd), received / used flags."""
+        for p in (*self.unsharded, *self.sharded):
             p.grad = None
         self.used = [False] * len(self.used)
         self.local_grads = None
@@ -389,7 +390,9 @@ class ParamGroup:
         was_set = any(p.grad is not None for p in self.sharded)
         for p in self.sharded:
             p.grad = None
-        return was_set and bool(self.grad_buf.any())
+        # (A .grad autograd put on a shard, not one of our views, may be set while the
+        # buffers are freed: never read freed storage.)
+        return was_set and self.grads_live and bool(self.grad_buf.any())
 
     # ------------------------------------------------------------------ state
 

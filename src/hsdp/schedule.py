@@ -665,7 +665,6 @@ class Runtime:
         self._free([g for g in self.groups if g.gathered_event is not None])
         for g in self.trainable:
             g.abandon_step()
-            g.hide_grads()
         self._release_cleared_grads()
         self._pending_rs.clear()
         self._outer_events.clear()

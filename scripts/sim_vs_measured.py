@@ -42,8 +42,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from hsdp.fabric import Fabric, Link  # noqa: E402
-from hsdp.sim.calibrate import SCHEDULES, calibrate, setup_from_results  # noqa: E402
+from hsdp.sim.calibrate import (  # noqa: E402
+    SCHEDULES,
+    calibrate,
+    fabric_of,
+    setup_from_results,
+)
 from hsdp.sim.costs import CostModel  # noqa: E402
 from hsdp.sim.engine import simulate  # noqa: E402
 
@@ -51,14 +55,6 @@ PAIRS = (("overlap", "serial"), ("hfsdp", "hfsdp-serial"))
 BUSY = (("compute", "compute"), ("inner_ag", "inner AG"), ("inner_rs", "inner RS"),
         ("outer", "outer"))
 WITHIN_PCT = 5.0
-
-
-def fabric_of(meta: dict, fallback: Fabric) -> Fabric:
-    f = meta.get("fabric")
-    if not f:
-        return fallback
-    return Fabric(Link(f["inner"]["bus_gbps"], f["inner"]["latency_us"]),
-                  Link(f["outer"]["bus_gbps"], f["outer"]["latency_us"]))
 
 
 def row_name(path: Path, meta: dict) -> str:

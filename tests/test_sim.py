@@ -251,6 +251,15 @@ def test_calibration_scales_collectives_and_spreads_host_time(fake_world_8, tmp_
     assert {k: busy[k] for k in measured} == pytest.approx(measured)
     assert r.metrics["host_busy_ms"] == pytest.approx(6.0)
     assert r.t_step_ms > 6.0
+    # The scale is relative to the fabric the run emulated: a slower outer link than the
+    # run's stays slower.
+    data = json.loads(path.read_text())
+    data["meta"]["fabric"] = {"inner": {"bus_gbps": 370.0, "latency_us": 0.0},
+                              "outer": {"bus_gbps": 40.0, "latency_us": 0.0}}
+    path.write_text(json.dumps(data))
+    slow = Fabric(Link(370.0, 0.0), Link(10.0, 0.0))
+    r = evaluate(record(setup), calibrate(path, CostModel(slow, mem_gbps=100.0)))
+    assert r.metrics["busy_ms"]["by_kind"]["outer"] == pytest.approx(4 * measured["outer"])
 
 
 def _ev(name, ts, dur, tid=1, cat="user_annotation", **args):

@@ -20,7 +20,9 @@ first phase mark to the end of the optimizer on the main thread). Without phase 
 ``t_host_ms`` alone gives an even host cost per compute op.
 
 Communication: per kind (inner AG, inner RS, outer), the measured busy time of the
-traced step over the simulated one scales the fabric's times (``comm_scale``).
+traced step over the one simulated on the run's own fabric (the emulated one it names,
+else the base cost model's) scales the fabric's times (``comm_scale``); the base cost
+model's fabric stays the one simulated with.
 
 These give: the achieved TFLOP/s (the simulator's FLOPs of the measured model phases
 over their device time), the memory bandwidth (device time of ``OPTIMIZER`` and
@@ -40,6 +42,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from hsdp.fabric import Fabric, Link
 from hsdp.models import config_from_dict
 from hsdp.sim.costs import MEMORY_PHASES, CostModel, PhaseCost, phase_class, phase_kind
 from hsdp.sim.engine import Recording, Setup, evaluate, record
@@ -103,9 +106,19 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap") -> C
     else:
         costs = dataclasses.replace(_with_trace(base, rec, measured, host_ms),
                                     phases_key=setup.phase_key())
+    own = dataclasses.replace(costs, comm_scale={},
+                              fabric=fabric_of(data["meta"], base.fabric))
     return dataclasses.replace(costs, comm_scale=_comm_scale(
-        evaluate(rec, dataclasses.replace(costs, comm_scale={})).metrics,
-        entry["metrics"]["busy_ms"]["by_kind"]))
+        evaluate(rec, own).metrics, entry["metrics"]["busy_ms"]["by_kind"]))
+
+
+def fabric_of(meta: dict, fallback: Fabric) -> Fabric:
+    """The fabric a ``bench step`` run emulated, else ``fallback`` (real collectives)."""
+    f = meta.get("fabric")
+    if not f:
+        return fallback
+    return Fabric(Link(f["inner"]["bus_gbps"], f["inner"]["latency_us"]),
+                  Link(f["outer"]["bus_gbps"], f["outer"]["latency_us"]))
 
 
 def _comm_scale(sim: dict, measured: dict) -> dict[str, float]:

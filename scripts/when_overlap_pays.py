@@ -137,8 +137,9 @@ def render(report: dict, pngs: list[str], json_name: str, command: str, note: st
     lines += _pivot(rows, "seq", "outer_gbps", "saving_pct")
     lines += ["", "The same by microbatches (rows) and nodes (columns):", ""]
     lines += _pivot(rows, "microbatches", "nodes", "saving_pct")
-    lines += ["", f"![the overlap's saving]({pngs[0]})", "",
-              f"![step time over the lower bound]({pngs[1]})", "",
+    lines += ["", f"![the overlap's saving, %]({pngs[0]})", "",
+              f"![the overlap's saving, ms]({pngs[1]})", "",
+              f"![step time over the lower bound]({pngs[2]})", "",
               f"Raw rows: `{json_name}`.", "", "## Every row", ""]
     keys = list(report["meta"]["grid"])
     head = [*keys, "overlap ms", "serial ms", "bound ms", "saving ms", "saving %", "rule ms",
@@ -188,14 +189,13 @@ def main() -> int:
     from hsdp.sim.sweep import plot_sweep
 
     png.parent.mkdir(parents=True, exist_ok=True)
-    saving_png, bound_png = plot_sweep(report, png)
+    pngs = plot_sweep(report, png)
     command = "python scripts/when_overlap_pays.py" + (
         f" --note {shlex.quote(args.note)}" if args.note else "") + (
         " -- " + " ".join(args.sim_args) if args.sim_args else "")
-    out.write_text(render(report, [os.path.relpath(p, out.parent) for p in (saving_png,
-                                                                            bound_png)],
+    out.write_text(render(report, [os.path.relpath(p, out.parent) for p in pngs],
                           os.path.relpath(json_path, ROOT), command, args.note))
-    print(f"wrote {out}, {saving_png}, {bound_png}, {json_path}")
+    print(f"wrote {out}, {', '.join(map(str, pngs))}, {json_path}")
     return 0
 
 

@@ -377,7 +377,8 @@ def test_cli_sweep(tmp_path, capsys):
     assert slow["saving_ms"] > fast["saving_ms"]  # a slow outer link gains more
     printed = capsys.readouterr().out
     assert "nodes=2 outer_gbps=0.01: " in printed
-    assert png.stat().st_size > 0 and png.with_name("sweep_bound.png").stat().st_size > 0
+    for name in ("sweep.png", "sweep_ms.png", "sweep_bound.png"):
+        assert png.with_name(name).stat().st_size > 0
     with pytest.raises(SystemExit, match="bad --sweep"):
         main(["sim", *MODEL, "--sweep", "colour=red"])
 

@@ -66,8 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "outer_gbps, inner_gbps, reduce, strategy; e.g. nodes=2,8 seq=1024,4096")
     p.add_argument("--json", default=None, metavar="PATH", help="write results here")
     p.add_argument("--png", default=None, metavar="PATH",
-                   help="write the timeline (single run) or the sweep plots (PATH and "
-                        "PATH_bound) here")
+                   help="write the timeline (single run) or the sweep plots (PATH, "
+                        "PATH_ms, PATH_bound) here")
 
 
 def resolve(args: argparse.Namespace) -> tuple[Setup, CostModel]:

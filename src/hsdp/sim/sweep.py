@@ -168,8 +168,9 @@ def _facets(keys: list[str], grid: dict, x: str) -> tuple[str | None, str | None
 
 
 def plot_sweep(report: dict, path: str | Path, x: str | None = None) -> list[Path]:
-    """Two PNGs: the overlap's saving (% of the serialized step; ``path``) and the step
-    time over the lower bound (overlapped solid, serialized dashed; ``<path>_bound``),
+    """Three PNGs: the overlap's saving (% of the serialized step; ``path``; in ms:
+    ``<path>_ms``) and the step time over the lower bound (overlapped solid, serialized
+    dashed; ``<path>_bound``),
     against the sweep key ``x`` (default: outer_gbps if swept, else the last key), in
     panels by sequence length (rows) and microbatches (columns) when swept, one line per
     combination of the other keys."""
@@ -186,6 +187,7 @@ def plot_sweep(report: dict, path: str | Path, x: str | None = None) -> list[Pat
     path = Path(path)
     outs = []
     for suffix, title in (("", "overlap's saving, % of the serialized step"),
+                          ("_ms", "overlap's saving, ms per step"),
                           ("_bound", "step / lower bound (solid: overlapped, dashed: "
                                      "serialized)")):
         fig = Figure(figsize=(4 * len(cvals) + 1, 3.2 * len(rvals) + 1))
@@ -204,14 +206,15 @@ def plot_sweep(report: dict, path: str | Path, x: str | None = None) -> list[Pat
                     xs = [r[x] for r in rs]
                     label = ", ".join(f"{k}={v}" for k, v in zip(others, combo)) or None
                     color = f"C{n % 10}"
-                    if suffix:
+                    if suffix == "_bound":
                         ax.plot(xs, [r["t_overlap_ms"] / r["lower_bound_ms"] for r in rs],
                                 "o-", color=color, label=label, ms=3)
                         ax.plot(xs, [r["t_serial_ms"] / r["lower_bound_ms"] for r in rs],
                                 "x--", color=color, ms=3)
                     else:
-                        ax.plot(xs, [r["saving_pct"] for r in rs], "o-", color=color,
-                                label=label, ms=3)
+                        key = "saving_ms" if suffix else "saving_pct"
+                        ax.plot(xs, [r[key] for r in rs], "o-", color=color, label=label,
+                                ms=3)
                 if not suffix:
                     ax.axhline(PAYS_PCT, color="gray", lw=0.8, ls=":")
                 name = ", ".join(f"{k}={v}" for k, v in ((frow, rv), (fcol, cv)) if k)

@@ -38,7 +38,14 @@ live = {"max": 0}
 def sample(*_):
     live["max"] = max(live["max"], sum(
         g.gathered.untyped_storage().nbytes() > 0 for m in model for g in m._hsdp_unit.groups))
+rs_inputs = {"max": 0}  # other units' RS inputs alive when a unit's is allocated
 for m in model:
+    for g in m._hsdp_unit.groups:
+        def copy_in(orig=g.copy_in):
+            pending = model._hsdp_unit.runtime._pending_rs
+            rs_inputs["max"] = max(rs_inputs["max"], sum(p[1].numel() for p in pending))
+            return orig()
+        g.copy_in = copy_in
     m.register_forward_hook(sample)
     m.register_full_backward_hook(sample)
 x = torch.randn(8, width)
@@ -53,7 +60,8 @@ base = hwm()
 for _ in range(2):
     step()
 model._hsdp_unit.runtime.synchronize()
-print(json.dumps({"peak": hwm(), "base": base, "max_gathered_units": live["max"]}))
+print(json.dumps({"peak": hwm(), "base": base, "max_gathered_units": live["max"],
+                  "rs_inputs_at_copy_in": rs_inputs["max"]}))
 dist.destroy_process_group()
 """
 
@@ -83,3 +91,6 @@ def test_peak_memory_grows_only_by_sharded_state(strategy: str) -> None:
     assert abs((big["peak"] - big["base"]) - (small["peak"] - small["base"])) <= 2 * unit
     # Double buffering: the unit in use plus one prefetched (plus the kept last unit).
     assert small["max_gathered_units"] <= 3 and big["max_gathered_units"] <= 3
+    # One unit's RS input at a time (as FSDP2): the previous unit's is released before the
+    # next copy-in allocates its own.
+    assert small["rs_inputs_at_copy_in"] == big["rs_inputs_at_copy_in"] == 0

@@ -13,6 +13,10 @@ not have.
 
 Simulation: with ``record``, each collective only reports ``(kind, axis, nbytes,
 group_size)`` to it (the simulator's virtual streams time it later).
+
+Averaging (``avg=True``, gradients): NCCL's ``ReduceOp.AVG`` where the backend has it (no
+separate division pass over the input, as FSDP2 does), else a SUM and a division of the
+output, which is 1/n the size of a reduce-scatter's input (gloo has no AVG).
 """
 
 from __future__ import annotations
@@ -73,14 +77,29 @@ def _host_sleep(seconds: float) -> None:
         time.sleep(seconds)
 
 
+def _has_avg(group: dist.ProcessGroup, t: torch.Tensor) -> bool:
+    """The backend that runs ``t``'s collective on ``group`` has ReduceOp.AVG (NCCL; torch's
+    fake process group stands for NCCL in emulation)."""
+    backend = str(dist.get_backend(group))
+    return ("nccl" in backend and t.is_cuda) or backend == "fake"
+
+
 class Collectives:
-    """all-gather / reduce-scatter / all-reduce with SUM, optionally emulated or recorded."""
+    """all-gather / reduce-scatter / all-reduce with SUM or average, optionally emulated or
+    recorded."""
 
     def __init__(self, fabric: Fabric | None = None, sleep=None,
                  record: Callable[[str, str, int, int], None] | None = None) -> None:
         self.fabric = fabric
         self._sleep = sleep or _host_sleep
         self._record = record
+        self._avg: dict[tuple[dist.ProcessGroup, bool], bool] = {}
+
+    def _native_avg(self, group: dist.ProcessGroup, t: torch.Tensor) -> bool:
+        key = (group, t.is_cuda)
+        if key not in self._avg:
+            self._avg[key] = _has_avg(group, t)
+        return self._avg[key]
 
     def _delay(self, kind: str, axis: str, nbytes: int, n: int) -> None:
         if self._record is not None:
@@ -100,18 +119,27 @@ class Collectives:
         _all_gather(out, inp, group=group)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
-                       group: dist.ProcessGroup, axis: str) -> None:
-        """``out`` = this rank's chunk of the sum over ranks of ``inp``."""
+                       group: dist.ProcessGroup, axis: str, avg: bool = False) -> None:
+        """``out`` = this rank's chunk of the sum (``avg``: mean) over ranks of ``inp``."""
         n = dist.get_world_size(group)
         if n == 1:
             out.copy_(inp)
             return
         self._delay("reduce_scatter", axis, inp.numel() * inp.element_size(), n)
-        _reduce_scatter(out, inp, group=group)
+        native = avg and self._native_avg(group, out)
+        _reduce_scatter(out, inp, op=dist.ReduceOp.AVG if native else dist.ReduceOp.SUM,
+                        group=group)
+        if avg and not native:
+            out.div_(n)
 
-    def all_reduce(self, t: torch.Tensor, group: dist.ProcessGroup, axis: str) -> None:
+    def all_reduce(self, t: torch.Tensor, group: dist.ProcessGroup, axis: str,
+                   avg: bool = False) -> None:
+        """``t`` = the sum (``avg``: mean) over ranks of ``t``."""
         n = dist.get_world_size(group)
         if n == 1:
             return
         self._delay("all_reduce", axis, t.numel() * t.element_size(), n)
-        dist.all_reduce(t, group=group)
+        native = avg and self._native_avg(group, t)
+        dist.all_reduce(t, op=dist.ReduceOp.AVG if native else dist.ReduceOp.SUM, group=group)
+        if avg and not native:
+            t.div_(n)

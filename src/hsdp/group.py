@@ -278,9 +278,8 @@ class ParamGroup:
             self.on_all_grads(self)
 
     def copy_in(self) -> torch.Tensor:
-        """On compute: the reduce-scatter input, i.e. the unsharded grads laid out flat and
-        pre-divided by the world size (gradients average over all DP ranks), plus those
-        kept by ``keep_local``."""
+        """On compute: the reduce-scatter input, i.e. the unsharded grads laid out flat, plus
+        those kept by ``keep_local`` (the reductions average them over all DP ranks)."""
         rs_in = torch.empty(self.layout.total, dtype=self.reduce_dtype,
                             device=self.main.device)
         dst, src, zero = [], [], [rs_in[a:b] for a, b in self._gaps]
@@ -297,8 +296,6 @@ class ParamGroup:
             torch._foreach_copy_(dst, src)
         if zero:
             torch._foreach_zero_(zero)
-        if self.comms.world > 1:
-            rs_in.div_(self.comms.world)
         if self.local_grads is not None:  # gradients of microbatches that ran without sync
             rs_in.add_(self.local_grads)
             self.local_grads = None
@@ -319,7 +316,7 @@ class ParamGroup:
             direct = first and self.reduce_dtype == self.accum.dtype
             out = self.accum if direct else torch.empty(
                 self.layout.shard_numel, dtype=self.reduce_dtype, device=rs_in.device)
-            coll.reduce_scatter(out, rs_in, self.comms.inner_rs, "inner")
+            coll.reduce_scatter(out, rs_in, self.comms.inner_rs, "inner", avg=True)
             if first and not direct:
                 self.accum.copy_(out)
             elif not first:
@@ -338,11 +335,11 @@ class ParamGroup:
                 _allocate(self.grad_buf)
                 out = self.grad_buf if self.grad_buf.dtype == src.dtype else torch.empty(
                     self.grad_buf.numel(), dtype=src.dtype, device=src.device)
-                coll.reduce_scatter(out, src, self.comms.outer, "outer")
+                coll.reduce_scatter(out, src, self.comms.outer, "outer", avg=True)
                 if out is not self.grad_buf:
                     self.grad_buf.copy_(out)
             else:
-                coll.all_reduce(src, self.comms.outer, "outer")
+                coll.all_reduce(src, self.comms.outer, "outer", avg=True)
                 if src is not self.accum:
                     self.accum.copy_(src)
         kind = "OUTER_RS" if self.shard_outer else "OUTER_AR"

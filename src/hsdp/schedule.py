@@ -51,8 +51,6 @@ from hsdp.pieces import same_layout
 from hsdp.policy import MixedPrecision
 from hsdp.streams import Event, SideStream, Streams, Tracer
 
-MAX_PENDING_RS = 4  # RS inputs awaiting release (a unit's post-backward releases them)
-
 
 def _in_backward() -> bool:
     """True while the autograd engine runs (activation-checkpoint recomputation)."""
@@ -245,6 +243,7 @@ class Runtime:
         self.groups = [g for u in self.units for g in u.groups]  # same order on every rank
         self.gid = {g: i for i, g in enumerate(self.groups)}
         self._users: dict[ParamGroup, list[Unit]] = {g: [] for g in self.groups}
+        self._owner = {g: u for u in self.units for g in u.groups}
         for u in self.units:
             for g in u.uses:
                 if g not in self.gid:
@@ -512,13 +511,15 @@ class Runtime:
             if (g.requires_grad and not g.reduced
                     and all(u.backward_done for u in self._users[g])):
                 self._reduce(g)
-        self._release_rs_inputs(keep=unit.groups)
         if unit.backward_started:
             self.streams.compute.end(f"BWD:{unit.label}")
 
     def _reduce(self, g: ParamGroup) -> None:
         if self.phase != "backward":
             raise RuntimeError("hsdp: gradient reduction outside backward")
+        # At most one unit's RS inputs alive (as FSDP2): the previous unit's are released
+        # before this one's is allocated, which waits for their RS (one unit's backward ago).
+        self._release_rs_inputs(keep=self._owner[g].groups)
         self.streams.compute.begin(f"COPY_IN:{g.label}")
         rs_in = g.copy_in()
         self.streams.compute.end(f"COPY_IN:{g.label}")
@@ -529,8 +530,6 @@ class Runtime:
         # rs waits: the reduce-scatter reads rs_in, written on compute by the copy-in.
         ev_rs = self._logged("RS", g, self.streams.rs, g.reduce_scatter(
             self.streams.rs, self.coll, rs_in, self.rs_first, [copied]))
-        if len(self._pending_rs) >= MAX_PENDING_RS:  # bound, for units never post-backward'd
-            self._release_rs_inputs(keep=[e[0] for e in self._pending_rs[1:]])
         self._pending_rs.append((g, rs_in, ev_rs))
         if self.is_last:
             stream = self.streams.outer if self.overlap else self.streams.rs
@@ -540,7 +539,7 @@ class Runtime:
 
     def _release_rs_inputs(self, keep: Sequence[ParamGroup] = ()) -> None:
         """Drop the RS inputs of every group but ``keep``'s (normally: the previous unit's,
-        one unit after their reduce-scatter was issued)."""
+        when the next unit's copy-in needs the memory)."""
         kept = []
         for g, rs_in, ev in self._pending_rs:
             if g in keep:

@@ -89,7 +89,7 @@ def test_peak_memory_grows_only_by_sharded_state(strategy: str) -> None:
     # Transient memory (gathered params, unsharded grads, RS inputs) does not scale with
     # depth: the peak above the steady state is about the same for 8 and 16 units.
     assert abs((big["peak"] - big["base"]) - (small["peak"] - small["base"])) <= 2 * unit
-    # Double buffering: the unit in use plus one prefetched (plus the kept last unit).
+    # Double buffering: the unit in use plus one prefetched (plus the root).
     assert small["max_gathered_units"] <= 3 and big["max_gathered_units"] <= 3
     # One unit's RS input at a time (as FSDP2): the previous unit's is released before the
     # next copy-in allocates its own.

@@ -128,18 +128,20 @@ def _durations(r, prefix: str) -> list[float]:
 
 
 def test_zero_compute_serial_is_the_sum_overlap_the_max_of_the_chains(fake_world_8):
-    """One block and the root, compute free: forward all-gathers (root, block), then RS
-    and outer reduction of the block, then of the root. Serialized, the four queue on
-    rs; overlapped, the block's outer reduction runs beside the root's RS."""
+    """One block and the root, compute free: forward all-gathers (root, block), the block
+    gathered again for backward (resharded after forward), then RS and outer reduction of
+    the block, then of the root. Serialized, the four queue on rs; overlapped, the block's
+    outer reduction runs beside the root's RS."""
     model = dataclasses.replace(TINY_GPT, layers=1, hidden=256, ffn=512, vocab=512)
     costs = _zero_compute()
     over = evaluate(record(Setup(model, 2, 4)), costs)
     ser = evaluate(record(Setup(model, 2, 4, overlap_outer=False)), costs)
-    (ag_root, ag_blk), (rs_blk, rs_root) = _durations(over, "AG:"), _durations(over, "RS:")
+    (ag_root, ag_blk, ag_blk_bwd), (rs_blk, rs_root) = (_durations(over, "AG:"),
+                                                         _durations(over, "RS:"))
     o_blk, o_root = _durations(over, "OUTER_AR:")
-    assert over.t_step_ms == pytest.approx(
-        ag_root + ag_blk + rs_blk + max(rs_root, o_blk) + o_root)
-    assert ser.t_step_ms == pytest.approx(ag_root + ag_blk + rs_blk + o_blk + rs_root + o_root)
+    ag = ag_root + ag_blk + ag_blk_bwd
+    assert over.t_step_ms == pytest.approx(ag + rs_blk + max(rs_root, o_blk) + o_root)
+    assert ser.t_step_ms == pytest.approx(ag + rs_blk + o_blk + rs_root + o_root)
     assert {iv.stream for iv in over.intervals if iv.label.startswith("OUTER")} == {"outer"}
     assert {iv.stream for iv in ser.intervals if iv.label.startswith("OUTER")} == {"rs"}
     assert over.metrics["comm_comm_overlap_ms"] == pytest.approx(min(rs_root, o_blk))

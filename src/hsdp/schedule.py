@@ -424,10 +424,11 @@ class Runtime:
         expects_backward = self._register_pre_backward(unit, output)
         if unit is self.root:
             self._backward_expected = expects_backward
-        # The root and the last unit of the forward are the first the backward needs:
-        # keep them gathered (once the order is known) instead of re-gathering at once.
-        keep = (unit is self.root or not unit.reshard_after_forward
-                or (unit is self.order[-1] and self._recording is None))
+        # The root stays gathered for the backward, which starts with it. Every other unit
+        # is resharded unless reshard_after_forward=False (as FSDP2; torchtitan sets it on
+        # the last block): keeping the last one gathered would add a unit's parameters to
+        # the loss computation's peak, for one all-gather that the root's backward hides.
+        keep = unit is self.root or not unit.reshard_after_forward
         if not (keep and expects_backward):
             self._reshard(unit)
         if unit is self.root:

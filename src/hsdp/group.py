@@ -325,6 +325,12 @@ class ParamGroup:
         self.grads_live = True
         return stream.submit(run, after, f"RS:{self.label}")
 
+    @property
+    def has_outer_reduction(self) -> bool:
+        """False for hsdp on one outer rank: ``accum`` is already the reduced gradient (an
+        outer reduction would only cast it to the reduce dtype and back)."""
+        return self.shard_outer or self.comms.outer_size > 1
+
     def outer_reduce(self, stream: SideStream, coll: Collectives,
                      after: Sequence[Event]) -> Event:
         """Outer all-reduce of ``accum`` (hsdp) or outer reduce-scatter into ``grad_buf``."""

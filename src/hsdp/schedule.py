@@ -532,7 +532,7 @@ class Runtime:
         ev_rs = self._logged("RS", g, self.streams.rs, g.reduce_scatter(
             self.streams.rs, self.coll, rs_in, self.rs_first, [copied]))
         self._pending_rs.append((g, rs_in, ev_rs))
-        if self.is_last:
+        if self.is_last and g.has_outer_reduction:
             stream = self.streams.outer if self.overlap else self.streams.rs
             # outer waits: it reduces the inner shard that RS_i has just accumulated.
             self._outer_events.append(

@@ -80,8 +80,7 @@ def _host_sleep(seconds: float) -> None:
 def _has_avg(group: dist.ProcessGroup, t: torch.Tensor) -> bool:
     """The backend that runs ``t``'s collective on ``group`` has ReduceOp.AVG (NCCL; torch's
     fake process group stands for NCCL in emulation)."""
-    backend = str(dist.get_backend(group))
-    return ("nccl" in backend and t.is_cuda) or backend == "fake"
+    return group._get_backend(t.device).name().lower() in ("nccl", "fake")
 
 
 class Collectives:

@@ -5,11 +5,14 @@ a single-process reference (same data split as tests/parity_jobs.py)."""
 from __future__ import annotations
 
 import copy
+import os
+import tempfile
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import hsdp
@@ -36,15 +39,22 @@ def _tokens(step: int, micro: int, world: int, cfg: GPTConfig) -> torch.Tensor:
 
 
 def rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    a = {k.replace("_orig_mod.", ""): v for k, v in a.items()}  # torch.compile wrappers
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(((a[k].float() - b[k].float()).norm()
                 / b[k].float().norm().clamp_min(1e-12)).item() for k in a)
 
 
+# How a step clears the gradients after optimizer.step().
+CLEAR: dict[str, Callable[[torch.optim.Optimizer], None]] = {
+    "none": lambda opt: opt.zero_grad(),
+    "zeros": lambda opt: opt.zero_grad(set_to_none=False),
+    "never": lambda opt: None,  # accumulate across steps, as torch does
+}
+
+
 def train(model: nn.Module, rank: int | None, world: int, cfg: GPTConfig, *,
           microbatches: int = 1, micro: MicroFn = _default_micro,
-          opt: torch.optim.Optimizer | None = None) -> None:
+          opt: torch.optim.Optimizer | None = None, clear: str = "none") -> None:
     """STEPS steps of SGD-momentum; ``rank=None``: the reference (whole batch, no hsdp)."""
     opt = opt or torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     for step in range(STEPS):
@@ -57,7 +67,7 @@ def train(model: nn.Module, rank: int | None, world: int, cfg: GPTConfig, *,
             with ctx:
                 (lm_loss(model(tokens), tokens) / microbatches).backward()
         opt.step()
-        opt.zero_grad()
+        CLEAR[clear](opt)
 
 
 def _shard(model: GPT, mesh, **kwargs) -> GPT:
@@ -72,9 +82,10 @@ def _pair(cfg: GPTConfig) -> tuple[GPT, GPT]:
     return ref, copy.deepcopy(ref)
 
 
-def _reference(cfg: GPTConfig, world: int, microbatches: int = 1) -> dict[str, torch.Tensor]:
+def _reference(cfg: GPTConfig, world: int, microbatches: int = 1,
+               clear: str = "none") -> dict[str, torch.Tensor]:
     ref, _ = _pair(cfg)
-    train(ref, None, world, cfg, microbatches=microbatches)
+    train(ref, None, world, cfg, microbatches=microbatches, clear=clear)
     return {k: v.detach() for k, v in ref.state_dict().items()}
 
 
@@ -97,10 +108,47 @@ def case_compile(rank: int, world: int, mesh, mode: str) -> dict[str, float]:
         if mode == "method_after":
             blk.compile(**COMPILE)
     hsdp.fully_shard(model, mesh=mesh)
-    train(model, rank, world, cfg, microbatches=2)
-    return {"ref": rel_err(hsdp.full_state_dict(model), _reference(cfg, world, 2)),
-            "graph_breaks": sum(counters["graph_break"].values()),
-            "graphs": counters["stats"]["unique_graphs"]}
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    train(model, rank, world, cfg, microbatches=2, opt=opt)
+    ref = _reference(cfg, world, 2)
+    # The keys have no "_orig_mod." (rel_err compares them): checkpoints move between
+    # compiled and plain models.
+    out = {"ref": rel_err(hsdp.full_state_dict(model), ref),
+           "graph_breaks": sum(counters["graph_break"].values()),
+           "graphs": counters["stats"]["unique_graphs"],
+           "keys": _compiled_keys(model, opt, ref, mesh)}
+    return out
+
+
+def _compiled_keys(model: nn.Module, opt: torch.optim.Optimizer,
+                   ref: dict[str, torch.Tensor], mesh) -> float:
+    """Keys of get_state_dict, a save of the compiled model loaded into a plain one, and
+    load_full_state_dict of a plain state dict: max relative error (inf on a key mismatch)."""
+    model_sd, optim_sd = hsdp.get_state_dict(model, opt)
+    if not (model_sd.keys() == ref.keys() == optim_sd["state"].keys()):
+        return float("inf")
+    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    ckpt = os.path.join(path[0], "ckpt")
+    hsdp.save(ckpt, model, opt)
+    _, plain = _pair(GPTConfig())
+    _shard(plain, mesh)
+    hsdp.load(ckpt, plain, torch.optim.SGD(plain.parameters(), lr=LR, momentum=MOMENTUM))
+    err = rel_err(hsdp.full_state_dict(plain), ref)
+    hsdp.load_full_state_dict(model, hsdp.full_state_dict(_pair(GPTConfig())[0]))
+    return max(err, rel_err(hsdp.full_state_dict(model), _pair(GPTConfig())[0].state_dict()))
+
+
+def case_accumulate(rank: int, world: int, mesh, strategy: str,
+                    clear: str) -> dict[str, float]:
+    """Two plain backward passes per step (no hsdp.microbatch) accumulate as in torch, and
+    so do gradients left set across steps (``clear``: see CLEAR)."""
+    cfg = GPTConfig()
+    _, model = _pair(cfg)
+    _shard(model, mesh, strategy=strategy)
+    train(model, rank, world, cfg, microbatches=2, micro=lambda *_: nullcontext(),
+          clear=clear)
+    return {"ref": rel_err(hsdp.full_state_dict(model), _reference(cfg, world, 2, clear))}
 
 
 def case_mixed_precision(rank: int, world: int, mesh) -> dict[str, float]:

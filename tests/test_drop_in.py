@@ -18,6 +18,8 @@ CASES = [
     ("unshard_prefetch",),
     ("freeze", "hsdp"), ("freeze", "hfsdp"),
     ("materialize", "hsdp"), ("materialize", "hfsdp"),
+    ("accumulate", "hsdp", "none"), ("accumulate", "hfsdp", "zeros"),
+    ("accumulate", "hsdp", "never"), ("accumulate", "hfsdp", "never"),
 ]
 
 
@@ -36,6 +38,9 @@ def _same_on_every_rank(res: list[dict]) -> dict:
 def test_compiled_blocks_train_like_the_reference(results, mode):
     r = _same_on_every_rank(results[("compile", mode)])
     assert r["ref"] < TOL and r["graph_breaks"] == 0 and r["graphs"] >= 1, r
+    # Keys without "_orig_mod.": get_state_dict, save -> load into a plain model, and
+    # load_full_state_dict of a plain model's state dict.
+    assert r["keys"] < TOL, r
 
 
 def test_input_casting_and_output_dtype(results):
@@ -72,3 +77,10 @@ def test_requires_grad_changes_after_sharding(results, strategy):
 def test_meta_init_of_nested_units_then_training(results, strategy):
     r = _same_on_every_rank(results[("materialize", strategy)])
     assert r["init"] == 0.0 and r["ref"] < TOL, r
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] == "accumulate"],
+                         ids=lambda c: f"{c[1]}-{c[2]}")
+def test_backward_twice_per_step_accumulates_like_torch(results, case):
+    r = _same_on_every_rank(results[case])
+    assert r["ref"] < TOL, r

@@ -8,6 +8,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import hsdp
+from hsdp.group import ParamGroup
 
 
 def _model() -> nn.Sequential:
@@ -90,13 +91,27 @@ def test_optimizer_step_while_outer_reduction_pending(fake_world_8):
     opt.step()  # the final microbatch made the gradients final
 
 
-def test_gradients_from_a_previous_step_are_reported(fake_world_8):
+def test_gradients_left_set_are_accumulated_without_warning(fake_world_8):
+    """As in torch: a .grad not cleared is added to, silently (values: test_drop_in.py)."""
     mesh = hsdp.init_mesh(2, 4, "cpu")
     m = _sharded(mesh)
     m(torch.randn(2, 5)).sum().backward()
     for p in m.parameters():  # the fake world's collectives leave them undefined
         p.grad.fill_(1.0)
-    with pytest.warns(UserWarning, match="not cleared"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m(torch.randn(2, 5)).sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
+def test_replaced_grad_of_another_layout_is_refused(fake_world_8):
+    mesh = hsdp.init_mesh(2, 4, "cpu")
+    m = _sharded(mesh)
+    m(torch.randn(2, 5)).sum().backward()
+    p = m[0].weight
+    p.grad = torch.distributed.tensor.distribute_tensor(
+        torch.ones(p.shape), mesh, p.placements)  # even chunks, not hsdp's pieces
+    with pytest.raises(RuntimeError, match="cannot accumulate into it"):
         m(torch.randn(2, 5)).sum().backward()
 
 
@@ -156,27 +171,29 @@ def test_dtype_and_device_changes_after_sharding(fake_world_8):
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in m.parameters())
 
 
-def test_zero_grad_in_place_counts_as_cleared(fake_world_8):
+def test_zero_grad_in_place_counts_as_cleared(fake_world_8, monkeypatch):
     mesh = hsdp.init_mesh(2, 4, "cpu")
     m = _sharded(mesh)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     m(torch.randn(2, 5)).sum().backward()
+    carried = []
+    hide = ParamGroup.hide_grads
+
+    def spy(g: ParamGroup) -> None:
+        hide(g)
+        carried.append(g.carry is not None)
+
+    monkeypatch.setattr(ParamGroup, "hide_grads", spy)
     for clear in (lambda: opt.zero_grad(set_to_none=False),
                   lambda: m.zero_grad(set_to_none=False)):
         hsdp.clip_grad_norm_(m, 1.0)  # writes the gradients in place too
         opt.step()
         clear()
         assert all(p.grad is not None and not p.grad.any() for p in m.parameters())
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            m(torch.randn(2, 5)).sum().backward()
-    # Still reported when the gradients really were left as they were (the fake world's
-    # collectives leave them undefined: set them).
-    opt.step()
-    for p in m.parameters():
-        p.grad.fill_(1.0)
-    with pytest.warns(UserWarning, match="not cleared"):
         m(torch.randn(2, 5)).sum().backward()
+        # Zeros are not carried into the new step (no copy, no extra memory).
+        assert carried and not any(carried), carried
+        carried.clear()
 
 
 def test_fsdp2_style_options_misused(fake_world_8):

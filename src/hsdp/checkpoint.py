@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from hsdp.group import owner
 from hsdp.mesh import host_group
 from hsdp.pieces import attach_chunks
-from hsdp.state import quiesce
+from hsdp.state import clean_key, clean_keys, model_keys, quiesce
 
 ModelState = dict[str, Any]
 OptimState = dict[str, Any]
@@ -96,20 +96,22 @@ def _piece_of(key: str, p: nn.Parameter, value: Any) -> torch.Tensor:
 # ---------------------------------------------------------------- state dicts
 
 def _param_names(model: nn.Module) -> dict[int, str]:
-    """id(parameter) -> its first name (the one ``named_parameters`` yields)."""
-    return {id(p): name for name, p in reversed(list(model.named_parameters()))}
+    """id(parameter) -> its first name (the one ``named_parameters`` yields; clean, see
+    ``state.clean_key``)."""
+    return {id(p): clean_key(name) for name, p in reversed(list(model.named_parameters()))}
 
 
 def get_state_dict(model: nn.Module,
                    optimizer: torch.optim.Optimizer | None = None) -> tuple[ModelState,
                                                                             OptimState]:
     """``(model_state_dict, optim_state_dict)`` for ``torch.distributed.checkpoint.save`` /
-    ``load``: original names and global shapes; each rank's values are views of what it
+    ``load``: original names (``_orig_mod.`` dropped, as torch's ``get_model_state_dict``
+    does) and global shapes; each rank's values are views of what it
     owns (nothing is gathered or copied). The optimizer state is keyed by parameter name
     and sharded like the parameters. A fresh optimizer gets its state initialized first (a
     step with lr 0 on zero gradients), so that ``dcp.load`` has tensors to load into."""
     quiesce(model, "get_state_dict")
-    model_sd = model.state_dict()
+    model_sd = clean_keys(model.state_dict())
     if optimizer is None:
         return model_sd, {}
     _init_optimizer_state(optimizer)
@@ -174,7 +176,7 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     dicts: the model's values (already in place when loaded into those views) and the
     optimizer's state and hyperparameters."""
     quiesce(model, "set_state_dict")
-    model.load_state_dict(model_state_dict)
+    model.load_state_dict(model_keys(model, model_state_dict))
     if optimizer is None or not optim_state_dict:
         return
     names = _param_names(model)

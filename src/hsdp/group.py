@@ -31,7 +31,14 @@ import torch.nn as nn
 from hsdp.comm import Collectives
 from hsdp.layout import FlatLayout
 from hsdp.mesh import CommGroups
-from hsdp.pieces import as_dtensor, attach_chunks, checkpoint_view, placeholder_if_empty, spec
+from hsdp.pieces import (
+    as_dtensor,
+    attach_chunks,
+    checkpoint_view,
+    placeholder_if_empty,
+    same_layout,
+    spec,
+)
 from hsdp.policy import MixedPrecision
 from hsdp.streams import Event, SideStream
 
@@ -150,6 +157,8 @@ class ParamGroup:
         self.received: set[int] = set()
         self.used = [False] * len(self.unsharded)  # got a gradient on this rank in this step
         self.local_grads: torch.Tensor | None = None  # unsynced microbatches' gradients
+        self.carry: torch.Tensor | None = None  # [C]: uncleared .grads (see hide_grads)
+        self.carried: list[bool] = []  # which parameters had a .grad then
         self.reduced = False
         for idx, up in enumerate(self.unsharded):
             frozen = not up.requires_grad
@@ -375,6 +384,7 @@ class ParamGroup:
             p.grad = None
         self.used = [False] * len(self.used)
         self.local_grads = None
+        self.carry = None
         self.reset_backward()
 
     def expose_grads(self, used: Sequence[bool]) -> None:
@@ -382,20 +392,48 @@ class ParamGroup:
         keeps ``.grad = None`` (as with DDP)."""
         if self._placeholder_grads:  # zero, whatever the user did to them last step
             torch._foreach_zero_(self._placeholder_grads)
+        if self.carry is not None:  # the gradients left set before this step's backward
+            self.grad_buf.add_(self.carry)
+            used = [u or c for u, c in zip(used, self.carried)]
+            self.carry = None
         for p, v, u in zip(self.sharded, self._grad_views, used):
             p.grad = v if u else None
         self.used = [False] * len(self.used)
 
-    def hide_grads(self) -> bool:
-        """Drop the sharded ``.grad``s; True if they were not cleared: still set and not
-        all zero (``zero_grad(set_to_none=False)`` clears them too). Reading the values
-        syncs with the device, only when the gradients were left set."""
-        was_set = any(p.grad is not None for p in self.sharded)
+    def hide_grads(self) -> None:
+        """Take the sharded ``.grad``s off before a step's first backward. What they hold,
+        if they were not cleared (still set, not all zero), is kept in ``carry`` and added
+        to the new reduced gradients by ``expose_grads``, as torch accumulates into a
+        ``.grad`` left set. Reads the values (a device sync) only when some are set."""
+        grads = [p.grad for p in self.sharded]
         for p in self.sharded:
             p.grad = None
-        # (A .grad autograd put on a shard, not one of our views, may be set while the
-        # buffers are freed: never read freed storage.)
-        return was_set and self.grads_live and bool(self.grad_buf.any())
+        self.carry = None
+        if all(g is None for g in grads):
+            return
+        # Our views live in grad_buf; read it only while it is live (a .grad autograd put
+        # on a shard may be set while the buffers are freed).
+        carry = (self.grad_buf.clone() if self.grads_live
+                 else torch.zeros_like(self.grad_buf))
+        for idx, (g, view, (a, n)) in enumerate(zip(grads, self._grad_views, self._slices)):
+            if g is None:
+                carry[a:a + n].zero_()
+            elif g is not view and n:
+                carry[a:a + n].copy_(self._foreign_grad(idx, g))
+        if carry.any():
+            self.carry, self.carried = carry, [g is not None for g in grads]
+
+    def _foreign_grad(self, idx: int, g: torch.Tensor) -> torch.Tensor:
+        """The local piece of a ``.grad`` the user set on sharded parameter ``idx``."""
+        p = self.sharded[idx]
+        if not same_layout(g, p):
+            module, name = self.slots[idx][0]
+            raise RuntimeError(
+                f"hsdp: the .grad of {type(module).__name__}.{name} was replaced by a tensor "
+                f"not laid out like its shard (shape {tuple(g.shape)}), so the next backward "
+                f"cannot accumulate into it. Clear it (optimizer.zero_grad()) or set it to a "
+                f"tensor like the parameter (torch.zeros_like(p)).")
+        return g._local_tensor.reshape(-1)[:self._slices[idx][1]]
 
     # ------------------------------------------------------------------ state
 

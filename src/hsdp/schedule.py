@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import sys
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -476,12 +475,10 @@ class Runtime:
         override = self.root.is_last_override
         self.sync = self.root.gradient_sync
         self.is_last = (True if override is None else override) and self.sync
-        if self.first_microbatch:
-            stale = [g.hide_grads() for u in self.units for g in u.with_grads]
-            if any(stale):
-                warnings.warn("hsdp: gradients from the previous step were not cleared; "
-                              "hsdp overwrites them (accumulate with hsdp.microbatch)",
-                              stacklevel=2)
+        if self.first_microbatch:  # uncleared gradients are accumulated into, as in torch
+            for u in self.units:
+                for g in u.with_grads:
+                    g.hide_grads()
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
     def _pre_backward(self, unit: Unit) -> None:

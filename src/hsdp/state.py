@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -22,10 +24,30 @@ def quiesce(model: nn.Module, what: str) -> None:
             raise RuntimeError(f"hsdp.{what}: called during forward or backward")
 
 
+_COMPILED = "_orig_mod."  # torch.compile(module)'s wrapper inserts it into the keys
+
+
+def clean_key(key: str) -> str:
+    """``key`` without the ``_orig_mod.`` of ``torch.compile`` wrappers (as torch's
+    ``get_model_state_dict`` names it), so compiled and plain models share their keys."""
+    return key.replace(_COMPILED, "")
+
+
+def clean_keys(state: dict[str, Any]) -> dict[str, Any]:
+    return {clean_key(k): v for k, v in state.items()}
+
+
+def model_keys(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (clean keys, or the model's own) under the model's own state-dict keys,
+    for ``model.load_state_dict``."""
+    own = {clean_key(k): k for k in model.state_dict(keep_vars=True)}
+    return {own.get(clean_key(k), k): v for k, v in state.items()}
+
+
 def _entries(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state-dict keys (tied parameters under every name, persistent buffers)
-    with the live parameters / buffers."""
-    return model.state_dict(keep_vars=True)
+    """The model's state-dict keys (tied parameters under every name, persistent buffers;
+    see ``clean_key``) with the live parameters / buffers."""
+    return clean_keys(model.state_dict(keep_vars=True))
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = False,
@@ -80,6 +102,7 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None
     tensor is broadcast from it over the mesh (a collective)."""
     quiesce(model, "load_full_state_dict")
     entries = _entries(model)
+    state = None if state is None else clean_keys(state)
     error, present = None, None
     if not from_rank0 or dist.get_rank() == 0:
         error = _mismatch(entries, state or {})

@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
 
 import hsdp
 from hsdp.group import owner
@@ -149,6 +150,51 @@ def case_accumulate(rank: int, world: int, mesh, strategy: str,
     train(model, rank, world, cfg, microbatches=2, micro=lambda *_: nullcontext(),
           clear=clear)
     return {"ref": rel_err(hsdp.full_state_dict(model), _reference(cfg, world, 2, clear))}
+
+
+def case_full_tensor(rank: int, world: int, mesh, strategy: str) -> dict[str, object]:
+    """full_tensor() / redistribute(Replicate) of parameters, their .grad and optimizer
+    state against the reference's tensors, with torch's clip_grad_norm_ in the loop;
+    other redistributions and a differentiable full_tensor() raise hsdp's error."""
+    cfg = GPTConfig()
+    ref, model = _pair(cfg)
+    _shard(model, mesh, strategy=strategy)
+    opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for m in (ref, model)]
+    errs: dict[str, float] = {"param": 0.0, "grad": 0.0, "momentum": 0.0, "replicate": 0.0}
+
+    def err(kind: str, mine: torch.Tensor, theirs: torch.Tensor) -> None:
+        e = ((mine - theirs).norm() / theirs.norm().clamp_min(1e-12)).item()
+        errs[kind] = max(errs[kind], e)
+
+    named = list(zip(ref.parameters(), model.parameters()))
+    for step in range(STEPS):
+        tokens = _tokens(step, 0, world, cfg)
+        lm_loss(ref(tokens), tokens).backward()
+        mine = tokens[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK]
+        lm_loss(model(mine), mine).backward()
+        for m in (ref, model):
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+        for r, p in named:
+            err("grad", p.grad.full_tensor(), r.grad)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            for r, p in named:
+                err("param", p.full_tensor(), r)
+                rep = p.redistribute(placements=[Replicate(), Replicate()])
+                err("replicate", rep.to_local(), r)
+                err("momentum", opts[1].state[p]["momentum_buffer"].full_tensor(),
+                    opts[0].state[r]["momentum_buffer"])
+    p = model.blocks[0].fc1.weight
+    refused = []
+    for call in (lambda: p.full_tensor(),
+                 lambda: p.detach().redistribute(placements=[Shard(0), Shard(0)])):
+        try:
+            call()
+        except RuntimeError as e:
+            refused.append(str(e).startswith("hsdp: "))
+    return {**errs, "refused": refused}
 
 
 def case_mixed_precision(rank: int, world: int, mesh) -> dict[str, float]:

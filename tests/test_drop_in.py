@@ -20,6 +20,7 @@ CASES = [
     ("materialize", "hsdp"), ("materialize", "hfsdp"),
     ("accumulate", "hsdp", "none"), ("accumulate", "hfsdp", "zeros"),
     ("accumulate", "hsdp", "never"), ("accumulate", "hfsdp", "never"),
+    ("full_tensor", "hsdp"), ("full_tensor", "hfsdp"),
 ]
 
 
@@ -84,3 +85,10 @@ def test_meta_init_of_nested_units_then_training(results, strategy):
 def test_backward_twice_per_step_accumulates_like_torch(results, case):
     r = _same_on_every_rank(results[case])
     assert r["ref"] < TOL, r
+
+
+@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
+def test_full_tensor_of_params_grads_and_optimizer_state(results, strategy):
+    r = _same_on_every_rank(results[("full_tensor", strategy)])
+    assert max(r[k] for k in ("param", "grad", "momentum", "replicate")) < TOL, r
+    assert r["refused"] == [True, True], r

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from hsdp.group import owner
 from hsdp.mesh import host_group
-from hsdp.pieces import attach_chunks
+from hsdp.pieces import adopt_state, attach_chunks
 from hsdp.state import clean_key, clean_keys, model_keys, quiesce
 
 ModelState = dict[str, Any]
@@ -187,6 +187,7 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     groups = [{**pg, "params": [index[n] for n in pg["params"]]}
               for pg in optim_state_dict["param_groups"]]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+    adopt_state(optimizer.state)
 
 
 # ---------------------------------------------------------------- save / load

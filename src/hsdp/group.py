@@ -108,7 +108,8 @@ class ParamGroup:
         for shape, dspec, piece in zip(lay.shapes, self.specs, lay.pieces(owned_lo, owned_hi)):
             a, n = (piece.range_offset, piece.length) if piece else (0, 0)
             start = piece.param_start if piece else 0
-            sp = nn.Parameter(as_dtensor(placeholder_if_empty(self.main[a:a + n]), dspec),
+            sp = nn.Parameter(as_dtensor(placeholder_if_empty(self.main[a:a + n]), dspec,
+                                         start, n, self._piece_groups()),
                               requires_grad=self.requires_grad)
             attach_chunks(sp._local_tensor, shape, start, n)  # state_dict(keep_vars=True)
             sp._hsdp_group = self  # marks the parameter as managed by hsdp (see owner())
@@ -146,8 +147,10 @@ class ParamGroup:
         self.grad_buf = (torch.empty(C, dtype=self.orig_dtype, device=device)
                          if self.shard_outer else self.accum)
         # The sharded .grad DTensors, made once (while the storage exists), then freed.
-        self._grad_views = [as_dtensor(placeholder_if_empty(self.grad_buf[a:a + n]), dspec)
-                            for (a, n), dspec in zip(self._slices, self.specs)]
+        self._grad_views = [as_dtensor(placeholder_if_empty(self.grad_buf[a:a + n]), dspec,
+                                       start, n, self._piece_groups())
+                            for (a, n), dspec, start in zip(self._slices, self.specs,
+                                                            self.shard_starts)]
         self._placeholder_grads = [g._local_tensor for g, (_, n) in
                                    zip(self._grad_views, self._slices) if n == 0]
         for buf in {id(b): b for b in (self.accum, self.grad_buf)}.values():
@@ -207,8 +210,12 @@ class ParamGroup:
     def checkpoint_view(self, idx: int, local: torch.Tensor | None = None) -> torch.Tensor:
         """A DTensor for state dicts over ``local`` (by default parameter ``idx``'s piece),
         which must be laid out like that piece (e.g. its optimizer state)."""
-        return checkpoint_view(self.local(idx) if local is None else local, self.specs[idx],
-                               self.shard_starts[idx], self._slices[idx][1])
+        return checkpoint_view(self.sharded[idx], self.local(idx) if local is None else local)
+
+    def _piece_groups(self) -> tuple:
+        """The host groups over which this group's pieces are spread (see ``Piece``)."""
+        c = self.comms
+        return (c.host_inner, c.host_outer) if self.shard_outer else (c.host_inner,)
 
     def _filled(self, sources: list[torch.Tensor], lo: int, numel: int, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:

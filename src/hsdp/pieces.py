@@ -11,15 +11,18 @@ piece is a flat range, not ``torch.chunk`` rows, so the local tensor does not ha
 shape DTensor's placements would imply. Elementwise ops and reductions do not care; DCP
 gets the true layout from the chunk hooks attached to the local tensor (a flat range of an
 N-D tensor is a union of row-major boxes, see ``layout.boxes``), so its default planners
-save and reshard it. Anything that would redistribute such a tensor (``full_tensor()``,
-``redistribute``) would misread the pieces.
+save and reshard it. Redistributing such a tensor the way torch does would misread the
+pieces: they are ``Piece``s, whose ``full_tensor()`` assembles them and whose
+``redistribute`` refuses anything but replicated placements.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -27,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from hsdp.layout import Box, boxes
@@ -44,10 +47,63 @@ def spec(mesh: DeviceMesh, shard_outer: bool, shape: tuple[int, ...],
                        tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
 
 
-def as_dtensor(local: torch.Tensor, dspec: DTensorSpec) -> DTensor:
-    """A DTensor over the 1-D ``local`` piece itself (no copy, no autograd; writes into
-    its local tensor bump ``local``'s own version counter)."""
-    return DTensor(local, dspec, requires_grad=False)
+class Piece(DTensor):
+    """A DTensor over one of hsdp's flat pieces: what parameters, their ``.grad`` and
+    state-dict views are. ``full_tensor()`` assembles the pieces (a collective over the
+    mesh, host groups); ``redistribute`` to replicated placements goes through it, any other
+    is refused (torch's redistribution assumes ``torch.chunk`` rows and would misread
+    the pieces). Ops on a Piece return plain DTensors (torch's dispatch)."""
+
+    _hsdp_range: tuple[int, int]  # (start, length) in the flattened global tensor
+    _hsdp_groups: tuple[dist.ProcessGroup, ...]  # whose sum assembles the pieces
+
+    def detach(self) -> Piece:  # nn.Parameter requires detach() to keep the type
+        return _like(self, self._local_tensor.detach())
+
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None
+                    ) -> torch.Tensor:
+        if torch.is_grad_enabled() and self.requires_grad:
+            raise RuntimeError(
+                "hsdp: full_tensor() of a sharded parameter is not differentiable (its "
+                "gradient would miss hsdp's reduction). Call it under torch.no_grad() or "
+                "on p.detach(), or use the parameter inside its unit's forward, where it is "
+                "whole.")
+        start, length = self._hsdp_range
+        local = self._local_tensor
+        full = torch.zeros(self.numel(), dtype=local.dtype, device=local.device)
+        full[start:start + length] = local.detach().reshape(-1)[:length]
+        for group in self._hsdp_groups:  # every element is held by one rank: sum = gather
+            dist.all_reduce(full, group=group)
+        return full.view(self.shape)
+
+    def redistribute(self, device_mesh: DeviceMesh | None = None,
+                     placements: Sequence[Placement] | None = None, *,
+                     async_op: bool = False, forward_dtype: torch.dtype | None = None,
+                     backward_dtype: torch.dtype | None = None) -> DTensor:
+        mesh = device_mesh or self.device_mesh
+        if (mesh == self.device_mesh and placements is not None
+                and all(p.is_replicate() for p in placements)
+                and forward_dtype in (None, self.dtype)):
+            return DTensor.from_local(self.full_tensor(), mesh, placements, run_check=False)
+        raise RuntimeError(
+            f"hsdp: cannot redistribute an hsdp shard to {placements}: its local tensor is a "
+            f"flat range of the parameter, not torch.chunk rows. Use full_tensor() or "
+            f"redistribute to Replicate() placements, hsdp.full_state_dict(model) for whole "
+            f"tensors, or hsdp.get_state_dict with torch.distributed.checkpoint to reshard.")
+
+
+def as_dtensor(local: torch.Tensor, dspec: DTensorSpec, start: int, length: int,
+               groups: tuple[dist.ProcessGroup, ...]) -> Piece:
+    """A Piece over the 1-D ``local`` piece itself, elements ``[start, start + length)`` of
+    the flattened tensor (no copy, no autograd; writes into its local tensor bump
+    ``local``'s own version counter). ``groups``: host groups of the dims it is sharded on."""
+    out = Piece(local, dspec, requires_grad=False)
+    out._hsdp_range, out._hsdp_groups = (start, length), groups
+    return out
+
+
+def _like(piece: Piece, local: torch.Tensor) -> Piece:
+    return as_dtensor(local, piece._spec, *piece._hsdp_range, piece._hsdp_groups)
 
 
 def placeholder_if_empty(view: torch.Tensor) -> torch.Tensor:
@@ -90,13 +146,12 @@ def _find(bxs: list[Box], index: MetadataIndex) -> Box:
     raise ValueError(f"hsdp: no local chunk of {index.fqn} at offset {index.offset}")
 
 
-def checkpoint_view(local: torch.Tensor, dspec: DTensorSpec, start: int,
-                    length: int) -> DTensor:
-    """A DTensor over ``local`` that carries the chunk hooks (what state dicts hold: DCP
-    writes from and loads into it in place)."""
+def checkpoint_view(like: Piece, local: torch.Tensor) -> Piece:
+    """A Piece laid out like ``like`` over ``local`` that carries the chunk hooks (what
+    state dicts hold: DCP writes from and loads into it in place)."""
     local = local.view(-1)  # a fresh alias: the hooks are attributes of the tensor object
-    attach_chunks(local, tuple(dspec.shape), start, length)
-    return as_dtensor(local, dspec)
+    attach_chunks(local, tuple(like.shape), *like._hsdp_range)
+    return _like(like, local)
 
 
 def same_layout(state: torch.Tensor, param: DTensor) -> bool:
@@ -106,3 +161,15 @@ def same_layout(state: torch.Tensor, param: DTensor) -> bool:
             and state.placements == param.placements
             and state.device_mesh == param.device_mesh
             and state._local_tensor.numel() == param._local_tensor.numel())
+
+
+def adopt_state(params_state: dict) -> None:
+    """Make the optimizer state of hsdp parameters (``optimizer.state``; plain DTensors
+    that torch's ops made from the Pieces) Pieces over the same local tensors, so that
+    their ``full_tensor()`` is right too. No copy."""
+    for p, st in params_state.items():
+        if not isinstance(p, Piece):
+            continue
+        for k, v in st.items():
+            if type(v) is DTensor and same_layout(v, p):
+                st[k] = _like(p, v._local_tensor)

@@ -46,7 +46,7 @@ from hsdp.agreement import COMM_OF, StepLog, Verdict, agree, missing, post_note,
 from hsdp.comm import Collectives
 from hsdp.group import ParamGroup, Slot, owner
 from hsdp.mesh import comm_groups
-from hsdp.pieces import same_layout
+from hsdp.pieces import adopt_state, same_layout
 from hsdp.policy import MixedPrecision
 from hsdp.streams import Event, SideStream, Streams, Tracer
 
@@ -277,6 +277,7 @@ class Runtime:
             for g in u.groups:
                 g.on_all_grads = self._reduce
         self._checked_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._adopted_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         _RUNTIMES.add(self)
 
     @property
@@ -733,6 +734,10 @@ class Runtime:
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.streams.compute.end(f"OPTIMIZER:{self.root.label}")
+        key = (id(optimizer.state), len(optimizer.state))
+        if self._adopted_state.get(optimizer) != key:  # new state (first steps, loads)
+            adopt_state(optimizer.state)
+            self._adopted_state[optimizer] = key
         # In-place foreach ops on DTensors bump no version counter: every group the
         # optimizer holds a parameter of counts as written.
         for pg in optimizer.param_groups:

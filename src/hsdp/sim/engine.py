@@ -109,7 +109,7 @@ class _IssueCompute(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if DTensor in types:
+        if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # the optimizer's DTensors: counted as their local ops
         if any(t not in (torch.Tensor, torch.nn.Parameter) for t in types):
             return func(*args, **kwargs)  # e.g. DTensor's fake-tensor sharding propagation

@@ -186,6 +186,10 @@ def case_full_tensor(rank: int, world: int, mesh, strategy: str) -> dict[str, ob
                 err("replicate", rep.to_local(), r)
                 err("momentum", opts[1].state[p]["momentum_buffer"].full_tensor(),
                     opts[0].state[r]["momentum_buffer"])
+    # torch's own full state dict gathers through full_tensor() too.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    torch_full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    errs["torch_full"] = rel_err(torch_full, hsdp.full_state_dict(model))
     p = model.blocks[0].fc1.weight
     refused = []
     for call in (lambda: p.full_tensor(),

@@ -91,4 +91,5 @@ def test_backward_twice_per_step_accumulates_like_torch(results, case):
 def test_full_tensor_of_params_grads_and_optimizer_state(results, strategy):
     r = _same_on_every_rank(results[("full_tensor", strategy)])
     assert max(r[k] for k in ("param", "grad", "momentum", "replicate")) < TOL, r
+    assert r["torch_full"] == 0.0, r  # get_model_state_dict(full_state_dict=True)
     assert r["refused"] == [True, True], r

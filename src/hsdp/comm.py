@@ -80,7 +80,8 @@ def _host_sleep(seconds: float) -> None:
 def _has_avg(group: dist.ProcessGroup, t: torch.Tensor) -> bool:
     """The backend that runs ``t``'s collective on ``group`` has ReduceOp.AVG (NCCL; torch's
     fake process group stands for NCCL in emulation)."""
-    return group._get_backend(t.device).name().lower() in ("nccl", "fake")
+    device = torch.device("cpu") if t.is_meta else t.device  # meta: the simulator's
+    return group._get_backend(device).name().lower() in ("nccl", "fake")
 
 
 class Collectives:

@@ -311,7 +311,8 @@ class ProgramOp:
 
     ``kind``: ``"compute"`` (one compute op; ``payload`` is what a cost model prices),
     ``"side"`` (an op of side stream ``stream``; ``payload``: its collectives as
-    ``(kind, axis, nbytes, group_size)``), ``"record"`` (an event at the end of the
+    ``(kind, axis, nbytes, group_size)``; ``local_bytes``: what its own tensor ops, e.g. the
+    cast into the all-gather buffer, read and write), ``"record"`` (an event at the end of the
     compute issued so far), ``"wait"`` (compute waits for op ``deps[0]``), ``"sync"`` (the
     host blocks until op ``deps[0]`` has finished), ``"begin"`` / ``"end"`` (a compute
     phase's boundaries). ``label``: the runtime's; a compute op's is its phase (the
@@ -325,6 +326,7 @@ class ProgramOp:
     deps: tuple[int, ...] = ()
     payload: Any = None
     phase: int = -1
+    local_bytes: int = 0
 
 
 @dataclass
@@ -346,6 +348,7 @@ class Program:
         self.ops: list[ProgramOp] = []
         self._phases: list[int] = []  # begin ops of the open phases, innermost last
         self._side: list[tuple] | None = None  # collectives of the side op being issued
+        self._side_bytes = 0  # bytes its own tensor ops touch
 
     def add(self, kind: str, stream: str, label: str, deps: tuple[int, ...] = (),
             payload: Any = None, phase: int = -1) -> int:
@@ -370,6 +373,10 @@ class Program:
                                "(host-side collectives are not simulated)")
         self._side.append((kind, axis, nbytes, group_size))
 
+    def local(self, nbytes: int) -> None:
+        """A tensor op of the side op being issued (memory bound: ``nbytes`` touched)."""
+        self._side_bytes += nbytes
+
     def begin(self, label: str) -> None:
         self._phases.append(self.add("begin", "compute", label))
 
@@ -383,14 +390,17 @@ class Program:
     def side(self, stream: str, fn: Callable[[], None], after: Sequence[Event],
              label: str) -> int:
         """Run ``fn`` (the op's tensor work, on meta tensors: instant) and add the op."""
-        outer, self._side = self._side, []
+        outer, self._side = (self._side, self._side_bytes), []
+        self._side_bytes = 0
         try:
             fn()
-            collectives = tuple(self._side)
+            collectives, nbytes = tuple(self._side), self._side_bytes
         finally:
-            self._side = outer
+            self._side, self._side_bytes = outer
         deps = tuple(_virtual(e).index for e in after)
-        return self.add("side", stream, label, deps, collectives)
+        index = self.add("side", stream, label, deps, collectives)
+        self.ops[index].local_bytes = nbytes
+        return index
 
     def evaluate(self, cost: Callable[[ProgramOp], tuple[float, float]], start: int = 0,
                  host_blocks: bool = False) -> Timing:

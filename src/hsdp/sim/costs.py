@@ -10,7 +10,9 @@
   the optimizer (``OPTIMIZER``): memory bound, bytes read and written at ``mem_gbps``.
   These are the same ops on the meta device as on a GPU, and their cost follows the
   shard, not the FLOPs (hfsdp's optimizer works on 1/outer of hsdp's shard).
-- Collectives: their modelled time on the fabric (``hsdp.fabric``), times
+- Side-stream ops: their collectives' modelled time on the fabric (``hsdp.fabric``) plus
+  their own tensor work (casts and copies into and out of the collective buffers: bytes
+  at ``mem_gbps``; on one rank of an axis that is all there is), times
   ``comm_scale`` per kind (inner_ag / inner_rs / outer; a calibration's measured over
   modelled busy time: e.g. collectives slowed down by compute sharing the GPU).
 - Host: ``host_us_per_op`` to issue each compute op, ``host_us_per_side_op`` per
@@ -95,7 +97,8 @@ class CostModel:
                         measured.device_ms * 1e-3 * device_share)
             if op.kind == "side":
                 scale = self.comm_scale.get(op_kind(Interval(op.stream, op.label, 0, 0)), 1.0)
-                return host_side, scale * sum(self.fabric.seconds(*c) for c in op.payload)
+                return host_side, scale * (sum(self.fabric.seconds(*c) for c in op.payload)
+                                           + op.local_bytes / (self.mem_gbps * 1e9))
             return 0.0, 0.0
 
         return price

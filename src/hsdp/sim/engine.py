@@ -87,7 +87,8 @@ class Recording:
 
 class _IssueCompute(TorchDispatchMode):
     """Adds every kernel-launching op issued on compute to the program. Views and empty
-    tensors launch nothing; ops inside a side stream's closure belong to that stream's op; ops on
+    tensors launch nothing; ops inside a side stream's closure belong to that stream's op (its
+memory-bound local work, e.g. casts); ops on
     tensor subclasses (DTensor) are counted as the local ops they run.
 
     Under a dispatch mode, in-place foreach ops (the optimizer's) leave the version
@@ -132,7 +133,11 @@ class _IssueCompute(TorchDispatchMode):
             template = _template(out) if key is not None else None
             if template is not None:
                 _MEMO[key] = (template, cost)
-        if not (func.is_view or func in _NO_KERNEL or self.program.issuing_side_op):
+        if func.is_view or func in _NO_KERNEL or func.namespace in _COMM_NAMESPACES:
+            return out
+        if self.program.issuing_side_op:
+            self.program.local(cost.nbytes)  # a cast / copy on the side stream
+        else:
             self.program.compute(cost)
         return out
 
@@ -142,6 +147,7 @@ _NO_KERNEL = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.d
               torch.ops.aten.empty_like.default}
 
 
+_COMM_NAMESPACES = ("c10d", "_c10d_functional")  # collectives: priced by the fabric
 _MEMO: dict[tuple, tuple[Any, OpCost]] = {}  # see _IssueCompute
 _FUNCTIONAL: dict = {}  # op -> True if it neither aliases nor writes any argument
 

@@ -1,26 +1,23 @@
 """Build docs/sim_vs_measured.md: `hsdp sim` next to measured `bench step` runs.
 
-    python scripts/sim_vs_measured.py                        # every docs/results/step_*.json
+    python scripts/sim_vs_measured.py                  # every docs/results/2026-11-30-final/*/*.json
     python scripts/sim_vs_measured.py runs/*/*.json --calibrate-from self
     python scripts/sim_vs_measured.py runs/*/*.json --calibrate-from runs/a/a.json
 
-Measuring the rows (one H200, emulated; each run's JSON next to its traces, so that the
-calibration finds them):
+Measuring the rows (``scripts/gpu/final_runs.sh`` on two H200s: the bench's default model,
+8 Llama-8B layers; each run's JSON next to its traces, so that the calibration finds them):
 
-    M="--arch gpt --layers 16 --hidden 2048 --heads 16 --ffn 8192 --vocab 32000 --mbs 2"
-    run() { n=$1; shift; python -m hsdp bench step --emulate $M \
-            --json runs/$n/$n.json --out-dir runs/$n "$@"; }
-    run step_2x4_4096  --mesh 2x4  --seq 4096 --schedules overlap,serial
-    run step_16x8_4096 --mesh 16x8 --seq 4096 --schedules overlap,serial,hfsdp,hfsdp-serial
-    run step_2x4_4096_outer12.5 --mesh 2x4 --seq 4096 --outer-gbps 12.5 \
-        --schedules overlap,serial,hfsdp,hfsdp-serial
-    run step_2x4_4096_mb4 --mesh 2x4 --seq 4096 --microbatches 4 --schedules overlap,serial
-    run step_2x4_1024  --mesh 2x4  --seq 1024 --schedules overlap,serial
-    run step_16x8_1024 --mesh 16x8 --seq 1024 --schedules overlap,serial
+    B="python -m hsdp bench step --reduce-dtype bf16 --steps 5 --warmup 2"
+    run() { n=$1; shift; $B "$@" --json runs/$n/$n.json --out-dir runs/$n; }
+    run emu16x8_s1024 --emulate --mesh 16x8 --seq 1024 --schedules overlap,serial,fsdp2,mfsdp
+    run real1x2_s1024 --mesh 1x2 --seq 1024 --schedules overlap,serial,fsdp2,mfsdp
+    run emu1x2_s1024  --emulate --mesh 1x2 --seq 1024 --schedules overlap,serial \
+        --fabric-json runs/coll1x2.json      # bench collectives --mesh 1x2 on the same machine
+    ... (seq 1024 and 4096; meshes 16x8 emulated, 1x2 and 2x1 real and emulated; 2x4 with
+    --outer-gbps 12.5 and hfsdp; 16x8 with --microbatches 4)
 
-Real NCCL on two GPUs (one rank per GPU): the same without ``--emulate``, ``--mesh 1x2``
-or ``2x1``; the fabric is then the default one scaled to the run's measured collective
-times (``comm_scale``), or ``--fabric-json`` from ``bench collectives``.
+Real NCCL (one rank per GPU): the fabric is the default one scaled to the run's measured
+collective times (``comm_scale``), or ``--fabric-json`` from ``bench collectives``.
 
 For each JSON and each hsdp schedule in it, the simulator runs the same setup (model,
 mesh, microbatches, dtypes; the JSON's emulated fabric, else ``--fabric-json`` /
@@ -40,6 +37,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results" / "2026-11-30-final"  # the runs of the current runtime
 sys.path.insert(0, str(ROOT / "src"))
 
 from hsdp.sim.calibrate import (  # noqa: E402
@@ -230,7 +228,8 @@ def render(rows: list[dict], command: str, calibration: str, host_us: float,
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("jsons", nargs="*", help="bench step JSONs (default docs/results/step_*)")
+    p.add_argument("jsons", nargs="*",
+                   help=f"bench step JSONs (default {RESULTS.relative_to(ROOT)}/*/*.json)")
     p.add_argument("--calibrate-from", default="self", help="'self' or one bench step JSON")
     p.add_argument("--fabric-json", default=None,
                    help="`bench collectives` JSON for runs on real NCCL (no emulated fabric)")
@@ -240,7 +239,7 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "docs" / "sim_vs_measured.md"))
     p.add_argument("--note", default="", help="where given numbers come from")
     args = p.parse_args()
-    paths = [Path(j) for j in args.jsons] or sorted((ROOT / "docs" / "results").glob("step_*"))
+    paths = [Path(j) for j in args.jsons] or sorted(RESULTS.glob("*/*.json"))
     base = CostModel(host_us_per_op=args.host_us_per_op)
     if args.fabric_json:
         from hsdp.bench.step import fabric_from_collectives  # the script, not sim

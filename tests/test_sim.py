@@ -17,7 +17,7 @@ import hsdp
 from hsdp.__main__ import main
 from hsdp.fabric import Fabric, Link
 from hsdp.models import GPTConfig, LlamaConfig, build_model
-from hsdp.sim.calibrate import calibrate, fit_tflops, phases_from_trace
+from hsdp.sim.calibrate import _host_between_phases, calibrate, fit_tflops, phases_from_trace
 from hsdp.sim.costs import CostModel, PhaseCost, phase_class
 from hsdp.sim.engine import Setup, evaluate, record
 from hsdp.sim.engine import _step as train_step
@@ -322,6 +322,13 @@ def test_calibrate_from_json_and_trace(fake_world_8, tmp_path):
     r = evaluate(rec, costs)
     fwd = [iv for iv in r.intervals if iv.label == "FWD:Block2"]
     assert sum(iv.end_us - iv.start_us for iv in fwd) == pytest.approx(3000.0)
+    # Host time that the traced phases do not cover (here: 3 ms more) goes to the
+    # side-stream ops, which the runtime's hooks between units issue.
+    host = r.metrics["host_busy_ms"]
+    more = _host_between_phases(costs, rec, host + 3.0)
+    n_side = sum(op.kind == "side" for op in rec.program.ops[rec.start:])
+    assert more.host_us_per_side_op == pytest.approx(costs.host_us_per_side_op + 3e3 / n_side)
+    assert evaluate(rec, more).metrics["host_busy_ms"] == pytest.approx(host + 3.0)
     # TFLOP/s: the simulator's FLOPs of the measured model phases over their device time
     flops = sum(op.payload.flops for op in rec.program.ops[rec.start:]
                 if op.kind == "compute" and op.label.startswith("FWD:"))

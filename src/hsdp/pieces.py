@@ -47,6 +47,63 @@ def spec(mesh: DeviceMesh, shard_outer: bool, shape: tuple[int, ...],
                        tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
 
 
+_aten = torch.ops.aten
+# Elementwise ops that optimizers and zero_grad run on parameters, gradients and state:
+# on pieces laid out alike, the same op on the local tensors (see ``Piece``).
+_ELEMENTWISE = frozenset(op for op in (getattr(_aten, name, None) for name in (
+    *(f"_foreach_{n}{s}" for n in ("add", "sub", "mul", "div", "addcmul", "addcdiv", "lerp",
+                                   "sqrt", "maximum", "neg", "abs", "sign", "clamp_min",
+                                   "clamp_max") for s in ("", "_")),
+    "_foreach_copy_", "_foreach_zero_", "_fused_adam_", "_fused_adamw_", "_fused_sgd_",
+    "_fused_adagrad_", "add_", "sub_", "mul_", "div_", "addcmul_", "addcdiv_", "lerp_",
+    "zero_")) if op is not None)
+_DECLINED = object()
+
+
+def _aligned(s: DTensorSpec, r: DTensorSpec | None) -> bool:
+    return s is r or (r is not None and s.placements == r.placements and s.shape == r.shape
+                      and s.mesh == r.mesh)
+
+
+def _on_locals(func, args: tuple, kwargs: dict):
+    """``func`` run on the local tensors of its DTensor arguments, or ``_DECLINED`` unless
+    every DTensor lines up with the others at its position (same placements, mesh and
+    global shape; foreach lists position by position) and every plain tensor is a scalar.
+    Then the local op is exactly the distributed one: elementwise over aligned pieces."""
+    refs: list | None = None  # the spec at each position (one for single-tensor ops)
+
+    def unwrap(a):
+        nonlocal refs
+        tensors = [a] if isinstance(a, torch.Tensor) else a
+        if not (isinstance(tensors, (list, tuple)) and tensors
+                and isinstance(tensors[0], torch.Tensor)):
+            return a
+        if refs is None:
+            refs = [t._spec if isinstance(t, DTensor) else None for t in tensors]
+        if len(tensors) != len(refs):
+            return _DECLINED
+        out = []
+        for t, r in zip(tensors, refs):
+            if isinstance(t, DTensor):
+                if not _aligned(t._spec, r):
+                    return _DECLINED
+                out.append(t._local_tensor)
+            elif t.dim() == 0:
+                out.append(t)
+            else:
+                return _DECLINED
+        return out[0] if isinstance(a, torch.Tensor) else out
+
+    new_args = [unwrap(a) for a in args]
+    new_kwargs = {k: unwrap(v) for k, v in kwargs.items()}
+    if any(a is _DECLINED for a in (*new_args, *new_kwargs.values())):
+        return _DECLINED
+    out = func(*new_args, **new_kwargs)
+    if func._schema.name.endswith("_"):  # in place: foreach -> None, single -> self
+        return args[0] if isinstance(args[0], DTensor) else out
+    return [DTensor(o, r, requires_grad=False) for o, r in zip(out, refs)]
+
+
 class Piece(DTensor):
     """A DTensor over one of hsdp's flat pieces: what parameters, their ``.grad`` and
     state-dict views are. ``full_tensor()`` assembles the pieces (a collective over the
@@ -56,6 +113,17 @@ class Piece(DTensor):
 
     _hsdp_range: tuple[int, int]  # (start, length) in the flattened global tensor
     _hsdp_groups: tuple[dist.ProcessGroup, ...]  # whose sum assembles the pieces
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # Optimizer math on pieces: run on the local tensors directly (no per-tensor
+        # re-wrapping into base DTensors and sharding propagation, which made torch's
+        # foreach AdamW several times slower on DTensors than on plain tensors).
+        if func._overloadpacket in _ELEMENTWISE:
+            out = _on_locals(func, args, kwargs or {})
+            if out is not _DECLINED:
+                return out
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def detach(self) -> Piece:  # nn.Parameter requires detach() to keep the type
         return _like(self, self._local_tensor.detach())

@@ -106,10 +106,24 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap") -> C
     else:
         costs = dataclasses.replace(_with_trace(base, rec, measured, host_ms),
                                     phases_key=setup.phase_key())
+        if host_ms:
+            costs = _host_between_phases(costs, rec, host_ms)
     own = dataclasses.replace(costs, comm_scale={},
                               fabric=fabric_of(data["meta"], base.fabric))
     return dataclasses.replace(costs, comm_scale=_comm_scale(
         evaluate(rec, own).metrics, entry["metrics"]["busy_ms"]["by_kind"]))
+
+
+def _host_between_phases(costs: CostModel, rec: Recording, host_ms: float) -> CostModel:
+    """The host time the phases of the trace do not cover (the runtime's hooks between
+    units, issuing side-stream work): the measured host time per step less the simulated
+    one, spread over the step's side-stream ops, which those hooks issue."""
+    n_side = sum(op.kind == "side" for op in rec.program.ops[rec.start:])
+    missing_ms = host_ms - evaluate(rec, costs).metrics["host_busy_ms"]
+    if n_side == 0 or missing_ms <= 0:
+        return costs
+    return dataclasses.replace(
+        costs, host_us_per_side_op=costs.host_us_per_side_op + missing_ms * 1e3 / n_side)
 
 
 def fabric_of(meta: dict, fallback: Fabric) -> Fabric:

@@ -1,6 +1,6 @@
 """Build docs/sim_vs_measured.md: `hsdp sim` next to measured `bench step` runs.
 
-    python scripts/sim_vs_measured.py                  # every docs/results/2026-11-30-final/*/*.json
+    python scripts/sim_vs_measured.py          # every docs/results/2026-11-30-final/*/*.json
     python scripts/sim_vs_measured.py runs/*/*.json --calibrate-from self
     python scripts/sim_vs_measured.py runs/*/*.json --calibrate-from runs/a/a.json
 

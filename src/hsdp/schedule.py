@@ -200,6 +200,9 @@ def units_below(module: nn.Module) -> Iterator[Unit]:
             yield unit
 
 
+_LEAVES = (torch.Tensor, int, float, bool, str, type(None))  # never pytree containers
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs; its backward runs once the unit's backward is done."""
 
@@ -446,7 +449,9 @@ class Runtime:
         called several times is reduced after the last of its calls' backwards."""
         if not torch.is_grad_enabled():
             return args, kwargs
-        flat, spec = tree_flatten((args, kwargs))
+        # Tensors and scalars only (the common block call): no pytree round trip.
+        plain = not kwargs and all(isinstance(a, _LEAVES) for a in args)
+        flat, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             if not _in_backward():
@@ -456,13 +461,13 @@ class Runtime:
         outs = _PostBackward.apply(self, unit, *(flat[i] for i in idx))
         for i, t in zip(idx, outs):
             flat[i] = t
-        return tree_unflatten(flat, spec)
+        return (tuple(flat), kwargs) if plain else tree_unflatten(flat, spec)
 
     def _register_pre_backward(self, unit: Unit, output: Any) -> bool:
         if not torch.is_grad_enabled():
             return False
-        tensors = [t for t in tree_flatten(output)[0]
-                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        leaves = [output] if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
             register_multi_grad_hook(tensors, lambda _g: self._pre_backward(unit), mode="any")
         return bool(tensors)

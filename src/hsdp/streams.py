@@ -173,16 +173,21 @@ class _TracedMarks:
 
 
 class CudaCompute(_TracedMarks, ComputeStream):
-    def __init__(self, tracer: Tracer) -> None:
+    """The current stream of hsdp's device. Its index is given explicitly: the current
+    stream of another current device would be the wrong one, and looking the current
+    device up costs host time on every event."""
+
+    def __init__(self, tracer: Tracer, device: torch.device) -> None:
         self.tracer = tracer
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
 
     def record(self) -> Event:
-        return CudaEvent(torch.cuda.current_stream())
+        return CudaEvent(torch.cuda.current_stream(self.index))
 
     def wait(self, event: Event) -> None:
         assert isinstance(event, CudaEvent)
         _trace_wait(self.tracer, self.name, event)
-        torch.cuda.current_stream().wait_event(event.event)
+        torch.cuda.current_stream(self.index).wait_event(event.event)
 
 
 class CudaSideStream(SideStream):
@@ -522,7 +527,7 @@ class Streams:
     def create(device: torch.device, tracer: Tracer | None = None) -> Streams:
         tracer = tracer or Tracer()
         if device.type == "cuda":
-            return Streams(CudaCompute(tracer), CudaSideStream("ag", tracer, device),
+            return Streams(CudaCompute(tracer, device), CudaSideStream("ag", tracer, device),
                            CudaSideStream("rs", tracer, device),
                            CudaSideStream("outer", tracer, device), tracer)
         failed: list[BaseException] = []

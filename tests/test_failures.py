@@ -23,6 +23,7 @@ from dist_utils import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
 import hsdp
+from hsdp.agreement import post_note, read_note
 from hsdp.mesh import comm_groups
 
 WORLD = 4
@@ -385,6 +386,23 @@ def test_ranks_disagreeing_on_microbatches_fail_clearly_before_the_timeout() -> 
         assert res["errors"] and all(e.startswith("hsdp:") for e in res["errors"]), (r, res)
         assert any("cannot be recovered" in e or "disagree" in e for e in res["errors"]), res
         assert res["seconds"] < MISMATCH_TIMEOUT_S, (r, res)  # detected, not the timeout
+
+
+def test_a_later_end_does_not_hide_an_earlier_one_or_a_failure(monkeypatch) -> None:
+    """Row 5's notes: a rank ending the step after 3 microbatches must not overwrite the
+    note of one that ended after 2, which ranks blocked in microbatch 3 need to see (under
+    load this raced into the timeout); a failure is kept over any end."""
+    store = dist.HashStore()
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
+    post_note("k", "ended 0 2")
+    post_note("k", "ended 2 3")
+    assert read_note("k") == "ended 0 2"
+    post_note("k", "ended 3 1")
+    assert read_note("k") == "ended 3 1"
+    post_note("k", "failed 1 3")
+    post_note("k", "ended 2 1")
+    assert read_note("k") == "failed 1 3"
 
 
 STUCK_TIMEOUT_S = 3.0

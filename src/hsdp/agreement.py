@@ -161,10 +161,24 @@ def missing(log: StepLog, group: dist.ProcessGroup) -> list[Desc]:
     return [tuple(d) for d in longest[len(mine):]]
 
 
+def _strength(note: str) -> tuple[int, int]:
+    """Lower says more: a failure, then an end after fewer forwards ("KIND RANK FORWARDS")."""
+    kind, _, forwards = note.split()
+    return (0, 0) if kind == "failed" else (1, int(forwards))
+
+
 def post_note(key: str, text: str) -> None:
-    """Leave ``text`` for peers blocked in this step (see the module docstring)."""
-    if dist.get_backend() != "fake":
-        dist.distributed_c10d._get_default_store().set(key, text)
+    """Leave ``text`` ("KIND RANK FORWARDS") for peers blocked in this step (see the module
+    docstring), unless the note there says more: a rank that ended the step after more
+    microbatches must not hide the earlier end from ranks blocked in between."""
+    if dist.get_backend() == "fake":
+        return
+    store = dist.distributed_c10d._get_default_store()
+    current = store.get(key).decode() if store.check([key]) else ""
+    while not current or _strength(text) < _strength(current):
+        current = store.compare_set(key, current, text).decode()
+        if current == text:
+            return
 
 
 def read_note(key: str) -> str | None:

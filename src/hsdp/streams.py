@@ -305,6 +305,10 @@ class ThreadSideStream(SideStream):
                 if not self.failed:
                     self.failed.append(exc)
                 ev.set(exc)
+            # Hold nothing while idle: the last closure may reference a process group,
+            # which must be freed when the program drops it, not at interpreter exit
+            # (a gloo group destroyed then aborted the process: "terminate called").
+            fn = after = ev = None
 
 
 # --------------------------------------------------------------------------- virtual

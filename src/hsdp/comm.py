@@ -95,11 +95,16 @@ class Collectives:
         self._record = record
         self._avg: dict[tuple[dist.ProcessGroup, bool], bool] = {}
 
-    def _native_avg(self, group: dist.ProcessGroup, t: torch.Tensor) -> bool:
+    def _reduction(self, avg: bool, group: dist.ProcessGroup, t: torch.Tensor,
+                   n: int) -> tuple[dist.ReduceOp, int]:
+        """The op for a sum (or mean) of ``t`` over ``group``, and what to divide the
+        result by afterwards (1: nothing)."""
+        if not avg:
+            return dist.ReduceOp.SUM, 1
         key = (group, t.is_cuda)
         if key not in self._avg:
             self._avg[key] = _has_avg(group, t)
-        return self._avg[key]
+        return (dist.ReduceOp.AVG, 1) if self._avg[key] else (dist.ReduceOp.SUM, n)
 
     def _delay(self, kind: str, axis: str, nbytes: int, n: int) -> None:
         if self._record is not None:
@@ -126,11 +131,10 @@ class Collectives:
             out.copy_(inp)
             return
         self._delay("reduce_scatter", axis, inp.numel() * inp.element_size(), n)
-        native = avg and self._native_avg(group, out)
-        _reduce_scatter(out, inp, op=dist.ReduceOp.AVG if native else dist.ReduceOp.SUM,
-                        group=group)
-        if avg and not native:
-            out.div_(n)
+        op, divisor = self._reduction(avg, group, out, n)
+        _reduce_scatter(out, inp, op=op, group=group)
+        if divisor > 1:
+            out.div_(divisor)
 
     def all_reduce(self, t: torch.Tensor, group: dist.ProcessGroup, axis: str,
                    avg: bool = False) -> None:
@@ -139,7 +143,7 @@ class Collectives:
         if n == 1:
             return
         self._delay("all_reduce", axis, t.numel() * t.element_size(), n)
-        native = avg and self._native_avg(group, t)
-        dist.all_reduce(t, op=dist.ReduceOp.AVG if native else dist.ReduceOp.SUM, group=group)
-        if avg and not native:
-            t.div_(n)
+        op, divisor = self._reduction(avg, group, t, n)
+        dist.all_reduce(t, op=op, group=group)
+        if divisor > 1:
+            t.div_(divisor)

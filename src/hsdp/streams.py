@@ -360,8 +360,8 @@ class Program:
         self._side_bytes = 0  # bytes its own tensor ops touch
 
     def add(self, kind: str, stream: str, label: str, deps: tuple[int, ...] = (),
-            payload: Any = None, phase: int = -1) -> int:
-        self.ops.append(ProgramOp(kind, stream, label, deps, payload, phase))
+            payload: Any = None, phase: int = -1, local_bytes: int = 0) -> int:
+        self.ops.append(ProgramOp(kind, stream, label, deps, payload, phase, local_bytes))
         return len(self.ops) - 1
 
     @property
@@ -407,9 +407,7 @@ class Program:
         finally:
             self._side, self._side_bytes = outer
         deps = tuple(_virtual(e).index for e in after)
-        index = self.add("side", stream, label, deps, collectives)
-        self.ops[index].local_bytes = nbytes
-        return index
+        return self.add("side", stream, label, deps, collectives, local_bytes=nbytes)
 
     def evaluate(self, cost: Callable[[ProgramOp], tuple[float, float]], start: int = 0,
                  host_blocks: bool = False) -> Timing:

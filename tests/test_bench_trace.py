@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hsdp.bench.trace import (
+    host_marks,
     intervals_from_chrome_trace,
     intervals_from_records,
     load_chrome_trace,
@@ -206,3 +207,13 @@ def test_records_from_cpu_streams_tracer():
     assert intersect(compute, [wait_us]) == []
     exposed = total(intersect([rs], [wait_us])) / 1e3
     assert step_metrics(ivs)["exposed_comm_ms"] == pytest.approx(exposed)
+
+
+def test_host_marks_name_phase_marks_and_submits_as_the_profiler_does():
+    records = [OpRecord("compute", "begin:FWD:Block0", 1.0, 1.0, 7),
+               OpRecord("ag", "wait:AG:Block0/0", 1.1, 1.1, 7),  # a wait: not a host cost
+               OpRecord("ag", "submit:AG:Block1/0", 1.5, 1.5002, 7),
+               OpRecord("compute", "end:FWD:Block0", 2.0, 2.0, 9)]
+    assert host_marks(records, 1.0) == [[7, "hsdp.begin:FWD:Block0", 0.0, 0.0],
+                                        [7, "hsdp:ag:AG:Block1/0", 500000.0, 200.0],
+                                        [9, "hsdp.end:FWD:Block0", 1000000.0, 0.0]]

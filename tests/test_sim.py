@@ -17,7 +17,13 @@ import hsdp
 from hsdp.__main__ import main
 from hsdp.fabric import Fabric, Link
 from hsdp.models import GPTConfig, LlamaConfig, build_model
-from hsdp.sim.calibrate import _host_between_phases, calibrate, fit_tflops, phases_from_trace
+from hsdp.sim.calibrate import (
+    _host_between_phases,
+    calibrate,
+    fit_tflops,
+    phases_from_trace,
+    with_host_marks,
+)
 from hsdp.sim.costs import CostModel, PhaseCost, phase_class
 from hsdp.sim.engine import Setup, evaluate, record
 from hsdp.sim.engine import _step as train_step
@@ -179,8 +185,10 @@ def test_host_bound_step_follows_the_host(fake_world_8):
 
 def test_optimizer_and_copy_in_follow_the_shard_and_the_microbatches(fake_world_8):
     """Memory-bound phases: hfsdp's optimizer works on 1/outer of hsdp's shard; the
-    optimizer runs once per step, the copy-in once per unit and microbatch."""
-    costs = CostModel(tflops=FREE, mem_gbps=1.0)
+    optimizer runs once per step, the copy-in once per unit and microbatch. (Side ops'
+    casts beside compute: one between two copy-in ops would split its record.)"""
+    costs = CostModel(tflops=FREE, mem_gbps=1.0,
+                      exclusive=dict.fromkeys(("inner_ag", "inner_rs", "outer"), 0.0))
     opt = {}
     for strategy in ("hsdp", "hfsdp"):
         r = evaluate(record(Setup(TINY_GPT, 2, 4, strategy, microbatches=3)), costs)
@@ -269,14 +277,15 @@ def _ev(name, ts, dur, tid=1, cat="user_annotation", **args):
             "args": args}
 
 
-def _kernel(corr, ts, dur, launch_ts, tid=1):
+def _kernel(corr, ts, dur, launch_ts, tid=1, name="gemm"):
     return [_ev("cudaLaunchKernel", launch_ts, 1, tid, "cuda_runtime", correlation=corr),
-            _ev("gemm", ts, dur, 7, "kernel", correlation=corr)]
+            _ev(name, ts, dur, 7, "kernel", correlation=corr)]
 
 
 def test_phases_from_a_trace():
     """Host time: innermost open phase, side ops excluded; device time: kernels by their
-    launch's thread and time; instances: begin marks."""
+    launch's thread and time; instances: begin marks; per side-op kind, the share of its
+    own kernels' time with no compute kernel running (collective kernels excluded)."""
     events = [
         _ev("hsdp.begin:FWD:Llama3", 0, 0), _ev("hsdp.begin:FWD:LlamaBlock0", 10, 0),
         _ev("hsdp:ag:AG:LlamaBlock1/0", 12, 4),  # 4 us of side op inside the block
@@ -286,8 +295,10 @@ def test_phases_from_a_trace():
         # backward thread
         _ev("hsdp.begin:BWD:LlamaBlock1", 70, 0, tid=2), _ev("hsdp.end:BWD:LlamaBlock1", 90, 0,
                                                                 tid=2),
-        *_kernel(1, 100, 7, 20), *_kernel(2, 110, 5, 13),  # block 0 (the second: in AG)
+        # block 0; the second: a cast in the AG, 2 of its 5 us beside kernel 1
+        *_kernel(1, 100, 7, 20), *_kernel(2, 105, 5, 13),
         *_kernel(3, 120, 3, 40), *_kernel(4, 130, 11, 80, tid=2), *_kernel(5, 140, 2, 5),
+        *_kernel(6, 150, 9, 14, name="ncclDevKernel_AllGather"),  # the AG's collective
     ]
     m = phases_from_trace({"traceEvents": events})
     ph = {k: [v[0], round(v[1] * 1e3, 6), round(v[2] * 1e3, 6)] for k, v in m.phases.items()}
@@ -295,6 +306,16 @@ def test_phases_from_a_trace():
                   "BWD:LlamaBlock": [1, 20.0, 11.0], "OPTIMIZER:Llama": [1, 20.0, 0.0]}
     assert m.side_host_ms == [0.004]
     assert m.span_ms == pytest.approx(0.12)
+    assert m.exclusive == {"inner_ag": pytest.approx(0.6)}
+    # Host times from a step without the profiler (every host time halved): device times
+    # and instances stay the trace's.
+    marks = [[e["tid"], e["name"], e["ts"] / 2, e["dur"] / 2] for e in events
+             if e["cat"] == "user_annotation"]
+    fast = with_host_marks(m, marks)
+    assert {k: [v[0], round(v[1] * 1e3, 6), round(v[2] * 1e3, 6)]
+            for k, v in fast.phases.items()} == {
+        k: [v[0], v[1] / 2, v[2]] for k, v in ph.items()}
+    assert fast.side_host_ms == [0.002] and fast.span_ms == pytest.approx(0.06)
 
 
 def test_calibrate_from_json_and_trace(fake_world_8, tmp_path):

@@ -93,6 +93,24 @@ def test_virtual_streams_time_the_program_on_a_virtual_clock():
     assert blocking.host_busy_s == 4
 
 
+def test_side_ops_tensor_work_holds_up_compute():
+    """With ``shared_sms``, each half of a side op's own tensor work (before and after its
+    collective) takes the SMs when it is ready: a compute op running then ends as much
+    later, one ready meanwhile waits for it; the collective runs beside compute."""
+
+    def price(op):  # side op: 5 s on its stream, of which 4 s of its own tensor work
+        return {"compute": (1.0, 5.0), "side": (1.0, 5.0, 4.0)}.get(op.kind, (0.0, 0.0))
+
+    s = Streams.virtual()
+    s.ag.submit(lambda: None, [], "AG")  # issued at 1: casts 1-3, collective 3-4, casts 4-6
+    s.program.compute("A")  # issued at 2, waits for the first casts: 3-4, held up: 6-10
+    timing = s.program.evaluate(price, shared_sms=True)
+    got = [(r.label, r.start_s, r.end_s) for r in timing.records]
+    assert got == [("AG", 1, 6), ("compute", 3, 4), ("compute", 6, 10)]
+    alone = [(r.label, r.start_s, r.end_s) for r in s.program.evaluate(price).records]
+    assert alone == [("AG", 1, 6), ("compute", 2, 7)]
+
+
 def test_virtual_collectives_and_events():
     from hsdp.comm import Collectives
 

@@ -32,6 +32,7 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -45,12 +46,15 @@ POLL_S = 0.05
 
 @dataclass
 class OpRecord:
-    """One op's host-measured lifetime on a stream (CPU backend; used by bench traces)."""
+    """One op's host-measured lifetime on a stream (CPU backend; used by bench traces);
+    on CUDA, host spans: phase marks and waits (zero-length), side-op submits
+    (``submit:<label>``), with the issuing ``thread``."""
 
     stream: str
     label: str
     start_s: float
     end_s: float
+    thread: int = 0
 
 
 @dataclass
@@ -148,14 +152,15 @@ def _trace_wait(tracer: Tracer, stream: str, event: Event) -> None:
     """CUDA: a (zero-length) record of a device-side wait, in host issue order."""
     if tracer.enabled:
         now = time.perf_counter()
-        tracer.add(OpRecord(stream, f"wait:{getattr(event, 'label', '')}", now, now))
+        tracer.add(OpRecord(stream, f"wait:{getattr(event, 'label', '')}", now, now,
+                            threading.get_ident()))
 
 
 def _trace_mark(tracer: Tracer, kind: str, label: str) -> None:
     """A phase mark: a zero-length record, and a profiler range for trace calibration."""
     if tracer.enabled:
         now = time.perf_counter()
-        tracer.add(OpRecord("compute", f"{kind}:{label}", now, now))
+        tracer.add(OpRecord("compute", f"{kind}:{label}", now, now, threading.get_ident()))
         with torch.profiler.record_function(f"hsdp.{kind}:{label}"):
             pass
 
@@ -198,15 +203,21 @@ class CudaSideStream(SideStream):
 
     def submit(self, fn: Callable[[], None], after: Sequence[Event] = (),
                label: str = "") -> Event:
-        rng = (torch.profiler.record_function(f"hsdp:{self.name}:{label}")
-               if self.tracer.enabled else nullcontext())
+        traced = self.tracer.enabled
+        t0 = time.perf_counter() if traced else 0.0
+        rng = torch.profiler.record_function(f"hsdp:{self.name}:{label}") if traced else (
+            nullcontext())
         with rng, torch.cuda.stream(self.stream):
             for ev in after:
                 assert isinstance(ev, CudaEvent)
                 _trace_wait(self.tracer, self.name, ev)
                 self.stream.wait_event(ev.event)
             fn()
-            return CudaEvent(self.stream, label)
+            event = CudaEvent(self.stream, label)
+        if traced:  # the host's cost of issuing it (the simulator's calibration)
+            self.tracer.add(OpRecord(self.name, f"submit:{label}", t0, time.perf_counter(),
+                                     threading.get_ident()))
+        return event
 
 
 # --------------------------------------------------------------------------- CPU
@@ -409,53 +420,159 @@ class Program:
         deps = tuple(_virtual(e).index for e in after)
         return self.add("side", stream, label, deps, collectives, local_bytes=nbytes)
 
-    def evaluate(self, cost: Callable[[ProgramOp], tuple[float, float]], start: int = 0,
-                 host_blocks: bool = False) -> Timing:
+    def evaluate(self, cost: Callable[[ProgramOp], tuple[float, ...]], start: int = 0,
+                 host_blocks: bool = False, shared_sms: bool = False) -> Timing:
         """Run the program on a virtual clock. ``cost(op)`` gives (seconds the host takes to
-        issue it, seconds it occupies its stream). An op starts once it is issued, its
-        stream is free and its dependencies have finished; the host runs ahead of the
-        streams except at a ``sync`` (and, with ``host_blocks``, after every compute op
-        and wait: compute on the host thread, as on CPU)."""
-        host = host_busy = 0.0
-        free = dict.fromkeys(STREAM_NAMES, 0.0)
-        ends = [0.0] * len(self.ops)
-        records: list[OpRecord] = []
-        last_compute: OpRecord | None = None
-        for i, op in enumerate(self.ops):
-            host_s, busy_s = cost(op)
-            host += host_s
-            if i == start:  # the records of earlier ops are not wanted
-                records, last_compute = [], None
-            if i >= start:
-                host_busy += host_s
-            kind = op.kind
-            if kind in ("compute", "side"):
-                begin = max(host, free[op.stream], *(ends[j] for j in op.deps))
-                free[op.stream] = ends[i] = end = begin + busy_s
-                if kind == "side":
-                    records.append(OpRecord(op.stream, op.label, begin, end))
-                elif busy_s > 0:
-                    label = op.label or "compute"
-                    if (last_compute is not None and last_compute.label == label
-                            and last_compute.end_s == begin):
-                        last_compute.end_s = end
-                    else:
-                        last_compute = OpRecord("compute", label, begin, end)
-                        records.append(last_compute)
-            elif kind == "record":
-                ends[i] = free["compute"]
-            elif kind == "wait":
-                before = free["compute"]
-                free["compute"] = ends[i] = max(before, ends[op.deps[0]])
-                records.append(OpRecord("compute", op.label, before, ends[i]))
-            elif kind == "sync":
-                host = ends[i] = max(host, ends[op.deps[0]])
-            else:  # begin / end: zero-length, where the compute stream stands
-                ends[i] = max(host, free["compute"])
-                records.append(OpRecord("compute", f"{kind}:{op.label}", ends[i], ends[i]))
-            if host_blocks and op.stream == "compute":
-                host = max(host, free["compute"])
-        return Timing(records, ends, host_busy)
+        issue it, seconds it occupies its stream[, seconds of a side op's own tensor work,
+        e.g. its casts]). An op starts once it is issued, its stream is free and its
+        dependencies have finished; the host runs ahead of the streams except at a
+        ``sync`` (and, with ``host_blocks``, after every op on compute: compute on the host
+        thread, as on CPU). With ``shared_sms``, the side ops' own tensor work (half before
+        the collective, half after) holds up compute for as long as it runs, as a GPU runs
+        a large copy kernel of a side stream between two compute kernels; collectives
+        themselves run beside compute."""
+        return _Clock(self.ops, cost, start, host_blocks, shared_sms).run()
+
+
+class _Clock:
+    """``Program.evaluate``: a discrete-event run. The host issues ops in program order
+    as far as it can (up to a ``sync``, or with ``host_blocks`` an op on compute, whose end
+    is not known yet); then the stream work that can start earliest is started; and so on.
+
+    ``shared_sms``: a side op runs in two steps on its stream (half of its own tensor work
+    and the collective; the other half), and each half of tensor work takes the SMs when
+    it is ready: a compute op running then is held up for as long, and one that becomes
+    ready meanwhile waits for it (a GPU dispatches the blocks of the kernel queued first)."""
+
+    def __init__(self, ops: list[ProgramOp], cost: Callable[[ProgramOp], tuple[float, ...]],
+                 start: int, host_blocks: bool, shared_sms: bool) -> None:
+        self.ops, self.start = ops, start
+        self.host_blocks, self.shared_sms = host_blocks, shared_sms
+        self.prices = [cost(op) for op in ops]
+        self.ends: list[float | None] = [None] * len(ops)
+        self.issued = [0.0] * len(ops)
+        self.queues: dict[str, deque[int]] = {s: deque() for s in STREAM_NAMES}
+        self.free = dict.fromkeys(STREAM_NAMES, 0.0)
+        self.sms_free = 0.0  # compute ops start no earlier (a side op's tensor work)
+        self.running: tuple[int, float, OpRecord] | None = None  # last compute op, its end
+        self.second: dict[int, tuple[float, float]] = {}  # side op -> (begin, 2nd step)
+        self.records: list[tuple[int, OpRecord]] = []
+        self.last_compute: tuple[int, OpRecord] | None = None
+
+    def run(self) -> Timing:
+        host, i, n = 0.0, 0, len(self.ops)
+        while True:
+            while i < n:  # issue
+                op, host_s = self.ops[i], self.prices[i][0]
+                if op.kind == "sync":
+                    end = self.ends[op.deps[0]]
+                    if end is None:
+                        break
+                    host = self.ends[i] = max(host + host_s, end)
+                elif self.host_blocks and i > 0 and self.ops[i - 1].stream == "compute":
+                    end = self.ends[i - 1]
+                    if end is None:
+                        break
+                    host = max(host, end) + host_s
+                    self._issue(i, host)
+                else:
+                    host += host_s
+                    self._issue(i, host)
+                i += 1
+            if not self._start_next():
+                stuck = [q[0] for q in self.queues.values() if q] + ([i] if i < n else [])
+                if stuck:
+                    raise RuntimeError(f"hsdp: virtual clock: op {min(stuck)} waits for work "
+                                       f"that can never start")
+                break
+        self.records.sort(key=lambda r: r[0])
+        host_busy = sum(p[0] for p in self.prices[self.start:])
+        return Timing([r for k, r in self.records if k >= self.start],
+                      [0.0 if e is None else e for e in self.ends], host_busy)
+
+    def _issue(self, i: int, host: float) -> None:
+        self.issued[i] = host
+        self.queues[self.ops[i].stream].append(i)
+
+    def _candidate(self, stream: str) -> tuple[float, int] | None:
+        """When the head of ``stream`` can start (None: nothing queued, or a dependency
+        whose end is not known yet)."""
+        q = self.queues[stream]
+        if not q:
+            return None
+        i = q[0]
+        if i in self.second:
+            return self.second[i][1], i
+        deps = [self.ends[j] for j in self.ops[i].deps]
+        if None in deps:
+            return None
+        ready = max(self.issued[i], self.free[stream], *deps)
+        if self.shared_sms and self.ops[i].kind == "compute" and self.prices[i][1] > 0:
+            ready = max(ready, self.sms_free)
+        return ready, i
+
+    def _start_next(self) -> bool:
+        """Start the stream work that can start first; False if none can."""
+        found = [c for c in map(self._candidate, STREAM_NAMES) if c is not None]
+        if not found:
+            return False
+        t, i = min(found)
+        op = self.ops[i]
+        if op.kind == "side":
+            self._side(i, t)
+            return True
+        self.queues["compute"].popleft()
+        end = t
+        if op.kind == "compute":
+            end = t + self.prices[i][1]
+            self.running = (i, end, self._compute_record(i, op, t, end)) if end > t else None
+        elif op.kind == "wait":  # ``t`` already waited for the dependency
+            self.records.append((i, OpRecord("compute", op.label, self.free["compute"], t)))
+        elif op.kind != "record":  # begin / end: zero-length, where the compute stream stands
+            self.records.append((i, OpRecord("compute", f"{op.kind}:{op.label}", t, t)))
+        self.free["compute"] = self.ends[i] = end
+        return True
+
+    def _side(self, i: int, t: float) -> None:
+        op, busy = self.ops[i], self.prices[i][1]
+        half = (self.prices[i][2] / 2 if len(self.prices[i]) > 2 else 0.0) * self.shared_sms
+        if half <= 0:
+            begin, end = t, t + busy
+        elif i not in self.second:  # first step: half the tensor work, then the collective
+            self._take_sms(t, half)
+            self.second[i] = (t, t + busy - half)
+            return
+        else:
+            self._take_sms(t, half)
+            begin, end = self.second.pop(i)[0], t + half
+        self.queues[op.stream].popleft()
+        self.free[op.stream] = self.ends[i] = end
+        self.records.append((i, OpRecord(op.stream, op.label, begin, end)))
+
+    def _take_sms(self, t: float, seconds: float) -> None:
+        """A side op's tensor work from ``t`` on: the compute op running then pauses for
+        ``seconds`` (its record is split); later compute ops start after it."""
+        if self.running is not None and self.running[1] > t:  # it stands still meanwhile
+            i, end, rec = self.running
+            rec.end_s, end = t, end + seconds
+            rest = OpRecord("compute", rec.label, t + seconds, end)
+            self.records.append((i, rest))
+            self.last_compute, self.running = (i, rest), (i, end, rest)
+            self.ends[i] = self.free["compute"] = end
+        self.sms_free = max(self.sms_free, t) + seconds
+
+    def _compute_record(self, i: int, op: ProgramOp, begin: float, end: float) -> OpRecord:
+        """Compute ops of one phase merge into one record while back to back; the
+        record the op is in."""
+        label = op.label or "compute"
+        last = self.last_compute
+        if (last is not None and last[1].label == label and last[1].end_s == begin
+                and (last[0] >= self.start or i < self.start)):
+            last[1].end_s = end
+            return last[1]
+        self.last_compute = (i, OpRecord("compute", label, begin, end))
+        self.records.append(self.last_compute)
+        return self.last_compute[1]
 
 
 class VirtualEvent(Event):

@@ -87,7 +87,7 @@ from hsdp.bench.launch import (
     select_cuda,
 )
 from hsdp.bench.mfsdp import PeerUnavailable, import_mfsdp
-from hsdp.bench.trace import intervals_from_chrome_trace, intervals_from_records
+from hsdp.bench.trace import host_marks, intervals_from_chrome_trace, intervals_from_records
 from hsdp.bench.trainee import (
     PEERS,
     PHASES,
@@ -422,6 +422,11 @@ def bench(cfg: Config, device: torch.device, mesh: DeviceMesh) -> dict:
             with _oom_guard(t.name, cfg):
                 _phase_memory(t, batches, device)
         progress("memory per phase: one step of each schedule")
+        for t in trainees:  # the simulator's host costs, without the profiler's slowdown
+            if SCHEDULES[t.name].library == "hsdp":
+                host_barrier()
+                records, t0, _ = _recorded_step(t, batches)
+                t.host_marks = host_marks(records, t0)
     reference = None
     if cfg.emulate:
         reference = _collective_free(cfg, trainees, batches, device)
@@ -610,6 +615,7 @@ def _results(cfg: Config, device: torch.device, trainees: list[Trainee],
             "resident_mem_bytes": t.resident_bytes if cuda else None,
             "calibration_error": t.calibration_error,
             "trace": trace_path,
+            "host_marks": t.host_marks,
         }
         entry["free_over_unsharded"] = (entry["t_free_ms"] / ref["t_step_ms"]
                                         if ref and entry["t_free_ms"] else None)

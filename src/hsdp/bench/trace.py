@@ -58,6 +58,24 @@ def intervals_from_records(records: Iterable[OpRecord], t0: float,
     return sorted(out, key=lambda iv: (iv.start_us, iv.stream))
 
 
+def host_marks(records: Iterable[OpRecord], t0: float) -> list[list]:
+    """The host side of a CUDA step without the profiler, named as the profiler's
+    annotations are: ``[thread, name, start us, duration us]`` of each phase mark
+    (``hsdp.begin:<phase>`` / ``hsdp.end:<phase>``) and side-op submit
+    (``hsdp:<stream>:<label>``); ``hsdp.sim.calibrate`` reads them."""
+    out = []
+    for r in records:
+        if r.stream == "compute" and r.label.startswith(("begin:", "end:")):
+            name = f"hsdp.{r.label}"
+        elif r.label.startswith("submit:"):
+            name = f"{ANNOTATION_PREFIX}{r.stream}:{r.label[len('submit:'):]}"
+        else:
+            continue
+        out.append([r.thread, name, round((r.start_s - t0) * 1e6, 3),
+                    round((r.end_s - r.start_s) * 1e6, 3)])
+    return out
+
+
 def load_chrome_trace(path: str | Path) -> dict:
     """Read a Chrome trace as written by ``prof.export_chrome_trace`` (``.gz`` allowed)."""
     path = Path(path)

@@ -83,6 +83,7 @@ class Trainee:
     resident_bytes: int = 0
     peak_bytes: int = 0
     phase_peak_bytes: dict[str, int] = field(default_factory=dict)
+    host_marks: list[list] | None = None  # ``trace.host_marks`` of an unprofiled step
 
     def step(self, batches: list[torch.Tensor], delays: bool = True,
              mark: Callable[[str], None] = _no_mark) -> float:

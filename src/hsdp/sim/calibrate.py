@@ -14,10 +14,13 @@ From the trace, when it has the runtime's phase marks (``hsdp.begin:<phase>`` /
 - device ms: the GPU time of the kernels launched meanwhile (through the launch's
   correlation id), side-stream ops' excepted.
 
-The profiler slows the host down; when the JSON has the unprofiled host time of the step
-(``t_host_ms``), host times are scaled by it over the traced step's host span (from the
-first phase mark to the end of the optimizer on the main thread). Without phase marks,
-``t_host_ms`` alone gives an even host cost per compute op.
+The profiler slows the host down, and unevenly (it costs per op it records): when the
+JSON has ``host_marks`` (the phase marks and side-op submits of a step without the
+profiler), host times come from them instead of the trace. Either way, when the JSON has
+the unprofiled host time of the step (``t_host_ms``, a median over the timed steps), host
+times are scaled by it over their step's host span (from the first phase mark to the end
+of the optimizer on the main thread). Without phase marks, ``t_host_ms`` alone gives an
+even host cost per compute op.
 
 Communication: per kind (inner AG, inner RS, outer), the measured busy time of the
 traced step over the one simulated on the run's own fabric (the emulated one it names,
@@ -44,6 +47,7 @@ from pathlib import Path
 
 from hsdp.fabric import Fabric, Link
 from hsdp.models import config_from_dict
+from hsdp.report.metrics import Interval, op_kind, union
 from hsdp.sim.costs import MEMORY_PHASES, CostModel, PhaseCost, phase_class, phase_kind
 from hsdp.sim.engine import Recording, Setup, evaluate, record
 
@@ -51,6 +55,9 @@ GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 MARK = "hsdp."  # hsdp.begin:<phase> / hsdp.end:<phase>
 SIDE_OP = "hsdp:"  # hsdp:<stream>:<label>
+# Kernels of a collective (NCCL's; the emulation's sleep): they run beside compute. A side
+# op's other kernels (its casts and copies) compete with compute for the SMs.
+COLLECTIVE_KERNELS = ("nccl", "spin_kernel")
 SCHEDULES = {"overlap": ("hsdp", True), "serial": ("hsdp", False),
              "hfsdp": ("hfsdp", True), "hfsdp-serial": ("hfsdp", False)}
 
@@ -97,6 +104,8 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap") -> C
     rec = record(setup)
     trace = find_trace(path, entry.get("trace"))
     measured = phases_from_trace(load_trace(trace)) if trace is not None else None
+    if measured is not None and entry.get("host_marks"):
+        measured = with_host_marks(measured, entry["host_marks"])
     host_ms = entry.get("t_host_ms")
     if measured is None or not measured.phases:
         costs = dataclasses.replace(base, tflops=fit_tflops(rec, busy, base.mem_gbps))
@@ -164,11 +173,13 @@ def load_trace(path: str | Path) -> dict:
 @dataclasses.dataclass
 class TracePhases:
     """Per phase class: instances, host ms and device ms in total; side ops' host ms; the
-    main thread's host span of the step (first mark to the optimizer's end), ms."""
+    main thread's host span of the step (first mark to the optimizer's end), ms; per side
+    op kind, the share of its own kernels' time alone on the GPU (``CostModel.exclusive``)."""
 
     phases: dict[str, list[float]]  # class -> [instances, host_ms, device_ms]
     side_host_ms: list[float]
     span_ms: float
+    exclusive: dict[str, float] = dataclasses.field(default_factory=dict)  # CostModel's
 
 
 def phases_from_trace(trace: dict) -> TracePhases:
@@ -194,22 +205,64 @@ def phases_from_trace(trace: dict) -> TracePhases:
         spans, span_t = _thread_spans(events, phases, side_host)
         owner[thread] = spans
         span = max(span, span_t)
+    compute: list[tuple[float, float]] = []
+    side: list[tuple[str, float, float]] = []  # (kind, start, end) of side ops' own kernels
     for k in kernels:
         launch = launches.get(k["args"]["correlation"])
         if launch is None:
             continue
         label = _owner_at(owner.get((launch.get("pid"), launch.get("tid")), []), launch["ts"])
-        if label:
+        if label and label.startswith(SIDE_OP):
+            if not any(c in k["name"] for c in COLLECTIVE_KERNELS):
+                stream, _, op = label[len(SIDE_OP):].partition(":")
+                side.append((op_kind(Interval(stream, op, 0, 0)), k["ts"],
+                             k["ts"] + k.get("dur", 0)))
+        elif label:
             phases[phase_class(label)][2] += k.get("dur", 0) / 1e3
-    return TracePhases(dict(phases), side_host, span)
+            compute.append((k["ts"], k["ts"] + k.get("dur", 0)))
+    return TracePhases(dict(phases), side_host, span, _exclusive(side, union(compute)))
+
+
+def with_host_marks(measured: TracePhases, marks: list[list]) -> TracePhases:
+    """``measured`` (a profiled step) with its host times replaced by those of a step
+    without the profiler (``bench step``'s ``host_marks``: ``[thread, name, start us,
+    duration us]``, named as the trace's annotations): the profiler slows the host down
+    unevenly (per op it records), so no single scale maps one onto the other."""
+    threads: dict[int, list[dict]] = defaultdict(list)
+    for thread, name, ts, dur in marks:
+        threads[thread].append({"name": name, "ts": ts, "dur": dur})
+    host: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    side_host: list[float] = []
+    span = max((_thread_spans(events, host, side_host)[1] for events in threads.values()),
+               default=0.0)
+    phases = {c: [v[0], host[c][1] if c in host else 0.0, v[2]]
+              for c, v in measured.phases.items()}
+    return dataclasses.replace(measured, phases=phases, side_host_ms=side_host, span_ms=span)
+
+
+def _exclusive(side: list[tuple[str, float, float]],
+               compute: list[tuple[float, float]]) -> dict[str, float]:
+    """Per side-op kind, the share of its own kernels' time during which no compute kernel
+    ran."""
+    total: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    starts = [a for a, _ in compute]
+    for kind, a, b in side:
+        i, shared = max(0, bisect.bisect_right(starts, a) - 1), 0.0
+        while i < len(compute) and compute[i][0] < b:
+            shared += max(0.0, min(b, compute[i][1]) - max(a, compute[i][0]))
+            i += 1
+        total[kind][0] += b - a
+        total[kind][1] += b - a - shared
+    return {k: alone / busy for k, (busy, alone) in total.items() if busy > 0}
 
 
 def _thread_spans(events: list[dict], phases: dict[str, list[float]],
                   side_host: list[float]) -> tuple[list[tuple[float, float, str | None]],
                                                    float]:
     """Walk one thread's marks and side ops in time order: add host ms per phase class,
-    count instances, collect side-op host times; return the spans (start, end, phase or
-    None inside a side op / outside every phase) and the step's host span (ms)."""
+    count instances, collect side-op host times; return the spans (start, end, and the
+    side op's name inside one, else the phase, None outside every phase) and the step's
+    host span (ms)."""
     points = []
     for e in events:
         name, ts, dur = e["name"], e["ts"], e.get("dur", 0)
@@ -221,21 +274,24 @@ def _thread_spans(events: list[dict], phases: dict[str, list[float]],
             points.append((ts, 2, kind, label))
     points.sort(key=lambda p: (p[0], p[1]))
     stack: list[str] = []
-    in_side = 0
+    sides: list[str] = []  # the side ops being issued, innermost last
     spans: list[tuple[float, float, str | None]] = []
     first = last = None
     prev = points[0][0] if points else 0.0
     for ts, _, kind, label in points:
-        current = None if in_side else (stack[-1] if stack else None)
         if ts > prev:
-            spans.append((prev, ts, current))
-            if current is not None:
-                phases[phase_class(current)][1] += (ts - prev) / 1e3
+            if sides:
+                spans.append((prev, ts, sides[-1]))
+            else:
+                current = stack[-1] if stack else None
+                spans.append((prev, ts, current))
+                if current is not None:
+                    phases[phase_class(current)][1] += (ts - prev) / 1e3
         prev = ts
         if kind == "side+":
-            in_side += 1
+            sides.append(label)
         elif kind == "side-":
-            in_side -= 1
+            sides.remove(label)
         elif kind == "begin":
             stack.append(label)
             phases[phase_class(label)][0] += 1
@@ -285,4 +341,4 @@ def _with_trace(base: CostModel, rec: Recording, measured: TracePhases,
         host_us_per_op=host_total / ops_total * 1e3 if ops_total else base.host_us_per_op,
         host_us_per_side_op=(sum(side) / len(side) * scale * 1e3 if side
                              else base.host_us_per_side_op),
-        phases=table)
+        phases=table, exclusive=base.exclusive | measured.exclusive)

@@ -15,6 +15,13 @@
   at ``mem_gbps``; on one rank of an axis that is all there is), times
   ``comm_scale`` per kind (inner_ag / inner_rs / outer; a calibration's measured over
   modelled busy time: e.g. collectives slowed down by compute sharing the GPU).
+  A side op's own tensor work competes with compute for the GPU's SMs: its share
+  ``exclusive[kind]`` (default 1) runs between two compute ops and delays the next; the
+  rest, and the collective itself, run beside compute (NCCL uses a few SMs; the
+  emulation's sleep kernel one). In real traces a cast of a whole unit (0.7 ms, on one
+  rank of an axis) runs alone and leaves a 0.7 ms gap on compute (share 0.8-1), while
+  the small casts of a 1/8 shard fit beside a running matmul (share ~0.15); a
+  calibration measures the share per kind.
 - Host: ``host_us_per_op`` to issue each compute op, ``host_us_per_side_op`` per
   side-stream op; everything else is free.
 - ``phases``: measured costs per phase class (``phase_class``: "BWD:LlamaBlock", ...)
@@ -35,7 +42,7 @@ from hsdp.report.metrics import Interval, op_kind
 from hsdp.streams import Program, ProgramOp
 
 MEMORY_PHASES = ("COPY_IN", "OPTIMIZER")
-Price = Callable[[ProgramOp], tuple[float, float]]
+Price = Callable[[ProgramOp], tuple[float, ...]]
 
 
 def phase_kind(label: str) -> str:
@@ -67,6 +74,8 @@ class CostModel:
     phases: dict[str, PhaseCost] = field(default_factory=dict)
     phases_key: str = ""  # the setup they were measured on (``Setup.phase_key``)
     comm_scale: dict[str, float] = field(default_factory=dict)
+    # Per side-op kind: the share of its own tensor work that holds the SMs (module doc).
+    exclusive: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.tflops <= 0 or self.mem_gbps <= 0:
@@ -75,6 +84,8 @@ class CostModel:
             raise ValueError("sim: comm_scale factors must be > 0")
         if self.host_us_per_op < 0 or self.host_us_per_side_op < 0:
             raise ValueError("sim: host costs must be >= 0")
+        if any(not 0 <= v <= 1 for v in self.exclusive.values()):
+            raise ValueError("sim: exclusive shares must be within [0, 1]")
 
     def compute_seconds(self, op: ProgramOp) -> float:
         """An op's device time by the FLOP / bandwidth model."""
@@ -83,7 +94,8 @@ class CostModel:
         return op.payload.flops / (self.tflops * 1e12)
 
     def pricer(self, program: Program) -> Price:
-        """``price(op) -> (host s, device s)`` for ``program``'s ops."""
+        """``price(op) -> (host s, device s[, a side op's own tensor work s])`` for
+        ``program``'s ops (``Program.evaluate``)."""
         shares = _Shares(program, self.phases) if self.phases else None
         host_op, host_side = self.host_us_per_op * 1e-6, self.host_us_per_side_op * 1e-6
 
@@ -96,9 +108,11 @@ class CostModel:
                 return (measured.host_ms * 1e-3 * host_share,
                         measured.device_ms * 1e-3 * device_share)
             if op.kind == "side":
-                scale = self.comm_scale.get(op_kind(Interval(op.stream, op.label, 0, 0)), 1.0)
-                return host_side, scale * (sum(self.fabric.seconds(*c) for c in op.payload)
-                                           + op.local_bytes / (self.mem_gbps * 1e9))
+                kind = op_kind(Interval(op.stream, op.label, 0, 0))
+                scale = self.comm_scale.get(kind, 1.0)
+                local = scale * op.local_bytes / (self.mem_gbps * 1e9)
+                return (host_side, scale * sum(self.fabric.seconds(*c) for c in op.payload)
+                        + local, local * self.exclusive.get(kind, 1.0))
             return 0.0, 0.0
 
         return price

@@ -300,7 +300,8 @@ def evaluate(rec: Recording, costs: CostModel) -> SimResult:
     measured on this setup's model)."""
     if costs.phases and costs.phases_key != rec.setup.phase_key():
         costs = dataclasses.replace(costs, phases={}, phases_key="")
-    timing = rec.program.evaluate(costs.pricer(rec.program), rec.start)
+    timing = rec.program.evaluate(costs.pricer(rec.program), rec.start,
+                                  shared_sms=True)
     t0, t1 = timing.end_s[rec.start - 1], timing.end_s[-1]  # after each step's synchronize
     units = "|".join(re.escape(k) for k in sorted(rec.names, key=len, reverse=True))
     pattern = re.compile(f"(?<=:)({units})(?=/|$)")

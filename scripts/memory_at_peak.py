@@ -9,7 +9,10 @@ one step of each schedule in turn. Replaying the history gives the allocated byt
 the step (an allocation counts until its ``free_completed``); at the peak, the blocks
 alive that the step allocated are grouped by the innermost frame in hsdp, torch's FSDP or
 Megatron-FSDP, or the model (else the innermost Python frame), and printed, largest
-first, with what the step freed of the memory held before it. CUDA only.
+first, with what the step freed of the memory held before it. ``--resident``: instead,
+what each schedule holds between steps (after its warm-up), grouped the same way, from the
+history recorded since before the model was built; run one schedule per process then
+(another schedule's leftovers would count). CUDA only.
 """
 
 from __future__ import annotations
@@ -57,10 +60,32 @@ def peak_of(events: list[dict]) -> tuple[int, dict[int, tuple[int, str]], int]:
     return peak, at_peak, freed_at_peak
 
 
+def resident(name: str, snap: dict, device: int, top: int) -> None:
+    """Print the blocks allocated on ``device`` at the snapshot, grouped by ``_where``,
+    with their sizes."""
+    by: dict[str, list[int]] = defaultdict(list)
+    asked: dict[str, int] = defaultdict(int)
+    for seg in snap["segments"]:
+        if seg["device"] != device:
+            continue
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":  # size: as the allocator counts it
+                where = _where(b.get("frames", []))
+                by[where].append(b["size"])
+                asked[where] += b.get("requested_size", b["size"])
+    print(f"== {name}: held between steps {sum(map(sum, by.values()))} B "
+          f"({sum(asked.values())} B requested)")
+    for where, sizes in sorted(by.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"   {sum(sizes):>14} B  {len(sizes):>5} blocks  {where} "
+              f"({asked[where]} B requested)")
+        print(f"      sizes: {sorted(sizes)}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bench.add_arguments(p)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--resident", action="store_true", help="what is held between steps")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("memory_at_peak: needs a GPU")
@@ -73,10 +98,16 @@ def main() -> None:
     batches = synthetic_batches(cfg.model.vocab, cfg.mbs, cfg.model.seq, cfg.microbatches, dev)
     groups: dict[str, dict[str, int]] = {}
     for name in cfg.schedules:
+        if args.resident:
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
         t = build(name, cfg.model, cfg.mp, mesh, dev, cfg.fabric, True)
         for _ in range(max(cfg.warmup, 2)):
             t.step(batches)
         torch.cuda.synchronize()
+        if args.resident:
+            resident(name, torch.cuda.memory._snapshot(), dev.index, args.top)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            continue
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")

@@ -77,16 +77,20 @@ def compare(path: Path, calibration: str, base: CostModel) -> list[dict]:
         if name not in SCHEDULES or measured.get("t_step_ms") is None:
             continue
         source = path if calibration == "self" else Path(calibration)
-        own = "overlap" if SCHEDULES[name][0] == "hsdp" else "hfsdp"
-        if calibration != "self" or own not in data["schedules"]:
-            own = "overlap"
-        cal = calibrate(source, costs, own)
-        r = simulate(setup_from_results(data, name), cal)
+        lead = "overlap" if SCHEDULES[name][0] == "hsdp" else "hfsdp"
+        if calibration != "self" or lead not in data["schedules"]:
+            lead = "overlap"
+        own = name if calibration == "self" and name != lead else None
+        cal = calibrate(source, costs, lead, comm_schedule=own)
+        setup = setup_from_results(data, name)
+        r = simulate(setup, cal)
+        cross = simulate(setup, calibrate(source, costs, lead)) if own else None
         rows.append({"json": path.name, "row": row_name(path, meta), "schedule": name,
                      "run": {"date": meta.get("date"), "torch": meta.get("torch"),
                              "gpu": (meta.get("hardware") or {}).get("gpu"),
                              "emulate": meta.get("emulate")},
                      "sim_ms": r.t_step_ms, "measured": measured, "metrics": r.metrics,
+                     "lead": lead, "sim_from_lead_ms": cross and cross.t_step_ms,
                      "calibration": {"tflops": cal.tflops, "mem_gbps": cal.mem_gbps,
                                      "host_us_per_op": cal.host_us_per_op,
                                      "phases": len(cal.phases),
@@ -107,12 +111,17 @@ def render(rows: list[dict], command: str, calibration: str, host_us: float,
     within = sum(abs(e) <= WITHIN_PCT for e in errors)
     worst = max(range(len(rows)), key=lambda i: abs(errors[i])) if rows else None
     cal_text = (
-        "each row is fitted to its own run: with the run's Chrome trace, the traced "
-        "step's measured host and device time per phase (forward / backward / copy-in of "
-        "each unit class), the memory bandwidth of the optimizer and copy-in, the host "
-        "cost per op and per stream op (scaled to the unprofiled host time `t_host_ms` "
-        "when the JSON has it); without a trace, only the achieved TFLOP/s, fitted to "
-        "the run's compute busy time" if calibration == "self" else
+        "each row is fitted to its run's overlapped schedule (hsdp's `overlap`, "
+        "hfsdp's `hfsdp`), except for the collectives' busy times, which are the row's "
+        "own schedule's: with the Chrome trace, the step's measured device "
+        "time per phase (forward / backward / copy-in of each unit class), the memory "
+        "bandwidth of the optimizer and copy-in, per collective kind the busy time and "
+        "the share of its own casts and copies that ran with no compute beside them; the "
+        "host time per phase and per side-stream op from the `host_marks` of a step "
+        "without the profiler when the JSON has them (the profiler slows the host "
+        "unevenly), else from the trace, scaled to the unprofiled host time `t_host_ms`; "
+        "without a trace, only the achieved TFLOP/s, fitted to the run's compute busy "
+        "time" if calibration == "self" else
         f"every row is fitted to one run, `{calibration}` (its trace's per-phase table "
         f"applies to rows of the same model, sequence and micro-batch size; the others "
         f"use the fitted TFLOP/s, memory bandwidth and host cost per op)")
@@ -140,8 +149,11 @@ def render(rows: list[dict], command: str, calibration: str, host_us: float,
         "(`comm_scale`: measured over modelled, which absorbs e.g. collectives slowed by "
         "compute on the same GPU) by construction; with a trace, also each phase's host "
         "and device time. What it predicts is how the schedule composes them: the step "
-        "time, the exposed communication, the outer tail, the overlapped vs serialized "
-        "difference, and every schedule of the JSON other than the one calibrated on.",
+        "time, the exposed communication and the outer tail, and for a serialized row the "
+        "schedule itself. The column \"from the overlapped run\" also takes the "
+        "collectives' busy times from the overlapped schedule (the what-if use); emulated "
+        "collectives of the same modelled time ran a few % apart between the schedules of "
+        "one run.",
         "",
         "Regenerate:",
         "",
@@ -155,16 +167,20 @@ def render(rows: list[dict], command: str, calibration: str, host_us: float,
         + (f"; the largest error is {errors[worst]:+.1f} % ({rows[worst]['row']}, "
            f"{rows[worst]['schedule']})." if rows else "."),
         "",
-        "| row | schedule | sim ms | measured ms | error | sim host ms | measured host ms |",
-        "|---|---|---|---|---|---|---|",
+        "| row | schedule | sim ms | measured ms | error | from the overlapped run: sim ms "
+        "(error) | sim host ms | measured host ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r, e in zip(rows, errors):
         m = r["measured"]
         host = m.get("t_host_ms")
         flag = " **!**" if abs(e) > WITHIN_PCT else ""
+        cross = r["sim_from_lead_ms"]
+        cross_cell = ("-" if cross is None else
+                      f"{cross:.1f} ({_pct(cross, m['t_step_ms'])})")
         out.append(f"| {r['row']} | {r['schedule']} | {r['sim_ms']:.1f} | "
                    f"{m['t_step_ms']:.1f} [{m['t_step_min_ms']:.1f}-{m['t_step_max_ms']:.1f}] "
-                   f"| {e:+.1f} %{flag} | {r['metrics']['host_busy_ms']:.1f} | "
+                   f"| {e:+.1f} %{flag} | {cross_cell} | {r['metrics']['host_busy_ms']:.1f} | "
                    f"{'-' if host is None else f'{host:.1f}'} |")
     no_host = sorted({r["row"] for r, e in zip(rows, errors) if abs(e) > WITHIN_PCT
                       and r["measured"].get("t_host_ms") is None

@@ -270,6 +270,15 @@ def test_calibration_scales_collectives_and_spreads_host_time(fake_world_8, tmp_
     slow = Fabric(Link(370.0, 0.0), Link(10.0, 0.0))
     r = evaluate(record(setup), calibrate(path, CostModel(slow, mem_gbps=100.0)))
     assert r.metrics["busy_ms"]["by_kind"]["outer"] == pytest.approx(4 * measured["outer"])
+    # Another schedule's own collective busy times (the rest stays the overlapped run's).
+    serial = {**measured, "outer": 3.0}
+    data["schedules"]["serial"] = {"metrics": {"busy_ms": {"by_kind": serial}}}
+    path.write_text(json.dumps(data))
+    same = CostModel(Fabric(Link(370.0, 0.0), Link(40.0, 0.0)), mem_gbps=100.0)  # the run's
+    costs = calibrate(path, same, comm_schedule="serial")
+    r = evaluate(record(dataclasses.replace(setup, overlap_outer=False)), costs)
+    assert r.metrics["busy_ms"]["by_kind"]["outer"] == pytest.approx(3.0)
+    assert costs.tflops == calibrate(path, same).tflops
 
 
 def _ev(name, ts, dur, tid=1, cat="user_annotation", **args):

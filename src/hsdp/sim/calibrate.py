@@ -92,8 +92,12 @@ def fit_tflops(rec: Recording, busy_ms: float, mem_gbps: float) -> float:
     return flops / left / 1e12
 
 
-def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap") -> CostModel:
-    """``base`` fitted to schedule ``schedule`` of the ``bench step`` JSON at ``path``."""
+def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
+              comm_schedule: str | None = None) -> CostModel:
+    """``base`` fitted to schedule ``schedule`` of the ``bench step`` JSON at ``path``;
+    the collectives' ``comm_scale`` to the measured busy times of ``comm_schedule``
+    instead, when given (each schedule of a run has its own: emulated collectives of the
+    same modelled time ran a few % apart between schedules of one run)."""
     data = json.loads(Path(path).read_text())
     entry = data["schedules"].get(schedule)
     try:
@@ -119,8 +123,14 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap") -> C
             costs = _host_between_phases(costs, rec, host_ms)
     own = dataclasses.replace(costs, comm_scale={},
                               fabric=fabric_of(data["meta"], base.fabric))
-    return dataclasses.replace(costs, comm_scale=_comm_scale(
-        evaluate(rec, own).metrics, entry["metrics"]["busy_ms"]["by_kind"]))
+    if comm_schedule not in (None, schedule):
+        rec, entry = record(setup_from_results(data, comm_schedule)), data["schedules"].get(
+            comm_schedule) or {}
+    busy_ms = (entry.get("metrics") or {}).get("busy_ms", {}).get("by_kind")
+    if busy_ms is None:
+        raise ValueError(f"{path}: schedule {comm_schedule!r} has no measured busy times")
+    return dataclasses.replace(costs, comm_scale=_comm_scale(evaluate(rec, own).metrics,
+                                                             busy_ms))
 
 
 def _host_between_phases(costs: CostModel, rec: Recording, host_ms: float) -> CostModel:

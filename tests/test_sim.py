@@ -394,6 +394,18 @@ def test_cli_writes_json(tmp_path, capsys, strategy, names):
     assert "saves" in capsys.readouterr().out
 
 
+def test_cli_exclusive_share_holds_up_compute(tmp_path):
+    """``--exclusive``: the collectives' own casts hold up compute for that share of their
+    time (0: they all run beside compute, so the step is no longer)."""
+    steps = {}
+    for share in ("0", "1"):
+        out = tmp_path / f"sim{share}.json"
+        assert main(["sim", *MODEL, "--exclusive", share, "--mem-gbps", "0.5", "--json",
+                     str(out)]) == 0
+        steps[share] = json.loads(out.read_text())["schedules"]["overlap"]["t_step_ms"]
+    assert steps["1"] > steps["0"]
+
+
 def test_cli_timeline_png(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "sim.png"

@@ -55,9 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="host time to issue one compute op, us (default 0)")
     cost.add_argument("--host-us-per-side-op", type=float, default=0.0,
                       help="host time to issue one collective / stream op, us (default 0)")
+    cost.add_argument("--exclusive", type=float, default=1.0, metavar="SHARE",
+                      help="share of a collective's own casts and copies that holds up "
+                           "compute (default 1: large casts fill the GPU; measured 0.8-1 "
+                           "with inner 1-2, 0.15-0.3 with inner 8)")
     cost.add_argument("--calibrate-from", metavar="JSON", default=None,
                       help="fit the compute and host costs to a `bench step` JSON (and the "
-                           "Chrome trace it names, if found): overrides the four above")
+                           "Chrome trace it names, if found): overrides the five above")
     cost.add_argument("--inner-gbps", type=float, default=370.0, help="inner bus GB/s")
     cost.add_argument("--outer-gbps", type=float, default=47.0, help="outer bus GB/s")
     cost.add_argument("--latency-us", type=float, default=20.0, help="per collective, us")
@@ -84,7 +88,8 @@ def resolve(args: argparse.Namespace) -> tuple[Setup, CostModel]:
         fabric = Fabric(Link(args.inner_gbps, args.latency_us),
                         Link(args.outer_gbps, args.latency_us))
         costs = CostModel(fabric, args.tflops, args.mem_gbps, args.host_us_per_op,
-                          args.host_us_per_side_op)
+                          args.host_us_per_side_op, exclusive=dict.fromkeys(
+                              ("inner_ag", "inner_rs", "outer"), args.exclusive))
         if args.calibrate_from:
             costs = calibrate(args.calibrate_from, costs)
     except ValueError as e:

@@ -73,7 +73,10 @@ def render(report: dict, pngs: list[str], json_name: str, command: str, note: st
         f"{costs['mem_gbps']:.0f} GB/s for the optimizer (AdamW) and the gradient copy-in, "
         f"inner (NVLink) {costs['fabric']['inner']['bus_gbps']:g} GB/s bus bandwidth, "
         f"{costs['fabric']['inner']['latency_us']:g} us per collective; host time "
-        f"{costs['host_us_per_op']:g} us per compute op. bf16 parameters, micro-batch "
+        f"{costs['host_us_per_op']:g} us per compute op; the collectives' own casts and "
+        f"copies hold up compute for "
+        f"{max(costs.get('exclusive', {}).values(), default=1.0):g} of their time. "
+        f"bf16 parameters, micro-batch "
         f"{meta['mbs']} sequence per GPU. {note}".rstrip(),
         "",
         "Regenerate (about 30-60 min on two cores; `--from` re-renders a saved sweep):",

@@ -21,6 +21,7 @@ from hsdp.sim.calibrate import (
     _host_between_phases,
     calibrate,
     fit_tflops,
+    peer_wait_ms,
     phases_from_trace,
     with_host_marks,
 )
@@ -316,6 +317,8 @@ def test_phases_from_a_trace():
     assert m.side_host_ms == [0.004]
     assert m.span_ms == pytest.approx(0.12)
     assert m.exclusive == {"inner_ag": pytest.approx(0.6)}
+    assert m.collectives == {"AG:LlamaBlock/0": [0.009]}
+
     # Host times from a step without the profiler (every host time halved): device times
     # and instances stay the trace's.
     marks = [[e["tid"], e["name"], e["ts"] / 2, e["dur"] / 2] for e in events
@@ -325,6 +328,21 @@ def test_phases_from_a_trace():
             for k, v in fast.phases.items()} == {
         k: [v[0], v[1] / 2, v[2]] for k, v in ph.items()}
     assert fast.side_host_ms == [0.002] and fast.span_ms == pytest.approx(0.06)
+
+
+def test_blocked_launches_and_peer_waits_are_not_host_or_transfer_time():
+    """A launch call that waited for room in the GPU's queue is taken out of its phase's
+    host time; a collective kernel's time beyond the fastest of its class is a wait for
+    the other ranks."""
+    events = [_ev("hsdp.begin:OPTIMIZER:Llama3", 0, 0), _ev("hsdp.end:OPTIMIZER:Llama3", 500, 0),
+              _ev("cudaLaunchKernel", 100, 300, 1, "cuda_runtime", correlation=99)]
+    for i, (ts, dur) in enumerate([(600, 10), (700, 40), (800, 12)]):  # RS of three blocks
+        events += [_ev(f"hsdp:rs:RS:LlamaBlock{i}/0", 600 + i, 1),
+                   *_kernel(10 + i, ts, dur, 600 + i, name="ncclDevKernel_ReduceScatter")]
+    m = phases_from_trace({"traceEvents": events})
+    assert m.phases["OPTIMIZER:Llama"][1] == pytest.approx(0.2)  # 0.5 ms less 0.3 blocked
+    assert m.blocked_ms == {"OPTIMIZER:Llama": pytest.approx(0.3)}
+    assert peer_wait_ms(m) == {"inner_rs": pytest.approx(0.032)}  # (40 - 10) + (12 - 10) us
 
 
 def test_calibrate_from_json_and_trace(fake_world_8, tmp_path):

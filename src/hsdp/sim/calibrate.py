@@ -10,7 +10,8 @@ From the trace, when it has the runtime's phase marks (``hsdp.begin:<phase>`` /
 
 - host ms: wall time on the issuing thread while the phase is the innermost open one,
   less the time inside hsdp's side-stream ops (``hsdp:<stream>:<label>`` ranges, whose
-  mean is the host cost of a side op);
+  mean is the host cost of a side op) and inside launch calls that waited for room in the
+  GPU's launch queue (``BLOCKED_US``);
 - device ms: the GPU time of the kernels launched meanwhile (through the launch's
   correlation id), side-stream ops' excepted.
 
@@ -25,7 +26,9 @@ even host cost per compute op.
 Communication: per kind (inner AG, inner RS, outer), the measured busy time of the
 traced step over the one simulated on the run's own fabric (the emulated one it names,
 else the base cost model's) scales the fabric's times (``comm_scale``); the base cost
-model's fabric stays the one simulated with.
+model's fabric stays the one simulated with. On real NCCL, less the time the kernels
+spent waiting for the other ranks (``peer_wait_ms``). The share of each kind's own casts
+and copies that ran with no compute kernel beside it is ``CostModel.exclusive``.
 
 These give: the achieved TFLOP/s (the simulator's FLOPs of the measured model phases
 over their device time), the memory bandwidth (device time of ``OPTIMIZER`` and
@@ -58,6 +61,11 @@ SIDE_OP = "hsdp:"  # hsdp:<stream>:<label>
 # Kernels of a collective (NCCL's; the emulation's sleep): they run beside compute. A side
 # op's other kernels (its casts and copies) compete with compute for the SMs.
 COLLECTIVE_KERNELS = ("nccl", "spin_kernel")
+# A launch call this long waited for room in the GPU's launch queue: the host was ahead of
+# the GPU, and that wait is the GPU's time, not the host's (AdamW's foreach kernels over a
+# whole unsharded model: 35 ms of a 49 ms optimizer host span).
+BLOCKED_US = 50.0
+QUEUED_CALLS = ("cudaLaunch", "cuLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
 SCHEDULES = {"overlap": ("hsdp", True), "serial": ("hsdp", False),
              "hfsdp": ("hfsdp", True), "hfsdp-serial": ("hfsdp", False)}
 
@@ -117,6 +125,11 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
             costs = dataclasses.replace(costs, host_us_per_op=host_ms * 1e3 / len(
                 _measured_step(rec)), host_us_per_side_op=0.0)
     else:
+        # Launch calls that waited for the GPU are in the host time of the step too.
+        blocked = sum(measured.blocked_ms.values())
+        if host_ms:
+            host_ms = max(host_ms - blocked, 1e-3)
+        measured = dataclasses.replace(measured, span_ms=max(measured.span_ms - blocked, 0.0))
         costs = dataclasses.replace(_with_trace(base, rec, measured, host_ms),
                                     phases_key=setup.phase_key())
         if host_ms:
@@ -129,6 +142,12 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
     busy_ms = (entry.get("metrics") or {}).get("busy_ms", {}).get("by_kind")
     if busy_ms is None:
         raise ValueError(f"{path}: schedule {comm_schedule!r} has no measured busy times")
+    if measured is not None and data["meta"].get("emulate") is False:
+        if comm_schedule not in (None, schedule):
+            other = find_trace(path, entry.get("trace"))
+            measured = phases_from_trace(load_trace(other)) if other else None
+        wait = peer_wait_ms(measured) if measured is not None else {}
+        busy_ms = {k: v - wait.get(k, 0.0) for k, v in busy_ms.items()}
     return dataclasses.replace(costs, comm_scale=_comm_scale(evaluate(rec, own).metrics,
                                                              busy_ms))
 
@@ -184,12 +203,16 @@ def load_trace(path: str | Path) -> dict:
 class TracePhases:
     """Per phase class: instances, host ms and device ms in total; side ops' host ms; the
     main thread's host span of the step (first mark to the optimizer's end), ms; per side
-    op kind, the share of its own kernels' time alone on the GPU (``CostModel.exclusive``)."""
+    op kind, the share of its own kernels' time alone on the GPU (``CostModel.exclusive``);
+    per side-op class ("AG:LlamaBlock/0"), its ops' collective kernel time, ms; per phase
+    class, the host time blocked in launch calls (already taken out of its host ms)."""
 
     phases: dict[str, list[float]]  # class -> [instances, host_ms, device_ms]
     side_host_ms: list[float]
     span_ms: float
     exclusive: dict[str, float] = dataclasses.field(default_factory=dict)  # CostModel's
+    collectives: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # ms per op
+    blocked_ms: dict[str, float] = dataclasses.field(default_factory=dict)  # per class
 
 
 def phases_from_trace(trace: dict) -> TracePhases:
@@ -217,20 +240,49 @@ def phases_from_trace(trace: dict) -> TracePhases:
         span = max(span, span_t)
     compute: list[tuple[float, float]] = []
     side: list[tuple[str, float, float]] = []  # (kind, start, end) of side ops' own kernels
+    collectives: dict[str, float] = defaultdict(float)  # side op -> its collective kernels
     for k in kernels:
         launch = launches.get(k["args"]["correlation"])
         if launch is None:
             continue
         label = _owner_at(owner.get((launch.get("pid"), launch.get("tid")), []), launch["ts"])
         if label and label.startswith(SIDE_OP):
-            if not any(c in k["name"] for c in COLLECTIVE_KERNELS):
+            if any(c in k["name"] for c in COLLECTIVE_KERNELS):
+                collectives[label] += k.get("dur", 0) / 1e3
+            else:
                 stream, _, op = label[len(SIDE_OP):].partition(":")
-                side.append((op_kind(Interval(stream, op, 0, 0)), k["ts"],
+                side.append((op_kind(Interval(stream, op.rpartition("#")[0], 0, 0)), k["ts"],
                              k["ts"] + k.get("dur", 0)))
         elif label:
             phases[phase_class(label)][2] += k.get("dur", 0) / 1e3
             compute.append((k["ts"], k["ts"] + k.get("dur", 0)))
-    return TracePhases(dict(phases), side_host, span, _exclusive(side, union(compute)))
+    per_class: dict[str, list[float]] = defaultdict(list)
+    for key, ms in collectives.items():
+        per_class[phase_class(key.rpartition("#")[0].split(":", 2)[2])].append(ms)
+    blocked: dict[str, float] = defaultdict(float)
+    for launch in launches.values():
+        if launch.get("dur", 0) > BLOCKED_US and launch["name"].startswith(QUEUED_CALLS):
+            label = _owner_at(owner.get((launch.get("pid"), launch.get("tid")), []),
+                              launch["ts"])
+            if label and not label.startswith(SIDE_OP):
+                blocked[phase_class(label)] += launch["dur"] / 1e3
+    for cls, ms in blocked.items():
+        phases[cls][1] = max(0.0, phases[cls][1] - ms)
+    return TracePhases(dict(phases), side_host, span, _exclusive(side, union(compute)),
+                       dict(per_class), dict(blocked))
+
+
+def peer_wait_ms(measured: TracePhases) -> dict[str, float]:
+    """Per collective kind, the time its kernels spent beyond the fastest of their class
+    (ops of same-sized units): on real NCCL a kernel also spans the wait for the other
+    ranks to arrive (one rank's trace; a rank behind on the host makes nearly every
+    collective of the one ahead wait: in one 1x2 run, 8 of 9 reduce-scatters took 3.4-4.5
+    ms, the other 1.1 ms, as every one of another run of the same code), which is no
+    transfer time."""
+    out: dict[str, float] = defaultdict(float)
+    for cls, times in measured.collectives.items():
+        out[op_kind(Interval("", cls, 0, 0))] += sum(t - min(times) for t in times)
+    return dict(out)
 
 
 def with_host_marks(measured: TracePhases, marks: list[list]) -> TracePhases:
@@ -247,6 +299,8 @@ def with_host_marks(measured: TracePhases, marks: list[list]) -> TracePhases:
                default=0.0)
     phases = {c: [v[0], host[c][1] if c in host else 0.0, v[2]]
               for c, v in measured.phases.items()}
+    for c in measured.blocked_ms:  # no more than the trace's host time outside those calls
+        phases[c][1] = min(phases[c][1], measured.phases[c][1])
     return dataclasses.replace(measured, phases=phases, side_host_ms=side_host, span_ms=span)
 
 
@@ -276,8 +330,9 @@ def _thread_spans(events: list[dict], phases: dict[str, list[float]],
     points = []
     for e in events:
         name, ts, dur = e["name"], e["ts"], e.get("dur", 0)
-        if name.startswith(SIDE_OP):
-            points += [(ts, 1, "side+", name), (ts + dur, 0, "side-", name)]
+        if name.startswith(SIDE_OP):  # one op per annotation (labels repeat per microbatch)
+            key = f"{name}#{ts}"
+            points += [(ts, 1, "side+", key), (ts + dur, 0, "side-", key)]
             side_host.append(dur / 1e3)
         else:
             kind, _, label = name[len(MARK):].partition(":")

@@ -78,3 +78,23 @@ def test_compute_waits_for_emulated_delay_through_work_handles():
     for how in ("coalesced", "plain"):
         assert r[f"{how}_delayed_ms"] >= 19.0, r  # the 20 ms emulated delay
         assert r[f"{how}_free_ms"] < 5.0, r
+
+
+def test_traced_side_ops_report_their_stream_time_and_host_span():
+    """With the tracer on, each side op's time on its stream (timing events around its
+    work, after its inputs are ready) and its host span: the simulator's calibration."""
+    from hsdp.bench.trace import host_marks
+    from hsdp.comm import SleepClock
+    from hsdp.streams import Streams
+
+    clock = SleepClock.calibrate(torch.device("cuda", 0))
+    s = Streams.create(torch.device("cuda", 0))
+    s.tracer.enabled = True
+    ready = s.compute.record()
+    s.ag.submit(lambda: clock(0.02), [ready], "AG:x/0")
+    torch.cuda.synchronize()
+    s.tracer.enabled = False
+    (stream, label, ms), = s.tracer.side_ms()
+    assert (stream, label) == ("ag", "AG:x/0") and 19.0 <= ms < 40.0
+    marks = host_marks(s.tracer.take(), 0.0)
+    assert [m[1] for m in marks] == ["hsdp:ag:AG:x/0"] and marks[0][3] > 0

@@ -280,6 +280,15 @@ def test_calibration_scales_collectives_and_spreads_host_time(fake_world_8, tmp_
     r = evaluate(record(dataclasses.replace(setup, overlap_outer=False)), costs)
     assert r.metrics["busy_ms"]["by_kind"]["outer"] == pytest.approx(3.0)
     assert costs.tflops == calibrate(path, same).tflops
+    # Stream times of a step without the profiler, when the JSON has them, win.
+    data["schedules"]["serial"]["side_ms"] = [
+        ["outer", "OUTER_AR:Block0/0", 1.0], ["outer", "OUTER_AR:Block1/0", 1.5],
+        ["ag", "FREE:Block0/0", 0.0]]  # not a collective
+    path.write_text(json.dumps(data))
+    costs = calibrate(path, same, comm_schedule="serial")
+    r = evaluate(record(dataclasses.replace(setup, overlap_outer=False)), costs)
+    assert r.metrics["busy_ms"]["by_kind"]["outer"] == pytest.approx(2.5)
+    assert r.metrics["busy_ms"]["by_kind"]["inner_ag"] == pytest.approx(measured["inner_ag"])
 
 
 def _ev(name, ts, dur, tid=1, cat="user_annotation", **args):

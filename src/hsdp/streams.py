@@ -60,13 +60,16 @@ class OpRecord:
 @dataclass
 class Tracer:
     """Collects ``OpRecord``s while ``enabled``. CPU: each op's run time and each compute
-    wait (its blocking time). CUDA: each op gets a profiler range instead, and device-side
-    waits are recorded as zero-length ``wait:<label>`` records in host issue order. Both:
-    compute phase marks as zero-length ``begin:<label>`` / ``end:<label>`` records (and,
-    under the profiler, ``hsdp.begin:<label>`` / ``hsdp.end:<label>`` ranges)."""
+    wait (its blocking time). CUDA: each op gets a profiler range instead, its host span
+    (``submit:<label>``) and a pair of timing events around its work on the stream
+    (``timed``; ``side_ms`` reads them once the stream is idle), and device-side waits are
+    recorded as zero-length ``wait:<label>`` records in host issue order. Both: compute
+    phase marks as zero-length ``begin:<label>`` / ``end:<label>`` records (and, under the
+    profiler, ``hsdp.begin:<label>`` / ``hsdp.end:<label>`` ranges)."""
 
     enabled: bool = False
     records: list[OpRecord] = field(default_factory=list)
+    timed: list[tuple[str, str, Any, Any]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, rec: OpRecord) -> None:
@@ -77,6 +80,17 @@ class Tracer:
         with self._lock:
             out, self.records = self.records, []
         return out
+
+    def clear(self) -> None:
+        with self._lock:
+            self.records, self.timed = [], []
+
+    def side_ms(self) -> list[list]:
+        """``[stream, label, ms]`` of each timed side op (CUDA), in issue order; clears
+        them. Call once the streams are idle."""
+        with self._lock:
+            timed, self.timed = self.timed, []
+        return [[name, label, start.elapsed_time(end)] for name, label, start, end in timed]
 
 
 class Event(ABC):
@@ -212,9 +226,16 @@ class CudaSideStream(SideStream):
                 assert isinstance(ev, CudaEvent)
                 _trace_wait(self.tracer, self.name, ev)
                 self.stream.wait_event(ev.event)
+            if traced:  # its time on the stream, from when its inputs are ready
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self.stream)
             fn()
             event = CudaEvent(self.stream, label)
-        if traced:  # the host's cost of issuing it (the simulator's calibration)
+        if traced:  # and the host's cost of issuing it (the simulator's calibration)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.stream)
+            with self.tracer._lock:
+                self.tracer.timed.append((self.name, label, start, end))
             self.tracer.add(OpRecord(self.name, f"submit:{label}", t0, time.perf_counter(),
                                      threading.get_ident()))
         return event

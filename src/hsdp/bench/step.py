@@ -422,11 +422,12 @@ def bench(cfg: Config, device: torch.device, mesh: DeviceMesh) -> dict:
             with _oom_guard(t.name, cfg):
                 _phase_memory(t, batches, device)
         progress("memory per phase: one step of each schedule")
-        for t in trainees:  # the simulator's host costs, without the profiler's slowdown
+        for t in trainees:  # the simulator's host and stream times, without the profiler
             if SCHEDULES[t.name].library == "hsdp":
                 host_barrier()
                 records, t0, _ = _recorded_step(t, batches)
                 t.host_marks = host_marks(records, t0)
+                t.side_ms = t.tracer.side_ms()
     reference = None
     if cfg.emulate:
         reference = _collective_free(cfg, trainees, batches, device)
@@ -552,7 +553,7 @@ def _without_kineto_log() -> Iterator[None]:
 def _recorded_step(t: Trainee, batches: list[torch.Tensor]) -> tuple[list[OpRecord], float,
                                                                        float]:
     """One step with the schedule's tracer on: its records, start and end (host s)."""
-    t.tracer.take()
+    t.tracer.clear()
     t.tracer.enabled = True
     t0 = time.perf_counter()
     t.step(batches)
@@ -616,6 +617,7 @@ def _results(cfg: Config, device: torch.device, trainees: list[Trainee],
             "calibration_error": t.calibration_error,
             "trace": trace_path,
             "host_marks": t.host_marks,
+            "side_ms": t.side_ms,
         }
         entry["free_over_unsharded"] = (entry["t_free_ms"] / ref["t_step_ms"]
                                         if ref and entry["t_free_ms"] else None)

@@ -84,6 +84,7 @@ class Trainee:
     peak_bytes: int = 0
     phase_peak_bytes: dict[str, int] = field(default_factory=dict)
     host_marks: list[list] | None = None  # ``trace.host_marks`` of an unprofiled step
+    side_ms: list[list] | None = None  # ``Tracer.side_ms`` of that step
 
     def step(self, batches: list[torch.Tensor], delays: bool = True,
              mark: Callable[[str], None] = _no_mark) -> float:

@@ -26,8 +26,10 @@ even host cost per compute op.
 Communication: per kind (inner AG, inner RS, outer), the measured busy time of the
 traced step over the one simulated on the run's own fabric (the emulated one it names,
 else the base cost model's) scales the fabric's times (``comm_scale``); the base cost
-model's fabric stays the one simulated with. On real NCCL, less the time the kernels
-spent waiting for the other ranks (``peer_wait_ms``). The share of each kind's own casts
+model's fabric stays the one simulated with. Busy times come from the JSON's
+``side_ms`` (timing events around each side op in a step without the profiler) when it
+has them, else from the trace, where on real NCCL the time the kernels spent waiting for
+the other ranks is taken out (``peer_wait_ms``). The share of each kind's own casts
 and copies that ran with no compute kernel beside it is ``CostModel.exclusive``.
 
 These give: the achieved TFLOP/s (the simulator's FLOPs of the measured model phases
@@ -142,7 +144,9 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
     busy_ms = (entry.get("metrics") or {}).get("busy_ms", {}).get("by_kind")
     if busy_ms is None:
         raise ValueError(f"{path}: schedule {comm_schedule!r} has no measured busy times")
-    if measured is not None and data["meta"].get("emulate") is False:
+    if entry.get("side_ms"):  # a step without the profiler: the run being predicted
+        busy_ms = dict(busy_ms) | unprofiled_busy_ms(entry["side_ms"])
+    elif measured is not None and data["meta"].get("emulate") is False:
         if comm_schedule not in (None, schedule):
             other = find_trace(path, entry.get("trace"))
             measured = phases_from_trace(load_trace(other)) if other else None
@@ -270,6 +274,20 @@ def phases_from_trace(trace: dict) -> TracePhases:
         phases[cls][1] = max(0.0, phases[cls][1] - ms)
     return TracePhases(dict(phases), side_host, span, _exclusive(side, union(compute)),
                        dict(per_class), dict(blocked))
+
+
+def unprofiled_busy_ms(side_ms: list[list]) -> dict[str, float]:
+    """Per collective kind, the stream time of its ops in ``bench step``'s step without
+    the profiler (``side_ms``: ``[stream, label, ms]``, timing events around each op's
+    work). On real NCCL the profiled step's collectives can differ a lot: in one 1x2 run,
+    with the ranks further apart under the profiler, its reduce-scatters took 3.4-4.5 ms,
+    waiting for the other rank, against about 1 ms without it."""
+    out: dict[str, float] = defaultdict(float)
+    for stream, label, ms in side_ms:
+        kind = op_kind(Interval(stream, label, 0, 0))
+        if kind != "other":
+            out[kind] += ms
+    return dict(out)
 
 
 def peer_wait_ms(measured: TracePhases) -> dict[str, float]:

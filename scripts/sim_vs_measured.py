@@ -1,11 +1,13 @@
 """Build docs/sim_vs_measured.md: `hsdp sim` next to measured `bench step` runs.
 
-    python scripts/sim_vs_measured.py          # every docs/results/2026-11-30-final/*/*.json
+    python scripts/sim_vs_measured.py          # every docs/results/2026-11-30-s4/*/*.json
     python scripts/sim_vs_measured.py runs/*/*.json --calibrate-from self
     python scripts/sim_vs_measured.py runs/*/*.json --calibrate-from runs/a/a.json
 
-Measuring the rows (``scripts/gpu/final_runs.sh`` on two H200s: the bench's default model,
-8 Llama-8B layers; each run's JSON next to its traces, so that the calibration finds them):
+Measuring the rows (``scripts/gpu/final_runs.sh tables`` then ``... twins`` on two H200s:
+the bench's default model, 8 Llama-8B layers; each run's JSON next to its traces, so that
+the calibration finds them; the JSON also holds the host marks and per-op stream times of
+a step without the profiler):
 
     B="python -m hsdp bench step --reduce-dtype bf16 --steps 5 --warmup 2"
     run() { n=$1; shift; $B "$@" --json runs/$n/$n.json --out-dir runs/$n; }
@@ -37,7 +39,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "docs" / "results" / "2026-11-30-final"  # the runs of the current runtime
+RESULTS = ROOT / "docs" / "results" / "2026-11-30-s4"  # the runs of the current runtime
 sys.path.insert(0, str(ROOT / "src"))
 
 from hsdp.sim.calibrate import (  # noqa: E402

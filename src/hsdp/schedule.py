@@ -185,10 +185,25 @@ def _refuse_meta_run(module: nn.Module, args: tuple, kwargs: dict) -> None:
             "initialize them with hsdp.materialize(model, init_fn) before running it on data")
 
 
+def _cast(t: Any, dtype: torch.dtype) -> Any:
+    """``t`` cast to ``dtype`` if it is a floating-point tensor of another dtype."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+        return t.to(dtype)
+    return t
+
+
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    """``tree`` with its floating-point tensors cast to ``dtype``."""
-    return tree_map_only(
-        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+    """``tree`` with its floating-point tensors cast to ``dtype`` (a lone tensor, the
+    common block output, without the pytree round trip)."""
+    if isinstance(tree, torch.Tensor):
+        return _cast(tree, dtype)
+    return tree_map_only(torch.Tensor, lambda t: _cast(t, dtype), tree)
+
+
+def _cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+    if _plain(args, kwargs):  # the common block call: no pytree round trip
+        return tuple(_cast(a, dtype) for a in args), kwargs
+    return _cast_floats((args, kwargs), dtype)
 
 
 def units_below(module: nn.Module) -> Iterator[Unit]:
@@ -201,6 +216,12 @@ def units_below(module: nn.Module) -> Iterator[Unit]:
 
 
 _LEAVES = (torch.Tensor, int, float, bool, str, type(None))  # never pytree containers
+
+
+def _plain(args: tuple, kwargs: dict) -> bool:
+    """Tensors and scalars only, no keywords (the common block call): hooks can handle
+    such a call without a pytree round trip, which costs tens of us per call."""
+    return not kwargs and all(isinstance(a, _LEAVES) for a in args)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -397,7 +418,7 @@ class Runtime:
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict):
         if unit.input_dtype is not None:
-            args, kwargs = _cast_floats((args, kwargs), unit.input_dtype)
+            args, kwargs = _cast_inputs(args, kwargs, unit.input_dtype)
         if _in_backward():  # recomputation: gather again, keep it until unit's backward
             self.streams.compute.begin(f"RECOMPUTE:{unit.label}")
             self._unshard(unit)
@@ -449,8 +470,7 @@ class Runtime:
         called several times is reduced after the last of its calls' backwards."""
         if not torch.is_grad_enabled():
             return args, kwargs
-        # Tensors and scalars only (the common block call): no pytree round trip.
-        plain = not kwargs and all(isinstance(a, _LEAVES) for a in args)
+        plain = _plain(args, kwargs)
         flat, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
@@ -466,10 +486,19 @@ class Runtime:
     def _register_pre_backward(self, unit: Unit, output: Any) -> bool:
         if not torch.is_grad_enabled():
             return False
-        leaves = [output] if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        def hook(_grad: Any) -> None:
+            self._pre_backward(unit)
+
+        if isinstance(output, torch.Tensor):
+            # One tensor (the common block output): its own hook runs once per backward
+            # through it, as the multi-grad hook would, at a third of the cost.
+            if output.requires_grad:
+                output.register_hook(hook)
+            return output.requires_grad
+        tensors = [t for t in tree_flatten(output)[0]
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
-            register_multi_grad_hook(tensors, lambda _g: self._pre_backward(unit), mode="any")
+            register_multi_grad_hook(tensors, hook, mode="any")
         return bool(tensors)
 
     # ------------------------------------------------------------------ backward

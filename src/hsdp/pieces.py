@@ -71,17 +71,29 @@ def _on_locals(func, args: tuple, kwargs: dict):
     global shape; foreach lists position by position) and every plain tensor is a scalar.
     Then the local op is exactly the distributed one: elementwise over aligned pieces."""
     refs: list | None = None  # the spec at each position (one for single-tensor ops)
+    first: list | None = None  # the first tensor argument (list) itself
 
     def unwrap(a):
-        nonlocal refs
+        nonlocal refs, first
         tensors = [a] if isinstance(a, torch.Tensor) else a
         if not (isinstance(tensors, (list, tuple)) and tensors
                 and isinstance(tensors[0], torch.Tensor)):
             return a
         if refs is None:
             refs = [t._spec if isinstance(t, DTensor) else None for t in tensors]
+            first = tensors
         if len(tensors) != len(refs):
             return _DECLINED
+        # Fast path (the optimizer's lists: all DTensors, specs equal position by
+        # position, mostly the same objects, which list equality checks first): two list
+        # comprehensions instead of a Python loop with a call per tensor.
+        try:
+            aligned = [t._spec for t in tensors] == refs
+        except AttributeError:  # a plain tensor (only scalars are allowed)
+            aligned = False
+        if aligned:
+            locals_ = [t._local_tensor for t in tensors]
+            return locals_[0] if isinstance(a, torch.Tensor) else locals_
         out = []
         for t, r in zip(tensors, refs):
             if isinstance(t, DTensor):
@@ -101,7 +113,11 @@ def _on_locals(func, args: tuple, kwargs: dict):
     out = func(*new_args, **new_kwargs)
     if func._schema.name.endswith("_"):  # in place: foreach -> None, single -> self
         return args[0] if isinstance(args[0], DTensor) else out
-    return [DTensor(o, r, requires_grad=False) for o, r in zip(out, refs)]
+    # New tensors (e.g. AdamW's sqrt of its second moment) are laid out like the first
+    # argument's: Pieces where those are, so that the ops the optimizer runs on them next
+    # take this path too, not DTensor's (which re-checks every spec at each op).
+    return [_like(t, o) if isinstance(t, Piece) else DTensor(o, r, requires_grad=False)
+            for t, o, r in zip(first, out, refs)]
 
 
 class Piece(DTensor):
@@ -109,7 +125,8 @@ class Piece(DTensor):
     state-dict views are. ``full_tensor()`` assembles the pieces (a collective over the
     mesh, host groups); ``redistribute`` to replicated placements goes through it, any other
     is refused (torch's redistribution assumes ``torch.chunk`` rows and would misread
-    the pieces). Ops on a Piece return plain DTensors (torch's dispatch)."""
+    the pieces). Elementwise foreach ops on Pieces return Pieces (``_on_locals``), other
+    ops plain DTensors (torch's dispatch)."""
 
     _hsdp_range: tuple[int, int]  # (start, length) in the flattened global tensor
     _hsdp_groups: tuple[dist.ProcessGroup, ...]  # whose sum assembles the pieces

@@ -49,6 +49,22 @@ def test_gaps_are_the_complement_of_the_parameters():
             assert b <= off or a >= off + n
 
 
+def test_segments_lay_out_the_buffer_front_to_back():
+    """Splitting a buffer by the segments' lengths gives every parameter its window."""
+    lay = FlatLayout.build(SHAPES, 2, 2, False)
+    segments = lay.segments()
+    assert sum(n for n, _ in segments) == lay.total
+    assert [i for _, i in segments if i is not None] == list(range(len(SHAPES)))
+    buf = torch.arange(lay.total)
+    views = buf.split([n for n, _ in segments])
+    for view, (n, i) in zip(views, segments):
+        if i is None:
+            assert any(a <= int(view[0]) and int(view[-1]) < b for a, b in lay.gaps())
+        else:
+            off = lay.offsets[i]
+            assert torch.equal(view, buf[off:off + lay.numels[i]])
+
+
 def test_empty_group_and_bad_sizes():
     assert FlatLayout.build([], 4, 2, True).total == ALIGN_ELEMS * 8
     with pytest.raises(ValueError):

@@ -135,6 +135,7 @@ class ParamGroup:
         self.has_grads = False  # gradient state (buffers, hooks) made
         self.on_all_grads: Callable[[ParamGroup], None] | None = None
         self.param_requires_grad = [p.requires_grad for p in params]
+        self.trainable_count = sum(self.param_requires_grad)
         if self.requires_grad:
             self._init_grad_state()
         self.gathered_event: Event | None = None  # None: not gathered
@@ -156,7 +157,10 @@ class ParamGroup:
         for buf in {id(b): b for b in (self.accum, self.grad_buf)}.values():
             buf.untyped_storage().resize_(0)
         self.grads_live = False  # host view: buffers allocated (or about to be)
-        self._gaps = self.layout.gaps()
+        segments = self.layout.segments()
+        self._segment_sizes = [n for n, _ in segments]
+        self._gap_segments = [j for j, (_, i) in enumerate(segments) if i is None]
+        self._param_segments = [j for j, (_, i) in enumerate(segments) if i is not None]
         self.received: set[int] = set()
         self.used = [False] * len(self.unsharded)  # got a gradient on this rank in this step
         self.local_grads: torch.Tensor | None = None  # unsynced microbatches' gradients
@@ -188,6 +192,7 @@ class ParamGroup:
         for up, flag in zip(self.unsharded, now):
             up.requires_grad_(flag)
         self.param_requires_grad = now
+        self.trainable_count = sum(now)
         self.requires_grad = any(now)
 
     def version(self) -> int:
@@ -290,7 +295,7 @@ class ParamGroup:
                 f"or both inside and outside a reentrant checkpoint?). Make it belong to the "
                 f"unit that uses it.")
         self.received.add(idx)
-        if len(self.received) == sum(self.param_requires_grad) and self.on_all_grads is not None:
+        if len(self.received) == self.trainable_count and self.on_all_grads is not None:
             self.on_all_grads(self)
 
     def copy_in(self) -> torch.Tensor:
@@ -298,16 +303,17 @@ class ParamGroup:
         those kept by ``keep_local`` (the reductions average them over all DP ranks)."""
         rs_in = torch.empty(self.layout.total, dtype=self.reduce_dtype,
                             device=self.main.device)
-        dst, src, zero = [], [], [rs_in[a:b] for a, b in self._gaps]
-        for i, (p, off) in enumerate(zip(self.unsharded, self.layout.offsets)):
-            view = rs_in[off:off + p.numel()]
-            if p.grad is None:
-                zero.append(view)
-            else:
-                self.used[i] = True
-                dst.append(view)
-                src.append(p.grad.reshape(-1))
-                p.grad = None
+        # One split into every parameter's and padding's view, and list comprehensions:
+        # this runs for every group in every backward, on the host's critical path.
+        views = rs_in.split(self._segment_sizes)
+        grads = [p.grad for p in self.unsharded]
+        for p in self.unsharded:
+            p.grad = None
+        dst = [views[j] for j, g in zip(self._param_segments, grads) if g is not None]
+        src = [g.reshape(-1) for g in grads if g is not None]
+        zero = [views[j] for j in self._gap_segments]
+        zero += [views[j] for j, g in zip(self._param_segments, grads) if g is None]
+        self.used = [u or g is not None for u, g in zip(self.used, grads)]
         if dst:
             torch._foreach_copy_(dst, src)
         if zero:

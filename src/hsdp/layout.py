@@ -88,6 +88,12 @@ class FlatLayout:
             out.append(Piece(i, a - off, b - a, a - lo) if a < b else None)
         return out
 
+    def segments(self) -> list[tuple[int, int | None]]:
+        """The flat buffer front to back as (length, parameter index; None: padding)."""
+        spans = [(a, b - a, None) for a, b in self.gaps()]
+        spans += [(off, n, i) for i, (off, n) in enumerate(zip(self.offsets, self.numels))]
+        return [(n, i) for _, n, i in sorted(spans, key=lambda s: s[0])]
+
     def gaps(self) -> list[tuple[int, int]]:
         """Ranges ``[a, b)`` of the flat buffer that hold no parameter (padding)."""
         out, pos = [], 0

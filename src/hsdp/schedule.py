@@ -297,6 +297,7 @@ class Runtime:
         self.broken: str | None = None  # why hsdp's communicators cannot be used any more
         self._backward_expected = False  # the last root forward's output needs a backward
         self.param_ids = {id(p) for u in self.units for g in u.groups for p in g.sharded}
+        self.shards_outer = any(g.shard_outer for g in self.groups)  # hfsdp
         for u in self.units:
             for g in u.groups:
                 g.on_all_grads = self._reduce
@@ -773,7 +774,10 @@ class Runtime:
             adopt_state(optimizer.state)
             self._adopted_state[optimizer] = key
         # In-place foreach ops on DTensors bump no version counter: every group the
-        # optimizer holds a parameter of counts as written.
+        # optimizer holds a parameter of counts as written (which only hfsdp's outer
+        # all-gather reads: hsdp skips the walk over every parameter).
+        if not self.shards_outer:
+            return
         for pg in optimizer.param_groups:
             for p in pg["params"]:
                 managed = owner(p)

@@ -57,7 +57,7 @@ def test_segments_lay_out_the_buffer_front_to_back():
     assert [i for _, i in segments if i is not None] == list(range(len(SHAPES)))
     buf = torch.arange(lay.total)
     views = buf.split([n for n, _ in segments])
-    for view, (n, i) in zip(views, segments):
+    for view, (_, i) in zip(views, segments):
         if i is None:
             assert any(a <= int(view[0]) and int(view[-1]) < b for a, b in lay.gaps())
         else:

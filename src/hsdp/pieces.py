@@ -182,7 +182,10 @@ def as_dtensor(local: torch.Tensor, dspec: DTensorSpec, start: int, length: int,
     """A Piece over the 1-D ``local`` piece itself, elements ``[start, start + length)`` of
     the flattened tensor (no copy, no autograd; writes into its local tensor bump
     ``local``'s own version counter). ``groups``: host groups of the dims it is sharded on."""
-    out = Piece(local, dspec, requires_grad=False)
+    # ``Piece.__new__`` (torch's C++ constructor) without ``Piece(...)``, which also runs
+    # ``DTensor.__init__``: it does nothing, behind a dynamo-disabling wrapper that costs
+    # more than the construction (the optimizer makes 75 new Pieces a step here).
+    out = Piece.__new__(Piece, local, dspec, requires_grad=False)
     out._hsdp_range, out._hsdp_groups = (start, length), groups
     return out
 

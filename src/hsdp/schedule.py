@@ -85,6 +85,7 @@ class Unit:
         self.unattached = 0  # grad-mode calls with no _PostBackward (no input needs grad)
         self.backward_started = False
         self.backward_done = False
+        self.shows_unsharded = False  # what the module's parameter slots show (see swap)
         module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward_hook, always_call=False,
                                      with_kwargs=True)
@@ -112,6 +113,9 @@ class Unit:
 
     def swap(self, unsharded: bool) -> None:
         """Point this unit's parameter slots at the unsharded (or sharded) parameters."""
+        if unsharded == self.shows_unsharded:  # e.g. every unit at each root forward
+            return
+        self.shows_unsharded = unsharded
         for g in self.groups:
             if unsharded:
                 g.use_unsharded()

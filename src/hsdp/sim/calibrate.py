@@ -144,14 +144,19 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
     busy_ms = (entry.get("metrics") or {}).get("busy_ms", {}).get("by_kind")
     if busy_ms is None:
         raise ValueError(f"{path}: schedule {comm_schedule!r} has no measured busy times")
-    if entry.get("side_ms"):  # a step without the profiler: the run being predicted
-        busy_ms = dict(busy_ms) | unprofiled_busy_ms(entry["side_ms"])
-    elif measured is not None and data["meta"].get("emulate") is False:
+    unprofiled = unprofiled_busy_ms(entry["side_ms"]) if entry.get("side_ms") else {}
+    if data["meta"].get("emulate") is False:
+        # Real NCCL: a collective's time also holds its wait for the other ranks, which
+        # a one-rank simulator cannot place; the profiled and the unprofiled step (one
+        # step each) waited differently, so each kind takes the lesser of the two.
         if comm_schedule not in (None, schedule):
             other = find_trace(path, entry.get("trace"))
             measured = phases_from_trace(load_trace(other)) if other else None
         wait = peer_wait_ms(measured) if measured is not None else {}
-        busy_ms = {k: v - wait.get(k, 0.0) for k, v in busy_ms.items()}
+        busy_ms = {k: min(v - wait.get(k, 0.0), unprofiled.get(k, v))
+                   for k, v in busy_ms.items()}
+    else:  # emulated: no peers to wait for; the unprofiled step is the run predicted
+        busy_ms = dict(busy_ms) | unprofiled
     return dataclasses.replace(costs, comm_scale=_comm_scale(evaluate(rec, own).metrics,
                                                              busy_ms))
 

@@ -83,7 +83,7 @@ def compare(path: Path, calibration: str, base: CostModel) -> list[dict]:
         if calibration != "self" or lead not in data["schedules"]:
             lead = "overlap"
         own = name if calibration == "self" and name != lead else None
-        cal = calibrate(source, costs, lead, comm_schedule=own)
+        cal = calibrate(source, costs, lead, times_from=own)
         setup = setup_from_results(data, name)
         r = simulate(setup, cal)
         cross = simulate(setup, calibrate(source, costs, lead)) if own else None
@@ -114,11 +114,12 @@ def render(rows: list[dict], command: str, calibration: str, host_us: float,
     worst = max(range(len(rows)), key=lambda i: abs(errors[i])) if rows else None
     cal_text = (
         "each row is fitted to its run's overlapped schedule (hsdp's `overlap`, "
-        "hfsdp's `hfsdp`), except for the collectives' busy times, which are the row's "
-        "own schedule's: with the Chrome trace, the step's measured device "
+        "hfsdp's `hfsdp`), except for the host time per step and the collectives' busy "
+        "times, which are the row's own schedule's: with the Chrome trace, the step's "
+        "measured device "
         "time per phase (forward / backward / copy-in of each unit class), the memory "
         "bandwidth of the optimizer and copy-in, per collective kind the busy time and "
-        "the share of its own casts and copies that ran with no compute beside them; the "
+        "the share of its own casts and copies that held compute up; the "
         "host time per phase and per side-stream op from the `host_marks` of a step "
         "without the profiler when the JSON has them (the profiler slows the host "
         "unevenly), else from the trace, scaled to the unprofiled host time `t_host_ms`; "
@@ -152,10 +153,10 @@ def render(rows: list[dict], command: str, calibration: str, host_us: float,
         "compute on the same GPU) by construction; with a trace, also each phase's host "
         "and device time. What it predicts is how the schedule composes them: the step "
         "time, the exposed communication and the outer tail, and for a serialized row the "
-        "schedule itself. The column \"from the overlapped run\" also takes the "
-        "collectives' busy times from the overlapped schedule (the what-if use); emulated "
-        "collectives of the same modelled time ran a few % apart between the schedules of "
-        "one run.",
+        "schedule itself. The column \"from the overlapped run\" also takes the host time "
+        "and the collectives' busy times from the overlapped schedule (the what-if use); "
+        "emulated collectives of the same modelled time ran a few % apart between the "
+        "schedules of one run, host times up to 5 %.",
         "",
         "Regenerate:",
         "",

@@ -18,6 +18,7 @@ from hsdp.__main__ import main
 from hsdp.fabric import Fabric, Link
 from hsdp.models import GPTConfig, LlamaConfig, build_model
 from hsdp.sim.calibrate import (
+    _exclusive,
     _host_between_phases,
     calibrate,
     fit_tflops,
@@ -276,7 +277,7 @@ def test_calibration_scales_collectives_and_spreads_host_time(fake_world_8, tmp_
     data["schedules"]["serial"] = {"metrics": {"busy_ms": {"by_kind": serial}}}
     path.write_text(json.dumps(data))
     same = CostModel(Fabric(Link(370.0, 0.0), Link(40.0, 0.0)), mem_gbps=100.0)  # the run's
-    costs = calibrate(path, same, comm_schedule="serial")
+    costs = calibrate(path, same, times_from="serial")
     r = evaluate(record(dataclasses.replace(setup, overlap_outer=False)), costs)
     assert r.metrics["busy_ms"]["by_kind"]["outer"] == pytest.approx(3.0)
     assert costs.tflops == calibrate(path, same).tflops
@@ -285,7 +286,7 @@ def test_calibration_scales_collectives_and_spreads_host_time(fake_world_8, tmp_
         ["outer", "OUTER_AR:Block0/0", 1.0], ["outer", "OUTER_AR:Block1/0", 1.5],
         ["ag", "FREE:Block0/0", 0.0]]  # not a collective
     path.write_text(json.dumps(data))
-    costs = calibrate(path, same, comm_schedule="serial")
+    costs = calibrate(path, same, times_from="serial")
     r = evaluate(record(dataclasses.replace(setup, overlap_outer=False)), costs)
     assert r.metrics["busy_ms"]["by_kind"]["outer"] == pytest.approx(2.5)
     assert r.metrics["busy_ms"]["by_kind"]["inner_ag"] == pytest.approx(measured["inner_ag"])
@@ -304,7 +305,7 @@ def _kernel(corr, ts, dur, launch_ts, tid=1, name="gemm"):
 def test_phases_from_a_trace():
     """Host time: innermost open phase, side ops excluded; device time: kernels by their
     launch's thread and time; instances: begin marks; per side-op kind, the share of its
-    own kernels' time with no compute kernel running (collective kernels excluded)."""
+    own kernels' time that held compute up (collective kernels excluded)."""
     events = [
         _ev("hsdp.begin:FWD:Llama3", 0, 0), _ev("hsdp.begin:FWD:LlamaBlock0", 10, 0),
         _ev("hsdp:ag:AG:LlamaBlock1/0", 12, 4),  # 4 us of side op inside the block
@@ -314,7 +315,8 @@ def test_phases_from_a_trace():
         # backward thread
         _ev("hsdp.begin:BWD:LlamaBlock1", 70, 0, tid=2), _ev("hsdp.end:BWD:LlamaBlock1", 90, 0,
                                                                 tid=2),
-        # block 0; the second: a cast in the AG, 2 of its 5 us beside kernel 1
+        # block 0; the second: a cast in the AG, 2 of its 5 us beside kernel 1, 3 holding
+        # up kernel 3 (launched long before)
         *_kernel(1, 100, 7, 20), *_kernel(2, 105, 5, 13),
         *_kernel(3, 120, 3, 40), *_kernel(4, 130, 11, 80, tid=2), *_kernel(5, 140, 2, 5),
         *_kernel(6, 150, 9, 14, name="ncclDevKernel_AllGather"),  # the AG's collective
@@ -337,6 +339,15 @@ def test_phases_from_a_trace():
             for k, v in fast.phases.items()} == {
         k: [v[0], v[1] / 2, v[2]] for k, v in ph.items()}
     assert fast.side_host_ms == [0.002] and fast.span_ms == pytest.approx(0.06)
+
+
+def test_exclusive_share_counts_compute_held_up_not_idle():
+    """A side op's cast holds compute up only while compute's next kernel is already
+    launched; in a gap where the host has not launched it yet, compute is idle anyway."""
+    compute = [(0, 10, 0), (20, 30, 25),  # gap 10-20: the next kernel launched at 25
+               (40, 50, 35), (60, 70, 45)]  # gap 50-60: launched at 45, held up
+    side = [("inner_ag", 12, 18), ("inner_ag", 52, 58), ("outer", 62, 66)]
+    assert _exclusive(side, compute) == {"inner_ag": 0.5, "outer": 0.0}
 
 
 def test_blocked_launches_and_peer_waits_are_not_host_or_transfer_time():

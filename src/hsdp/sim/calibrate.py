@@ -30,7 +30,8 @@ model's fabric stays the one simulated with. Busy times come from the JSON's
 ``side_ms`` (timing events around each side op in a step without the profiler) when it
 has them, else from the trace, where on real NCCL the time the kernels spent waiting for
 the other ranks is taken out (``peer_wait_ms``). The share of each kind's own casts
-and copies that ran with no compute kernel beside it is ``CostModel.exclusive``.
+and copies that held compute up (compute stood still, its next kernel launched) is
+``CostModel.exclusive``.
 
 These give: the achieved TFLOP/s (the simulator's FLOPs of the measured model phases
 over their device time), the memory bandwidth (device time of ``OPTIMIZER`` and
@@ -52,7 +53,7 @@ from pathlib import Path
 
 from hsdp.fabric import Fabric, Link
 from hsdp.models import config_from_dict
-from hsdp.report.metrics import Interval, op_kind, union
+from hsdp.report.metrics import Interval, op_kind
 from hsdp.sim.costs import MEMORY_PHASES, CostModel, PhaseCost, phase_class, phase_kind
 from hsdp.sim.engine import Recording, Setup, evaluate, record
 
@@ -103,11 +104,12 @@ def fit_tflops(rec: Recording, busy_ms: float, mem_gbps: float) -> float:
 
 
 def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
-              comm_schedule: str | None = None) -> CostModel:
+              times_from: str | None = None) -> CostModel:
     """``base`` fitted to schedule ``schedule`` of the ``bench step`` JSON at ``path``;
-    the collectives' ``comm_scale`` to the measured busy times of ``comm_schedule``
-    instead, when given (each schedule of a run has its own: emulated collectives of the
-    same modelled time ran a few % apart between schedules of one run)."""
+    the host time per step and the collectives' ``comm_scale`` to those measured for
+    schedule ``times_from`` instead, when given (every schedule of a run has its own:
+    emulated collectives of the same modelled time ran a few % apart between schedules
+    of one run, host times up to 5 %)."""
     data = json.loads(Path(path).read_text())
     entry = data["schedules"].get(schedule)
     try:
@@ -120,7 +122,8 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
     measured = phases_from_trace(load_trace(trace)) if trace is not None else None
     if measured is not None and entry.get("host_marks"):
         measured = with_host_marks(measured, entry["host_marks"])
-    host_ms = entry.get("t_host_ms")
+    host_ms = (data["schedules"].get(times_from) or {} if times_from else entry).get(
+        "t_host_ms")
     if measured is None or not measured.phases:
         costs = dataclasses.replace(base, tflops=fit_tflops(rec, busy, base.mem_gbps))
         if host_ms:
@@ -138,27 +141,35 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
             costs = _host_between_phases(costs, rec, host_ms)
     own = dataclasses.replace(costs, comm_scale={},
                               fabric=fabric_of(data["meta"], base.fabric))
-    if comm_schedule not in (None, schedule):
-        rec, entry = record(setup_from_results(data, comm_schedule)), data["schedules"].get(
-            comm_schedule) or {}
-    busy_ms = (entry.get("metrics") or {}).get("busy_ms", {}).get("by_kind")
-    if busy_ms is None:
-        raise ValueError(f"{path}: schedule {comm_schedule!r} has no measured busy times")
-    unprofiled = unprofiled_busy_ms(entry["side_ms"]) if entry.get("side_ms") else {}
+    if times_from not in (None, schedule):
+        rec = record(setup_from_results(data, times_from))
     if data["meta"].get("emulate") is False:
         # Real NCCL: a collective's time also holds its wait for the other ranks, which
-        # a one-rank simulator cannot place; the profiled and the unprofiled step (one
-        # step each) waited differently, so each kind takes the lesser of the two.
-        if comm_schedule not in (None, schedule):
-            other = find_trace(path, entry.get("trace"))
-            measured = phases_from_trace(load_trace(other)) if other else None
-        wait = peer_wait_ms(measured) if measured is not None else {}
-        busy_ms = {k: min(v - wait.get(k, 0.0), unprofiled.get(k, v))
-                   for k, v in busy_ms.items()}
-    else:  # emulated: no peers to wait for; the unprofiled step is the run predicted
-        busy_ms = dict(busy_ms) | unprofiled
+        # a one-rank simulator cannot place, and each measured step (profiled or not, of
+        # either schedule) waited differently: each kind takes the least of them.
+        runs = [_busy_ms(path, data, name) for name in {schedule, times_from or schedule}]
+        busy_ms = {k: min(r[k] for r in runs if k in r) for k in runs[0]}
+    else:  # emulated: no peers to wait for; the schedule's unprofiled step if it has one
+        busy_ms = _busy_ms(path, data, times_from or schedule, emulated=True)
     return dataclasses.replace(costs, comm_scale=_comm_scale(evaluate(rec, own).metrics,
                                                              busy_ms))
+
+
+def _busy_ms(path: str | Path, data: dict, name: str,
+             emulated: bool = False) -> dict[str, float]:
+    """Per kind, schedule ``name``'s measured busy time: emulated, its unprofiled step's
+    where the JSON has one, else its traced step's; real NCCL, the lesser of the two,
+    the traced one less its waits for the other ranks (``peer_wait_ms``)."""
+    entry = data["schedules"].get(name) or {}
+    busy = (entry.get("metrics") or {}).get("busy_ms", {}).get("by_kind")
+    if busy is None:
+        raise ValueError(f"{path}: schedule {name!r} has no measured busy times")
+    unprofiled = unprofiled_busy_ms(entry["side_ms"]) if entry.get("side_ms") else {}
+    if emulated:
+        return dict(busy) | unprofiled
+    trace = find_trace(path, entry.get("trace"))
+    wait = peer_wait_ms(phases_from_trace(load_trace(trace))) if trace else {}
+    return {k: min(v - wait.get(k, 0.0), unprofiled.get(k, v)) for k, v in busy.items()}
 
 
 def _host_between_phases(costs: CostModel, rec: Recording, host_ms: float) -> CostModel:
@@ -247,7 +258,7 @@ def phases_from_trace(trace: dict) -> TracePhases:
         spans, span_t = _thread_spans(events, phases, side_host)
         owner[thread] = spans
         span = max(span, span_t)
-    compute: list[tuple[float, float]] = []
+    compute: list[tuple[float, float, float]] = []  # (start, end, launch) of compute kernels
     side: list[tuple[str, float, float]] = []  # (kind, start, end) of side ops' own kernels
     collectives: dict[str, float] = defaultdict(float)  # side op -> its collective kernels
     for k in kernels:
@@ -264,7 +275,7 @@ def phases_from_trace(trace: dict) -> TracePhases:
                              k["ts"] + k.get("dur", 0)))
         elif label:
             phases[phase_class(label)][2] += k.get("dur", 0) / 1e3
-            compute.append((k["ts"], k["ts"] + k.get("dur", 0)))
+            compute.append((k["ts"], k["ts"] + k.get("dur", 0), launch["ts"]))
     per_class: dict[str, list[float]] = defaultdict(list)
     for key, ms in collectives.items():
         per_class[phase_class(key.rpartition("#")[0].split(":", 2)[2])].append(ms)
@@ -277,7 +288,7 @@ def phases_from_trace(trace: dict) -> TracePhases:
                 blocked[phase_class(label)] += launch["dur"] / 1e3
     for cls, ms in blocked.items():
         phases[cls][1] = max(0.0, phases[cls][1] - ms)
-    return TracePhases(dict(phases), side_host, span, _exclusive(side, union(compute)),
+    return TracePhases(dict(phases), side_host, span, _exclusive(side, compute),
                        dict(per_class), dict(blocked))
 
 
@@ -328,19 +339,25 @@ def with_host_marks(measured: TracePhases, marks: list[list]) -> TracePhases:
 
 
 def _exclusive(side: list[tuple[str, float, float]],
-               compute: list[tuple[float, float]]) -> dict[str, float]:
-    """Per side-op kind, the share of its own kernels' time during which no compute kernel
-    ran."""
+               compute: list[tuple[float, float, float]]) -> dict[str, float]:
+    """Per side-op kind, the share of its own kernels' time during which compute stood
+    still with its next kernel already launched: held up (not merely idle, e.g. waiting
+    for the host, as in a profiled host-bound step)."""
+    held: list[tuple[float, float]] = []  # compute gaps with the next kernel launched
+    ordered = sorted(compute)
+    for (_, end, _), (start, _, launch) in zip(ordered, ordered[1:]):
+        if start > max(end, launch):
+            held.append((max(end, launch), start))
+    starts = [a for a, _ in held]
     total: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    starts = [a for a, _ in compute]
     for kind, a, b in side:
-        i, shared = max(0, bisect.bisect_right(starts, a) - 1), 0.0
-        while i < len(compute) and compute[i][0] < b:
-            shared += max(0.0, min(b, compute[i][1]) - max(a, compute[i][0]))
+        i, stood = max(0, bisect.bisect_right(starts, a) - 1), 0.0
+        while i < len(held) and held[i][0] < b:
+            stood += max(0.0, min(b, held[i][1]) - max(a, held[i][0]))
             i += 1
         total[kind][0] += b - a
-        total[kind][1] += b - a - shared
-    return {k: alone / busy for k, (busy, alone) in total.items() if busy > 0}
+        total[kind][1] += stood
+    return {k: stood / busy for k, (busy, stood) in total.items() if busy > 0}
 
 
 def _thread_spans(events: list[dict], phases: dict[str, list[float]],

@@ -57,8 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="host time to issue one collective / stream op, us (default 0)")
     cost.add_argument("--exclusive", type=float, default=1.0, metavar="SHARE",
                       help="share of a collective's own casts and copies that holds up "
-                           "compute (default 1: large casts fill the GPU; measured 0.8-1 "
-                           "with inner 1-2, 0.15-0.3 with inner 8)")
+                           "compute (default 1: large casts fill the GPU; measured 0.7-1 "
+                           "with inner 1-2 at seq 4096, 0.1-0.4 with inner 8)")
     cost.add_argument("--calibrate-from", metavar="JSON", default=None,
                       help="fit the compute and host costs to a `bench step` JSON (and the "
                            "Chrome trace it names, if found): overrides the five above")

@@ -19,9 +19,9 @@
   ``exclusive[kind]`` (default 1) runs between two compute ops and delays the next; the
   rest, and the collective itself, run beside compute (NCCL uses a few SMs; the
   emulation's sleep kernel one). In real traces a cast of a whole unit (0.7 ms, on one
-  rank of an axis) runs alone and leaves a 0.7 ms gap on compute (share 0.8-1), while
-  the small casts of a 1/8 shard fit beside a running matmul (share ~0.15); a
-  calibration measures the share per kind.
+  rank of an axis) runs alone and leaves a 0.7 ms gap on compute (share 0.7-1 at seq
+  4096), while the small casts of a 1/8 shard mostly fit beside a running matmul
+  (share 0.1-0.3); a calibration measures the share per kind.
 - Host: ``host_us_per_op`` to issue each compute op, ``host_us_per_side_op`` per
   side-stream op; everything else is free.
 - ``phases``: measured costs per phase class (``phase_class``: "BWD:LlamaBlock", ...)

@@ -147,7 +147,8 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
         # Real NCCL: a collective's time also holds its wait for the other ranks, which
         # a one-rank simulator cannot place, and each measured step (profiled or not, of
         # either schedule) waited differently: each kind takes the least of them.
-        runs = [_busy_ms(path, data, name) for name in {schedule, times_from or schedule}]
+        runs = [_busy_ms(path, data, name, traced=measured if name == schedule else None)
+                for name in {schedule, times_from or schedule}]
         busy_ms = {k: min(r[k] for r in runs if k in r) for k in runs[0]}
     else:  # emulated: no peers to wait for; the schedule's unprofiled step if it has one
         busy_ms = _busy_ms(path, data, times_from or schedule, emulated=True)
@@ -155,11 +156,12 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
                                                              busy_ms))
 
 
-def _busy_ms(path: str | Path, data: dict, name: str,
-             emulated: bool = False) -> dict[str, float]:
+def _busy_ms(path: str | Path, data: dict, name: str, emulated: bool = False,
+             traced: TracePhases | None = None) -> dict[str, float]:
     """Per kind, schedule ``name``'s measured busy time: emulated, its unprofiled step's
     where the JSON has one, else its traced step's; real NCCL, the lesser of the two,
-    the traced one less its waits for the other ranks (``peer_wait_ms``)."""
+    the traced one less its waits for the other ranks (``peer_wait_ms``; ``traced``: its
+    trace, already read)."""
     entry = data["schedules"].get(name) or {}
     busy = (entry.get("metrics") or {}).get("busy_ms", {}).get("by_kind")
     if busy is None:
@@ -167,8 +169,10 @@ def _busy_ms(path: str | Path, data: dict, name: str,
     unprofiled = unprofiled_busy_ms(entry["side_ms"]) if entry.get("side_ms") else {}
     if emulated:
         return dict(busy) | unprofiled
-    trace = find_trace(path, entry.get("trace"))
-    wait = peer_wait_ms(phases_from_trace(load_trace(trace))) if trace else {}
+    if traced is None:
+        trace = find_trace(path, entry.get("trace"))
+        traced = phases_from_trace(load_trace(trace)) if trace else None
+    wait = peer_wait_ms(traced) if traced is not None else {}
     return {k: min(v - wait.get(k, 0.0), unprofiled.get(k, v)) for k, v in busy.items()}
 
 

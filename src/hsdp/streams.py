@@ -81,6 +81,11 @@ class Tracer:
             out, self.records = self.records, []
         return out
 
+    def add_timed(self, stream: str, label: str, start: Any, end: Any) -> None:
+        """A side op's pair of timing events (CUDA), read by ``side_ms``."""
+        with self._lock:
+            self.timed.append((stream, label, start, end))
+
     def clear(self) -> None:
         with self._lock:
             self.records, self.timed = [], []
@@ -234,8 +239,7 @@ class CudaSideStream(SideStream):
         if traced:  # and the host's cost of issuing it (the simulator's calibration)
             end = torch.cuda.Event(enable_timing=True)
             end.record(self.stream)
-            with self.tracer._lock:
-                self.tracer.timed.append((self.name, label, start, end))
+            self.tracer.add_timed(self.name, label, start, end)
             self.tracer.add(OpRecord(self.name, f"submit:{label}", t0, time.perf_counter(),
                                      threading.get_ident()))
         return event

@@ -1,12 +1,11 @@
 #!/bin/bash
 # The two-GPU runs of docs/benchmarks.md (issue-10 tables) and docs/sim_vs_measured.md, in
 # two device calls of under 10 minutes each (nvidia-h200-x2; traces and host marks kept):
-#   bash scripts/gpu/final_runs.sh tables   # collectives fits; 16x8 emulated, 1x2 and 2x1 real;
-#                                           # tests/test_cuda.py
+#   bash scripts/gpu/final_runs.sh tables   # collectives fits; 16x8 emulated, 1x2 and 2x1 real
 #   bash scripts/gpu/final_runs.sh twins    # emulated twins of the real rows (fabric fitted
 #                                           # from the first call's collectives, in .gpu/runs/),
 #                                           # 2x4 at 12.5 GB/s, 16x8 with 4 microbatches, the
-#                                           # two-GPU tests
+#                                           # two-GPU tests, tests/test_cuda.py
 source scripts/gpu/prefix.sh
 B="python3 -m hsdp bench step --reduce-dtype bf16"
 D=/tmp/runs; mkdir -p $D
@@ -22,7 +21,6 @@ if [ "$1" = tables ]; then
   run real2x1_s1024 110 --mesh 2x1 --seq 1024 --steps 8 --warmup 2 --schedules overlap,serial,fsdp2,mfsdp
   run real2x1_s4096 80 --mesh 2x1 --seq 4096 --steps 5 --warmup 2 --schedules overlap,serial,fsdp2,mfsdp
   tar czf $R/real2x1.tgz -C $D real2x1_s1024 real2x1_s4096
-  timeout 100 python3 -m pytest -q tests/test_cuda.py > $R/pytest_cuda.log 2>&1; echo "pytest cuda rc $?"; tail -2 $R/pytest_cuda.log
 elif [ "$1" = twins ]; then
   for m in 1x2 2x1; do for q in 1024 4096; do run emu${m}_s$q 45 --emulate --mesh $m --seq $q --steps 5 --warmup 2 --schedules overlap,serial --fabric-json .gpu/runs/coll$m.json; done; done
   tar czf $R/twins.tgz -C $D emu1x2_s1024 emu1x2_s4096 emu2x1_s1024 emu2x1_s4096
@@ -30,5 +28,6 @@ elif [ "$1" = twins ]; then
   run emu16x8_s1024_mb4 60 --emulate --mesh 16x8 --seq 1024 --microbatches 4 --steps 4 --warmup 1 --schedules overlap,serial
   tar czf $R/extra.tgz -C $D emu2x4_s4096_outer12.5 emu16x8_s1024_mb4
   timeout 120 python3 -m pytest -q tests/test_multi_gpu.py -k "parity or killed" > $R/pytest_two_gpus.log 2>&1; echo "pytest two GPUs rc $?"; tail -2 $R/pytest_two_gpus.log
+  timeout 200 python3 -m pytest -q tests/test_cuda.py > $R/pytest_cuda.log 2>&1; echo "pytest cuda rc $?"; tail -2 $R/pytest_cuda.log
 fi
 ls -la $R

@@ -35,6 +35,7 @@ from hsdp.pieces import (
     as_dtensor,
     attach_chunks,
     checkpoint_view,
+    direct,
     placeholder_if_empty,
     same_layout,
     spec,
@@ -178,7 +179,8 @@ class ParamGroup:
         """Follow ``requires_grad_`` changes made on the sharded parameters since
         fully_shard (FSDP2 does the same at each unshard): a frozen parameter gets no
         gradient, no reduction and no update; a group with none trainable is not reduced."""
-        now = [p.requires_grad for p in self.sharded]
+        with direct():
+            now = [p.requires_grad for p in self.sharded]
         if now == self.param_requires_grad:
             return
         if any(now) and not self.has_grads:
@@ -384,7 +386,8 @@ class ParamGroup:
         self.grads_live = False
 
     def grads_exposed(self) -> bool:
-        return any(p.grad is not None for p in self.sharded)
+        with direct():
+            return any(p.grad is not None for p in self.sharded)
 
     def reset_backward(self) -> None:
         self.received.clear()
@@ -409,8 +412,9 @@ class ParamGroup:
             self.grad_buf.add_(self.carry)
             used = [u or c for u, c in zip(used, self.carried)]
             self.carry = None
-        for p, v, u in zip(self.sharded, self._grad_views, used):
-            p.grad = v if u else None
+        with direct():
+            for p, v, u in zip(self.sharded, self._grad_views, used):
+                p.grad = v if u else None
         self.used = [False] * len(self.used)
 
     def hide_grads(self) -> None:
@@ -418,9 +422,10 @@ class ParamGroup:
         if they were not cleared (still set, not all zero), is kept in ``carry`` and added
         to the new reduced gradients by ``expose_grads``, as torch accumulates into a
         ``.grad`` left set. Reads the values (a device sync) only when some are set."""
-        grads = [p.grad for p in self.sharded]
-        for p in self.sharded:
-            p.grad = None
+        with direct():
+            grads = [p.grad for p in self.sharded]
+            for p in self.sharded:
+                p.grad = None
         self.carry = None
         if all(g is None for g in grads):
             return

@@ -2,10 +2,10 @@
 Llama-style transformer (RMSNorm, grouped-query attention with RoPE, SwiGLU), with named
 sizes (``PRESETS``).
 
-Both models have the same outline, which ``bench`` and ``sim`` rely on: ``model.blocks``
-(an ``nn.ModuleList``: one ``fully_shard`` unit each) and a root that owns the rest
-(embedding, final norm, head). ``build_model(cfg)`` builds either from its config, also
-on the meta device (``with torch.device("meta"):``).
+Both models have the same outline, which ``bench`` and ``sim`` rely on: ``model.embed``,
+``model.blocks`` (an ``nn.ModuleList``), ``model.head`` and a root that owns the rest (final
+norm; GPT's positions). ``shard_units`` says how they are sharded. ``build_model(cfg)``
+builds either from its config, also on the meta device (``with torch.device("meta"):``).
 """
 
 from __future__ import annotations
@@ -128,6 +128,16 @@ def config_from_dict(d: dict) -> ModelConfig:
 def build_model(cfg: ModelConfig) -> nn.Module:
     """The model of ``cfg`` (on the current default device)."""
     return GPT(cfg) if isinstance(cfg, GPTConfig) else Llama(cfg)
+
+
+def shard_units(model: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """The units to shard before the root, in forward order, each with its
+    ``reshard_after_forward`` (torchtitan's layout): the embedding, every block, and the
+    output head, kept gathered after its forward since its backward comes next. With the
+    embedding and head in the root, the root's backward (first to start, last to finish)
+    would reduce them both at the step's end; as units, the head's reduction hides behind
+    the blocks' backward."""
+    return [(model.embed, True), *((b, True) for b in model.blocks), (model.head, False)]
 
 
 # --------------------------------------------------------------------------- common

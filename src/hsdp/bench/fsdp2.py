@@ -20,15 +20,16 @@ from hsdp.policy import MixedPrecision
 from hsdp.streams import Tracer
 
 
-def shard_fsdp2(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh,
+def shard_fsdp2(model: nn.Module, units: list[tuple[nn.Module, bool]], mesh: DeviceMesh,
                 mp: MixedPrecision) -> nn.Module:
-    """``torch.distributed.fsdp.fully_shard`` on each unit, then on the root (HSDP on a
-    2-D mesh: replicate over "outer", shard over "inner"), with ``mp``'s dtypes."""
+    """``torch.distributed.fsdp.fully_shard`` on each unit (with its
+    ``reshard_after_forward``), then on the root (HSDP on a 2-D mesh: replicate over
+    "outer", shard over "inner"), with ``mp``'s dtypes."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
-    for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    for unit, reshard in units:
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 

@@ -34,7 +34,7 @@ from hsdp.bench.fsdp2 import fsdp2_collectives, shard_fsdp2
 from hsdp.bench.mfsdp import shard_mfsdp
 from hsdp.comm import SleepClock
 from hsdp.fabric import Fabric
-from hsdp.models import ModelConfig, build_model, lm_loss
+from hsdp.models import ModelConfig, build_model, lm_loss, shard_units
 from hsdp.streams import Tracer
 
 
@@ -116,7 +116,7 @@ def build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Devi
     torch.manual_seed(0)
     with torch.device(device):
         model = build_model(model_cfg)
-    units = list(model.blocks)
+    units = shard_units(model)
     cuda = device.type == "cuda"
     schedule = SCHEDULES[name]
     drain = torch.cuda.synchronize if cuda else _nothing
@@ -125,9 +125,9 @@ def build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Devi
         clock = SleepClock.calibrate(device)
         sleep, error = clock, clock.check()
     if schedule.library == "hsdp":
-        for unit in [*units, model]:
+        for unit, reshard in [*units, (model, True)]:
             hsdp.fully_shard(unit, mesh=mesh, strategy=schedule.strategy, mp_policy=mp,
-                             overlap_outer=schedule.overlap)
+                             overlap_outer=schedule.overlap, reshard_after_forward=reshard)
         if emulated:
             error = emulate(model, fabric, device)
         opt = _adamw(model.parameters())
@@ -143,7 +143,8 @@ def build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Devi
         return Trainee(name, model, tracer, comm, partial(_fsdp2_microbatch, model),
                        partial(_update, opt), drain, error)
     outer, inner = mesh.mesh.shape
-    wrapped = shard_mfsdp(model, units, outer, inner, mp, device, _adamw)
+    # Megatron-FSDP as its users run it: each block class a unit, the rest in the root.
+    wrapped = shard_mfsdp(model, list(model.blocks), outer, inner, mp, device, _adamw)
     comm = partial(_peer_comm, partial(wrapped.collectives, tracer), fabric, sleep)
     return Trainee(name, wrapped.model, tracer, comm, partial(_mfsdp_microbatch, wrapped),
                    partial(_update, wrapped.optimizer), drain, error)

@@ -22,13 +22,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import flop_registry
 
 import hsdp
 from hsdp.comm import Collectives
-from hsdp.models import ModelConfig, build_model, lm_loss
+from hsdp.models import ModelConfig, build_model, lm_loss, shard_units
 from hsdp.policy import check_strategy
 from hsdp.report.args import DTYPES
 from hsdp.report.metrics import Interval, step_metrics
@@ -77,7 +78,7 @@ class OpCost:
 @dataclass
 class Recording:
     """The program of a warm-up step and the measured step (from op ``start`` on), and
-    stable names for the runtime's unit labels (root: the model class; blocks: Block<i>)."""
+    stable names for the runtime's unit labels (``shard``)."""
 
     setup: Setup
     program: Program
@@ -242,6 +243,21 @@ def fake_world(world: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def shard(model: torch.nn.Module, mesh: DeviceMesh, setup: Setup,
+          mp: hsdp.MixedPrecision) -> dict[str, str]:
+    """``fully_shard`` ``model``'s units (``shard_units``, as ``bench step``) and its root
+    with ``setup``'s strategy; returns stable names for the units' labels (the root: the
+    model class; Embed, Block<i>, Head)."""
+    kw = dict(mesh=mesh, strategy=setup.strategy, mp_policy=mp,
+              overlap_outer=setup.overlap_outer)
+    for unit, reshard in shard_units(model):
+        hsdp.fully_shard(unit, reshard_after_forward=reshard, **kw)
+    hsdp.fully_shard(model, **kw)
+    return {model._hsdp_unit.label: type(model).__name__,
+            model.embed._hsdp_unit.label: "Embed", model.head._hsdp_unit.label: "Head"} | {
+        b._hsdp_unit.label: f"Block{i}" for i, b in enumerate(model.blocks)}
+
+
 def record(setup: Setup) -> Recording:
     """Run a warm-up step and the measured step of ``setup`` on virtual streams."""
     cfg = setup.model
@@ -250,17 +266,11 @@ def record(setup: Setup) -> Recording:
         with torch.device(setup.device):
             model = build_model(cfg)
         mp = hsdp.MixedPrecision(DTYPES[setup.dtype], DTYPES[setup.reduce_dtype])
-        for blk in model.blocks:
-            hsdp.fully_shard(blk, mesh=mesh, strategy=setup.strategy, mp_policy=mp,
-                             overlap_outer=setup.overlap_outer)
-        hsdp.fully_shard(model, mesh=mesh, strategy=setup.strategy, mp_policy=mp,
-                         overlap_outer=setup.overlap_outer)
+        names = shard(model, mesh, setup, mp)
         root = model._hsdp_unit
         root.streams = streams = Streams.virtual()
         program = streams.program
         root.collectives = Collectives(record=program.collective)
-        names = {root.label: type(model).__name__} | {
-            b._hsdp_unit.label: f"Block{i}" for i, b in enumerate(model.blocks)}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         tokens = torch.zeros(setup.mbs, cfg.seq, dtype=torch.long, device=setup.device)
         with _IssueCompute(program):

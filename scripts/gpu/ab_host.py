@@ -1,15 +1,15 @@
-"""hsdp overlap's step and host time on one GPU (emulated 16x8, seq 1024): one JSON line.
+"""hsdp overlap's step and host time on one GPU (emulated 16x8, seq 1024 or --seq): one
+JSON line.
 
-A/B of code versions, each in its own process (docs/benchmarks.md section 12):
+A/B of code versions, each in its own process (docs/benchmarks.md sections 12 and 13):
 
     for v in old new; do git archive <rev> src | tar -x -C v_$v; done
     for r in 1 2; do for v in old new; do
-        PYTHONPATH=v_$v/src python3 scripts/gpu/ab_host.py $v; done; done
+        PYTHONPATH=v_$v/src python3 scripts/gpu/ab_host.py $v [--seq 4096]; done; done
 """
 import argparse
 import json
 import statistics
-import sys
 import time
 
 import torch
@@ -18,9 +18,13 @@ from hsdp.bench import step as S
 from hsdp.bench.emulate import fake_mesh
 from hsdp.bench.trainee import build, synthetic_batches
 
+mine = argparse.ArgumentParser()
+mine.add_argument("version")
+mine.add_argument("--seq", default="1024")
+ab = mine.parse_args()
 p = argparse.ArgumentParser()
 S.add_arguments(p)
-args = p.parse_args(["--emulate", "--mesh", "16x8", "--seq", "1024", "--reduce-dtype", "bf16"])
+args = p.parse_args(["--emulate", "--mesh", "16x8", "--seq", ab.seq, "--reduce-dtype", "bf16"])
 cfg = S.resolve(args, True, None)
 dev = torch.device("cuda", 0)
 torch.cuda.set_device(dev)
@@ -36,5 +40,5 @@ for _ in range(12):
     h = t.step(b)
     st.append(time.perf_counter() - t0)
     ho.append(h)
-print(json.dumps({"v": sys.argv[1], "step": statistics.median(st) * 1e3,
+print(json.dumps({"v": ab.version, "seq": int(ab.seq), "step": statistics.median(st) * 1e3,
                   "host": statistics.median(ho) * 1e3, "host_min": min(ho) * 1e3}))

@@ -70,3 +70,29 @@ def test_no_fabric_no_delay(groups):
     with intercept({id(inner): "inner"}, Tracer(), None, slept.append):
         dist.all_reduce(torch.zeros(4), group=inner)
     assert slept == []
+
+
+def test_emulated_all_gathers_move_no_data(groups):
+    """torch's fake process group copies an all-gather's input into every chunk of its
+    output (GPU time and copy launches that no real all-gather adds to the modelled time):
+    under emulation the peers' all-gathers, plain and coalesced, and hsdp's own reach it
+    with empty views, so the output is left as it was; the delay stays the full one."""
+    from hsdp.comm import Collectives
+
+    inner, outer, _ = groups
+    full, shard = torch.zeros(64), torch.ones(16)
+    dist.all_gather_into_tensor(full, shard, group=inner)  # not intercepted: copies
+    assert full.sum() == 64
+    fabric = Fabric(Link(100.0, 10.0), Link(10.0, 30.0))
+    slept: list[float] = []
+    peer = types.SimpleNamespace(_coalescing_manager=_coalescing_manager)
+    full.zero_()
+    with intercept({id(inner): "inner", id(outer): "outer"}, Tracer(), fabric, slept.append,
+                   (peer,)):
+        dist.all_gather_into_tensor(full, shard, group=inner)
+        with peer._coalescing_manager(inner, async_ops=True) as cm:
+            dist.all_gather_into_tensor(full, shard, group=inner, async_op=True)
+        cm.wait()
+    Collectives(fabric, slept.append).all_gather(full, shard, inner, "inner")
+    assert full.sum() == 0
+    assert slept == pytest.approx([fabric.seconds("all_gather", "inner", 256, 4)] * 3)

@@ -6,15 +6,27 @@
 #                                           # from the first call's collectives, in .gpu/runs/),
 #                                           # 2x4 at 12.5 GB/s, 16x8 with 4 microbatches, the
 #                                           # two-GPU tests, tests/test_cuda.py
+#   bash scripts/gpu/final_runs.sh emulated # after a change to emulation only: the emulated
+#                                           # rows of both calls again (no real rows, no tests)
 source scripts/gpu/prefix.sh
 B="python3 -m hsdp bench step --reduce-dtype bf16"
 D=/tmp/runs; mkdir -p $D
 run() { n=$1; T=$2; shift 2; mkdir -p $D/$n; timeout $T $B "$@" --json $D/$n/$n.json --out-dir $D/$n > $D/$n/log.txt 2>&1; echo "$n rc $?"; grep -A14 "bench step: mesh" $D/$n/log.txt | cut -c1-200 | grep "│\|vs"; rm -f $D/$n/timeline.png; }
-if [ "$1" = tables ]; then
-  for m in 1x2 2x1; do timeout 60 python3 -m hsdp bench collectives --mesh $m --sizes 4MiB,64MiB,256MiB --iters 5 --warmup 2 --json $D/coll$m.json > $D/coll$m.log 2>&1; echo "coll $m rc $?"; done
+emu16x8() {
   run emu16x8_s1024 100 --emulate --mesh 16x8 --seq 1024 --steps 5 --warmup 2 --schedules overlap,serial,fsdp2,mfsdp
   run emu16x8_s4096 100 --emulate --mesh 16x8 --seq 4096 --steps 5 --warmup 2 --schedules overlap,serial,fsdp2,mfsdp
   tar czf $R/emu16x8.tgz -C $D emu16x8_s1024 emu16x8_s4096
+}
+twins() {
+  for m in 1x2 2x1; do for q in 1024 4096; do run emu${m}_s$q 45 --emulate --mesh $m --seq $q --steps 5 --warmup 2 --schedules overlap,serial --fabric-json .gpu/runs/coll$m.json; done; done
+  tar czf $R/twins.tgz -C $D emu1x2_s1024 emu1x2_s4096 emu2x1_s1024 emu2x1_s4096
+  run emu2x4_s4096_outer12.5 60 --emulate --mesh 2x4 --seq 4096 --outer-gbps 12.5 --steps 5 --warmup 2 --schedules overlap,serial,hfsdp,hfsdp-serial
+  run emu16x8_s1024_mb4 60 --emulate --mesh 16x8 --seq 1024 --microbatches 4 --steps 4 --warmup 1 --schedules overlap,serial
+  tar czf $R/extra.tgz -C $D emu2x4_s4096_outer12.5 emu16x8_s1024_mb4
+}
+if [ "$1" = tables ]; then
+  for m in 1x2 2x1; do timeout 60 python3 -m hsdp bench collectives --mesh $m --sizes 4MiB,64MiB,256MiB --iters 5 --warmup 2 --json $D/coll$m.json > $D/coll$m.log 2>&1; echo "coll $m rc $?"; done
+  emu16x8
   run real1x2_s1024 110 --mesh 1x2 --seq 1024 --steps 8 --warmup 2 --schedules overlap,serial,fsdp2,mfsdp
   run real1x2_s4096 80 --mesh 1x2 --seq 4096 --steps 5 --warmup 2 --schedules overlap,serial,fsdp2,mfsdp
   tar czf $R/real1x2.tgz -C $D real1x2_s1024 real1x2_s4096 coll1x2.json coll2x1.json
@@ -22,12 +34,11 @@ if [ "$1" = tables ]; then
   run real2x1_s4096 80 --mesh 2x1 --seq 4096 --steps 5 --warmup 2 --schedules overlap,serial,fsdp2,mfsdp
   tar czf $R/real2x1.tgz -C $D real2x1_s1024 real2x1_s4096
 elif [ "$1" = twins ]; then
-  for m in 1x2 2x1; do for q in 1024 4096; do run emu${m}_s$q 45 --emulate --mesh $m --seq $q --steps 5 --warmup 2 --schedules overlap,serial --fabric-json .gpu/runs/coll$m.json; done; done
-  tar czf $R/twins.tgz -C $D emu1x2_s1024 emu1x2_s4096 emu2x1_s1024 emu2x1_s4096
-  run emu2x4_s4096_outer12.5 60 --emulate --mesh 2x4 --seq 4096 --outer-gbps 12.5 --steps 5 --warmup 2 --schedules overlap,serial,hfsdp,hfsdp-serial
-  run emu16x8_s1024_mb4 60 --emulate --mesh 16x8 --seq 1024 --microbatches 4 --steps 4 --warmup 1 --schedules overlap,serial
-  tar czf $R/extra.tgz -C $D emu2x4_s4096_outer12.5 emu16x8_s1024_mb4
+  twins
   timeout 120 python3 -m pytest -q tests/test_multi_gpu.py -k "parity or killed" > $R/pytest_two_gpus.log 2>&1; echo "pytest two GPUs rc $?"; tail -2 $R/pytest_two_gpus.log
   timeout 200 python3 -m pytest -q tests/test_cuda.py > $R/pytest_cuda.log 2>&1; echo "pytest cuda rc $?"; tail -2 $R/pytest_cuda.log
+elif [ "$1" = emulated ]; then
+  emu16x8
+  twins
 fi
 ls -la $R

@@ -9,7 +9,8 @@ Emulation: with a ``Fabric``, each collective is preceded by a delay of its mode
 duration on the same stream (``torch.cuda._sleep`` on GPU, ``time.sleep`` on CPU). Under
 torch's ``fake`` process group the collective itself does nothing, so the delay is the
 whole cost: the real schedule, streams and compute, with the network of a cluster we do
-not have.
+not have. (Its all-gathers would copy the input into every chunk of the output: they are
+given empty views, ``fake_all_gather_args``.)
 
 Simulation: with ``record``, each collective only reports ``(kind, axis, nbytes,
 group_size)`` to it (the simulator's virtual streams time it later).
@@ -77,11 +78,20 @@ def _host_sleep(seconds: float) -> None:
         time.sleep(seconds)
 
 
-def _has_avg(group: dist.ProcessGroup, t: torch.Tensor) -> bool:
-    """The backend that runs ``t``'s collective on ``group`` has ReduceOp.AVG (NCCL; torch's
-    fake process group stands for NCCL in emulation)."""
+def backend_name(group: dist.ProcessGroup, t: torch.Tensor) -> str:
+    """The name of the backend that runs ``t``'s collectives on ``group``."""
     device = torch.device("cpu") if t.is_meta else t.device  # meta: the simulator's
-    return group._get_backend(device).name().lower() in ("nccl", "fake")
+    return group._get_backend(device).name().lower()
+
+
+def fake_all_gather_args(out: torch.Tensor,
+                         inp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an all-gather on torch's fake process group is given: empty views of ``out``
+    and ``inp``. That backend copies ``inp`` into every chunk of ``out``: a full write of
+    the gathered buffer on the collective's stream and a copy launch per rank, which no
+    real all-gather adds to the time the fabric models. The call itself, and its work
+    handle, stay."""
+    return out.narrow(0, 0, 0), inp.narrow(0, 0, 0)
 
 
 class Collectives:
@@ -93,7 +103,13 @@ class Collectives:
         self.fabric = fabric
         self._sleep = sleep or _host_sleep
         self._record = record
-        self._avg: dict[tuple[dist.ProcessGroup, bool], bool] = {}
+        self._backends: dict[tuple[dist.ProcessGroup, bool], str] = {}
+
+    def _backend(self, group: dist.ProcessGroup, t: torch.Tensor) -> str:
+        key = (group, t.is_cuda)
+        if key not in self._backends:
+            self._backends[key] = backend_name(group, t)
+        return self._backends[key]
 
     def _reduction(self, avg: bool, group: dist.ProcessGroup, t: torch.Tensor,
                    n: int) -> tuple[dist.ReduceOp, int]:
@@ -101,10 +117,10 @@ class Collectives:
         result by afterwards (1: nothing)."""
         if not avg:
             return dist.ReduceOp.SUM, 1
-        key = (group, t.is_cuda)
-        if key not in self._avg:
-            self._avg[key] = _has_avg(group, t)
-        return (dist.ReduceOp.AVG, 1) if self._avg[key] else (dist.ReduceOp.SUM, n)
+        # NCCL has AVG; torch's fake process group stands for NCCL in emulation
+        if self._backend(group, t) in ("nccl", "fake"):
+            return dist.ReduceOp.AVG, 1
+        return dist.ReduceOp.SUM, n
 
     def _delay(self, kind: str, axis: str, nbytes: int, n: int) -> None:
         if self._record is not None:
@@ -121,6 +137,8 @@ class Collectives:
                 out.copy_(inp)
             return
         self._delay("all_gather", axis, out.numel() * out.element_size(), n)
+        if self._backend(group, out) == "fake":
+            out, inp = fake_all_gather_args(out, inp)
         _all_gather(out, inp, group=group)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,

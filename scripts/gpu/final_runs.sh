@@ -8,6 +8,7 @@
 #                                           # two-GPU tests, tests/test_cuda.py
 #   bash scripts/gpu/final_runs.sh emulated # after a change to emulation only: the emulated
 #                                           # rows of both calls again (no real rows, no tests)
+#   bash scripts/gpu/final_runs.sh emu16x8  # the emulated 16x8 rows of the tables alone
 source scripts/gpu/prefix.sh
 B="python3 -m hsdp bench step --reduce-dtype bf16"
 D=/tmp/runs; mkdir -p $D
@@ -40,5 +41,7 @@ elif [ "$1" = twins ]; then
 elif [ "$1" = emulated ]; then
   emu16x8
   twins
+elif [ "$1" = emu16x8 ]; then
+  emu16x8
 fi
 ls -la $R

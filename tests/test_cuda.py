@@ -98,3 +98,26 @@ def test_traced_side_ops_report_their_stream_time_and_host_span():
     assert (stream, label) == ("ag", "AG:x/0") and 19.0 <= ms < 40.0
     marks = host_marks(s.tracer.take(), 0.0)
     assert [m[1] for m in marks] == ["hsdp:ag:AG:x/0"] and marks[0][3] > 0
+
+
+def test_side_stream_submit_runs_there_and_restores_the_callers_stream_and_device():
+    """A side op runs on its stream; the caller's current stream (any, not only the
+    default) and current device are as they were afterwards, also when the caller's
+    current device is another GPU than hsdp's."""
+    from hsdp.streams import Streams
+
+    s = Streams.create(torch.device("cuda", 0))
+    seen = []
+    mine = torch.cuda.Stream(0)
+    with torch.cuda.stream(mine):
+        s.ag.submit(lambda: seen.append(torch.cuda.current_stream(0)), [], "AG:x/0")
+        assert torch.cuda.current_stream(0) == mine
+    assert seen == [s.ag.stream] and torch.cuda.current_stream(0) == torch.cuda.default_stream(0)
+    if torch.cuda.device_count() > 1:
+        torch.cuda.set_device(1)
+        try:
+            s.rs.submit(lambda: seen.append(torch.cuda.current_stream(0)), [], "RS:x/0")
+            assert torch.cuda.current_device() == 1 and seen[-1] == s.rs.stream
+        finally:
+            torch.cuda.set_device(0)
+    s.ag.submit(lambda: None, [s.compute.record()]).synchronize()

@@ -62,3 +62,15 @@ def test_foreach_results_are_pieces_laid_out_like_their_inputs(fake_world_8):
     for x, r in zip(xs, roots):
         assert type(r) is Piece and r._spec is x._spec
         assert r._hsdp_range == x._hsdp_range
+
+
+def test_in_place_op_on_a_parameter_under_autograd_is_checked_as_torch_does(fake_world_8):
+    """The local fast path runs only without autograd: with it, an in-place op on a
+    parameter that requires grad raises as it does on a plain parameter."""
+    mesh = hsdp.init_mesh(2, 4, "cpu")
+    p = nn.Parameter(_pieces(mesh, 0)[0])
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        p.mul_(2.0)
+    with torch.no_grad():
+        p.mul_(2.0)
+    assert torch.equal(p._local_tensor, _pieces(mesh, 0)[0]._local_tensor * 2)

@@ -69,6 +69,16 @@ def direct() -> torch._C.DisableTorchFunctionSubclass:
     return torch._C.DisableTorchFunctionSubclass()
 
 
+def _any_requires_grad(args: Sequence) -> bool:
+    """Whether a tensor among ``args`` (or in a list there) requires grad."""
+    with direct():
+        for a in args:
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    return True
+    return False
+
+
 def _aligned(s: DTensorSpec, r: DTensorSpec | None) -> bool:
     return s is r or (r is not None and s.placements == r.placements and s.shape == r.shape
                       and s.mesh == r.mesh)
@@ -148,7 +158,11 @@ class Piece(DTensor):
         # and not in ``__torch_dispatch__``: from torch 2.11 DTensor dispatches in C++,
         # which never calls a subclass's ``__torch_dispatch__`` on torch 2.11. Every other
         # op goes on as on a DTensor (which disables ``__torch_function__``).
-        if func in _ELEMENTWISE:
+        # Not where autograd is involved (optimizers run under no_grad): an op on a tensor
+        # that requires grad must meet autograd's checks and recording, which the local
+        # op would skip.
+        if func in _ELEMENTWISE and not (torch.is_grad_enabled() and _any_requires_grad(
+                (*args, *(kwargs or {}).values()))):
             out = _on_locals(func, args, kwargs or {})
             if out is not _DECLINED:
                 return out

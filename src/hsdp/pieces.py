@@ -155,9 +155,9 @@ class Piece(DTensor):
         # Optimizer math on pieces: run on the local tensors directly (no per-tensor
         # re-wrapping into base DTensors and sharding propagation, which made torch's
         # foreach AdamW several times slower on DTensors than on plain tensors). Why here
-        # and not in ``__torch_dispatch__``: from torch 2.11 DTensor dispatches in C++,
-        # which never calls a subclass's ``__torch_dispatch__`` on torch 2.11. Every other
-        # op goes on as on a DTensor (which disables ``__torch_function__``).
+        # and not in ``__torch_dispatch__``: torch 2.11's DTensor dispatches in C++ and
+        # never calls a subclass's ``__torch_dispatch__``. Every other op goes on as on a
+        # DTensor (which disables ``__torch_function__``).
         # Not where autograd is involved (optimizers run under no_grad): an op on a tensor
         # that requires grad must meet autograd's checks and recording, which the local
         # op would skip.

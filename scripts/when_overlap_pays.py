@@ -51,7 +51,7 @@ def rule_of_thumb(r: dict, units: int) -> float:
 def render(report: dict, pngs: list[str], json_name: str, command: str, note: str) -> str:
     meta = report["meta"]["base"]
     model, costs = meta["model"], meta["costs"]
-    units = model["layers"] + 1
+    units = model["layers"] + 3  # the blocks, the embedding, the head, the root
     rows = report["rows"]
     pays = [r for r in rows if r["verdict"] == "pays"]
     lines = [
@@ -123,8 +123,10 @@ def render(report: dict, pngs: list[str], json_name: str, command: str, note: st
         "saving is spread over a step that is `microbatches` times longer.",
         "",
         f"The `rule` column below is that formula with the simulated per-unit averages "
-        f"(B: the last backward's duration / {units} units; the root unit, embedding and "
-        f"head, is larger than a block, and the tail is left out, so it is rough); "
+        f"(B: the last backward's duration / {units} units: the blocks, the embedding, the "
+        f"head and the root, as `models.shard_units` shards them; the embedding and head "
+        f"are larger than a block, the root holds a norm only, and the tail is left out, so "
+        f"it is rough); "
         f"`saving` is the simulation.",
         "",
         "## Summary",

@@ -78,10 +78,19 @@ def _host_sleep(seconds: float) -> None:
         time.sleep(seconds)
 
 
-def backend_name(group: dist.ProcessGroup, t: torch.Tensor) -> str:
-    """The name of the backend that runs ``t``'s collectives on ``group``."""
-    device = torch.device("cpu") if t.is_meta else t.device  # meta: the simulator's
-    return group._get_backend(device).name().lower()
+class BackendNames:
+    """The name of the backend that runs ``t``'s collectives on ``group``, looked up once
+    per group and device kind (the lookup is a call into the process group)."""
+
+    def __init__(self) -> None:
+        self._names: dict[tuple[dist.ProcessGroup, bool], str] = {}
+
+    def __call__(self, group: dist.ProcessGroup, t: torch.Tensor) -> str:
+        key = (group, t.is_cuda)
+        if key not in self._names:
+            device = torch.device("cpu") if t.is_meta else t.device  # meta: the simulator's
+            self._names[key] = group._get_backend(device).name().lower()
+        return self._names[key]
 
 
 def fake_all_gather_args(out: torch.Tensor,
@@ -103,13 +112,7 @@ class Collectives:
         self.fabric = fabric
         self._sleep = sleep or _host_sleep
         self._record = record
-        self._backends: dict[tuple[dist.ProcessGroup, bool], str] = {}
-
-    def _backend(self, group: dist.ProcessGroup, t: torch.Tensor) -> str:
-        key = (group, t.is_cuda)
-        if key not in self._backends:
-            self._backends[key] = backend_name(group, t)
-        return self._backends[key]
+        self._backend = BackendNames()
 
     def _reduction(self, avg: bool, group: dist.ProcessGroup, t: torch.Tensor,
                    n: int) -> tuple[dist.ReduceOp, int]:

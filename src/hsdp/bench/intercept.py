@@ -45,7 +45,7 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
-from hsdp.comm import backend_name, fake_all_gather_args
+from hsdp.comm import BackendNames, fake_all_gather_args
 from hsdp.fabric import Fabric
 from hsdp.streams import OpRecord, Tracer
 
@@ -114,14 +114,7 @@ class _State:
         self.fabric = fabric
         self.sleep = sleep
         self.coalescing: dict[int, list[tuple[str, str]]] = {}
-        self._fake: dict[tuple[int, bool], bool] = {}
-
-    def is_fake(self, group: dist.ProcessGroup, t: torch.Tensor) -> bool:
-        """Whether ``group`` runs ``t``'s collectives on torch's fake process group."""
-        key = (id(group), t.is_cuda)  # the groups in ``axes`` live as long as the state
-        if key not in self._fake:
-            self._fake[key] = backend_name(group, t) == "fake"
-        return self._fake[key]
+        self.backend = BackendNames()
 
 
 def _names(kind: str, axis: str) -> tuple[str, str]:
@@ -142,7 +135,7 @@ def _wrap(fn: Callable, kind: str, sized: str, state: _State) -> Callable:
             return fn(*args, **kwargs)
         stream, label = _names(kind, axis)
         buf = bound.arguments[sized]
-        if kind == "all_gather" and state.is_fake(group, buf):  # as hsdp's Collectives
+        if kind == "all_gather" and state.backend(group, buf) == "fake":  # as Collectives
             out, inp = fake_all_gather_args(buf, bound.arguments["input_tensor"])
             bound.arguments["output_tensor"], bound.arguments["input_tensor"] = out, inp
             args, kwargs = bound.args, bound.kwargs

@@ -58,3 +58,65 @@ def test_no_gathered_buffer_outlives_its_step(fake_world_8):
         net(torch.randn(2, 8))  # no backward follows: everything is released at once
     hsdp.synchronize(net)
     assert not any(_live(g.gathered) for u in units for g in u.groups)
+
+
+def _packed(opt: torch.optim.Optimizer, key: str) -> int:
+    """How many storages hold ``key`` of the optimizer's state."""
+    return len({st[key]._local_tensor.untyped_storage().data_ptr()
+                for st in opt.state.values()})
+
+
+@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
+def test_optimizer_state_is_one_buffer_per_group_and_key(fake_world_8, strategy, monkeypatch):
+    """AdamW's moments of a group's parameters become views into one buffer per moment of
+    the group's shard size, at their parameters' offsets (instead of one odd-sized
+    allocation per parameter), with the values they had; new state (a load) is packed
+    again at the next step."""
+    snapshots = []
+
+    def pack_and_check(self, state, pack=hsdp.group.ParamGroup.pack_state):
+        before = {(id(p), k): v._local_tensor.clone() for p in self.sharded if p in state
+                  for k, v in state[p].items() if v.dim()}
+        pack(self, state)
+        after = {(id(p), k): v._local_tensor for p in self.sharded if p in state
+                 for k, v in state[p].items() if v.dim()}
+        snapshots.append(before.keys() == after.keys() and all(
+            torch.equal(before[k], after[k]) for k in before))
+
+    monkeypatch.setattr(hsdp.group.ParamGroup, "pack_state", pack_and_check)
+    mesh = hsdp.init_mesh(2, 4, "cpu")
+    # Small sizes: several pieces of odd lengths in this rank's part of the root.
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 40), nn.Tanh(),
+                        nn.Linear(40, 3))
+    hsdp.fully_shard(net[4], mesh=mesh, strategy=strategy)
+    hsdp.fully_shard(net, mesh=mesh, strategy=strategy)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+
+    def step():
+        net(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    step()
+    pieces = []
+    for g in _groups(net):
+        held = [(p, a, n) for p, (a, n) in zip(g.sharded, g._slices) if n]
+        pieces.append(len(held))
+        for key in ("exp_avg", "exp_avg_sq"):
+            locals_ = [opt.state[p][key]._local_tensor for p, _, _ in held]
+            storage = locals_[0].untyped_storage()
+            assert storage.nbytes() == g.main.numel() * g.main.element_size()
+            assert all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in locals_)
+            assert [t.storage_offset() for t in locals_] == [a for _, a, _ in held]
+            assert [t.numel() for t in locals_] == [n for _, _, n in held]
+    assert max(pieces) > 1
+    assert snapshots and all(snapshots)
+    packed = _packed(opt, "exp_avg")
+    sd = opt.state_dict()  # as another optimizer would have it: one tensor per parameter
+    opt.load_state_dict({"param_groups": sd["param_groups"], "state": {
+        i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()}})
+    assert _packed(opt, "exp_avg") == len(opt.state) > packed
+    step()
+    assert _packed(opt, "exp_avg") == packed
+    assert all(snapshots)

@@ -23,7 +23,7 @@ that first writes them, freed by ``release_grads``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -32,10 +32,12 @@ from hsdp.comm import Collectives
 from hsdp.layout import FlatLayout
 from hsdp.mesh import CommGroups
 from hsdp.pieces import (
+    Piece,
     as_dtensor,
     attach_chunks,
     checkpoint_view,
     direct,
+    piece_like,
     placeholder_if_empty,
     same_layout,
     spec,
@@ -454,6 +456,37 @@ class ParamGroup:
         return g._local_tensor.reshape(-1)[:self._slices[idx][1]]
 
     # ------------------------------------------------------------------ state
+
+    def pack_state(self, state: Mapping[torch.Tensor, dict]) -> None:
+        """Move the optimizer's elementwise state of this group's parameters (``state``:
+        ``optimizer.state``, values already Pieces) into one flat buffer per state key,
+        laid out like ``main``: each value becomes the view at its parameter's offset. Why:
+        the optimizer allocates one tensor per parameter, and hsdp's pieces are split where
+        the flat shards end, not at rows, so their odd sizes each cost the caching
+        allocator's rounding (about 0.2-0.4 MB a model at 8B sizes, more than FSDP2's round
+        row shards); one buffer per key is a single allocation of the shard's size. Only
+        when every parameter with a piece here has the key (otherwise the buffer would hold
+        room for state that does not exist); values are copied exactly."""
+        held = [(p, a, n) for p, (a, n) in zip(self.sharded, self._slices) if n]
+        states = [state.get(p) for p, _, _ in held]
+        if not held or any(st is None for st in states):
+            return
+        for key in set.intersection(*(set(st) for st in states)):
+            values = [st[key] for st in states]
+            if not all(isinstance(v, Piece) and v._local_tensor.numel() == n
+                       and v.dtype == values[0].dtype for v, (_, _, n) in zip(values, held)):
+                continue
+            locals_ = [v._local_tensor for v in values]
+            base = locals_[0].untyped_storage()
+            if base.nbytes() == self.main.numel() * locals_[0].element_size() and all(
+                    t.untyped_storage().data_ptr() == base.data_ptr() and t.storage_offset() == a
+                    for t, (_, a, _) in zip(locals_, held)):
+                continue  # packed already
+            flat = torch.zeros_like(self.main, dtype=values[0].dtype, device=locals_[0].device)
+            views = [flat[a:a + n] for _, a, n in held]
+            torch._foreach_copy_(views, locals_)
+            for st, (p, _, _), view in zip(states, held, views):
+                st[key] = piece_like(p, view)
 
     def load_flat(self, flat: torch.Tensor) -> None:
         """Take this rank's shards from ``flat``, the whole group in the original dtype

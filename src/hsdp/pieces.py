@@ -135,7 +135,7 @@ def _on_locals(func, args: tuple, kwargs: dict):
     # New tensors (e.g. AdamW's sqrt of its second moment) are laid out like the first
     # argument's: Pieces where those are, so that the ops the optimizer runs on them next
     # take this path too, not DTensor's (which re-checks every spec at each op).
-    return [_like(t, o) if isinstance(t, Piece) else DTensor(o, r, requires_grad=False)
+    return [piece_like(t, o) if isinstance(t, Piece) else DTensor(o, r, requires_grad=False)
             for t, o, r in zip(first, out, refs)]
 
 
@@ -169,7 +169,7 @@ class Piece(DTensor):
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
 
     def detach(self) -> Piece:  # nn.Parameter requires detach() to keep the type
-        return _like(self, self._local_tensor.detach())
+        return piece_like(self, self._local_tensor.detach())
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None
                     ) -> torch.Tensor:
@@ -216,7 +216,8 @@ def as_dtensor(local: torch.Tensor, dspec: DTensorSpec, start: int, length: int,
     return out
 
 
-def _like(piece: Piece, local: torch.Tensor) -> Piece:
+def piece_like(piece: Piece, local: torch.Tensor) -> Piece:
+    """A Piece laid out like ``piece`` over ``local`` (no copy)."""
     return as_dtensor(local, piece._spec, *piece._hsdp_range, piece._hsdp_groups)
 
 
@@ -265,7 +266,7 @@ def checkpoint_view(like: Piece, local: torch.Tensor) -> Piece:
     state dicts hold: DCP writes from and loads into it in place)."""
     local = local.view(-1)  # a fresh alias: the hooks are attributes of the tensor object
     attach_chunks(local, tuple(like.shape), *like._hsdp_range)
-    return _like(like, local)
+    return piece_like(like, local)
 
 
 def same_layout(state: torch.Tensor, param: DTensor) -> bool:
@@ -286,4 +287,4 @@ def adopt_state(params_state: dict) -> None:
             continue
         for k, v in st.items():
             if type(v) is DTensor and same_layout(v, p):
-                st[k] = _like(p, v._local_tensor)
+                st[k] = piece_like(p, v._local_tensor)

@@ -776,6 +776,8 @@ class Runtime:
         key = (id(optimizer.state), len(optimizer.state))
         if self._adopted_state.get(optimizer) != key:  # new state (first steps, loads)
             adopt_state(optimizer.state)
+            for g in self.trainable:
+                g.pack_state(optimizer.state)
             self._adopted_state[optimizer] = key
         # In-place foreach ops on DTensors bump no version counter: every group the
         # optimizer holds a parameter of counts as written (which only hfsdp's outer

@@ -438,3 +438,22 @@ def test_a_stuck_rank_makes_the_others_raise_within_the_timeout() -> None:
     for r, res in enumerate(results[:3]):
         assert res.get("error", "").startswith("hsdp:"), (r, res)
         assert res["seconds"] < 3 * STUCK_TIMEOUT_S + 2, (r, res)
+
+
+def test_the_slow_agreement_watch_fires_only_when_still_armed() -> None:
+    """The agreement's slow-wait callback (which leaves the note blocked peers read) runs
+    once its time has passed, not after a disarm, and again when re-armed."""
+    from hsdp.agreement import _SlowWatch
+    watch, fired = _SlowWatch(), []
+    armed = watch.arm(0.05, lambda: fired.append("a"))
+    watch.disarm(armed)
+    watch.arm(0.05, lambda: fired.append("b"))
+    deadline = time.monotonic() + 5
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert fired == ["b"]
+    watch.arm(0.01, lambda: fired.append("c"))
+    while len(fired) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fired == ["b", "c"]

@@ -275,3 +275,40 @@ def adamw_job(rank: int, world: int, outer: int) -> dict[str, tuple[bool, bool]]
         out[f"{strategy}/foreach={foreach}"] = (all(torch.equal(a[k], b[k]) for k in a),
                                                 any(not torch.equal(a[k], start[k]) for k in a))
     return out
+
+
+def lagging_outer_job(rank: int, world: int, no_hold: bool = False) -> dict[str, bool]:
+    """bf16 reduction on real NCCL over an outer axis of ``world`` ranks, whose link is
+    emulated at 1 GB/s on top of the real all-reduce: the outer stream runs several units
+    behind the backward, while the reduce-scatter stream allocates the next units'
+    results. Whether the overlapped schedule's parameters after three steps equal the
+    serialized one's bit for bit. ``no_hold``: without ``SideStream.hold`` (a check that
+    this job sees the reuse it guards against)."""
+    from hsdp.bench.emulate import emulate
+    from hsdp.fabric import Fabric, Link
+    from hsdp.models import GPT, GPTConfig, lm_loss
+    from hsdp.streams import CudaSideStream
+
+    if no_hold:
+        CudaSideStream.hold = lambda self, t: None
+    dev = torch.device("cuda", torch.cuda.current_device())
+    mesh = hsdp.init_mesh(world, 1, "cuda")
+    mp = hsdp.MixedPrecision(torch.bfloat16, torch.bfloat16)
+    cfg = GPTConfig(vocab=256, hidden=512, heads=8, ffn=2048, layers=4, seq=64)
+    params = {}
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        model = GPT(cfg).to(dev)
+        for blk in model.blocks:
+            hsdp.fully_shard(blk, mesh=mesh, mp_policy=mp, overlap_outer=overlap)
+        hsdp.fully_shard(model, mesh=mesh, mp_policy=mp, overlap_outer=overlap)
+        emulate(model, Fabric(outer=Link(1.0)), dev)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            gen = torch.Generator(dev).manual_seed(100 * step + rank)
+            tokens = torch.randint(0, cfg.vocab, (4, cfg.seq), device=dev, generator=gen)
+            lm_loss(model(tokens), tokens).backward()
+            opt.step()
+            opt.zero_grad()
+        params[overlap] = [v.cpu() for v in hsdp.full_state_dict(model).values()]
+    return {"equal": all(torch.equal(a, b) for a, b in zip(params[True], params[False]))}

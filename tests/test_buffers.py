@@ -80,8 +80,10 @@ def test_optimizer_state_is_one_buffer_per_group_and_key(fake_world_8, strategy,
         pack(self, state)
         after = {(id(p), k): v._local_tensor for p in self.sharded if p in state
                  for k, v in state[p].items() if v.dim()}
+        # Bit for bit: the fake world's collectives leave garbage (NaNs too) in the values.
         snapshots.append(before.keys() == after.keys() and all(
-            torch.equal(before[k], after[k]) for k in before))
+            torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8))
+            for k in before))
 
     monkeypatch.setattr(hsdp.group.ParamGroup, "pack_state", pack_and_check)
     mesh = hsdp.init_mesh(2, 4, "cpu")

@@ -20,7 +20,7 @@ from datetime import timedelta
 import pytest
 import torch
 from dist_utils import run_ranks
-from parity_jobs import Case, parity_job
+from parity_jobs import Case, lagging_outer_job, parity_job
 from soak_job import soak_job
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -61,6 +61,13 @@ def test_parity_2x2_two_ranks_per_gpu() -> None:
 def test_parity_1x2_and_2x1_one_rank_per_gpu() -> None:
     cases = matrix([(1, 2), (2, 1)])
     check_parity(run_ranks(parity_job, 2, cases, backend="nccl"), cases)
+
+
+@needs(2)
+def test_parity_bf16_reduction_with_a_lagging_outer_stream() -> None:
+    """The reduce-scatter's bf16 result goes to the outer all-reduce on another stream
+    (``SideStream.hold``): overlapped and serialized schedules train the same bits."""
+    assert all(r["equal"] for r in run_ranks(lagging_outer_job, 2, backend="nccl"))
 
 
 @needs(4)

@@ -167,6 +167,7 @@ class ParamGroup:
         self.received: set[int] = set()
         self.used = [False] * len(self.unsharded)  # got a gradient on this rank in this step
         self.local_grads: torch.Tensor | None = None  # unsynced microbatches' gradients
+        self._to_outer: torch.Tensor | None = None  # reduce_scatter's result for outer_reduce
         self.carry: torch.Tensor | None = None  # [C]: uncleared .grads (see hide_grads)
         self.carried: list[bool] = []  # which parameters had a .grad then
         self.reduced = False
@@ -334,16 +335,21 @@ class ParamGroup:
         self.reduced = True
 
     def reduce_scatter(self, stream: SideStream, coll: Collectives, rs_in: torch.Tensor,
-                       first: bool, after: Sequence[Event]) -> Event:
+                       first: bool, after: Sequence[Event], outer_next: bool = False) -> Event:
         """Inner reduce-scatter of ``rs_in`` into ``accum`` (overwrite on the first
-        microbatch of a step, accumulate after)."""
+        microbatch of a step, accumulate after). ``outer_next``: ``outer_reduce`` follows
+        in this step; hsdp's all-reduce then takes the reduce-dtype result as it is and
+        casts it into ``accum`` once (as FSDP2 does), instead of a cast into ``accum``
+        here and two around the all-reduce (same values: the result is exact in both)."""
         def run() -> None:
             _allocate(self.accum)
             direct = first and self.reduce_dtype == self.accum.dtype
             out = self.accum if direct else torch.empty(
                 self.layout.shard_numel, dtype=self.reduce_dtype, device=rs_in.device)
             coll.reduce_scatter(out, rs_in, self.comms.inner_rs, "inner", avg=True)
-            if first and not direct:
+            if first and not direct and outer_next and not self.shard_outer:
+                self._to_outer = out
+            elif first and not direct:
                 self.accum.copy_(out)
             elif not first:
                 self.accum.add_(out)
@@ -362,7 +368,11 @@ class ParamGroup:
         """Outer all-reduce of ``accum`` (hsdp) or outer reduce-scatter into ``grad_buf``."""
         def run() -> None:
             _allocate(self.accum)  # a replayed reduction may find it freed
-            src = self.accum.to(self.reduce_dtype)  # no copy when dtypes match
+            src, self._to_outer = self._to_outer, None  # the inner result, if left for us
+            if src is not None:
+                stream.hold(src)  # allocated on rs: not reused before this stream is done
+            else:
+                src = self.accum.to(self.reduce_dtype)  # no copy when dtypes match
             if self.shard_outer:
                 _allocate(self.grad_buf)
                 out = self.grad_buf if self.grad_buf.dtype == src.dtype else torch.empty(
@@ -402,6 +412,7 @@ class ParamGroup:
             p.grad = None
         self.used = [False] * len(self.used)
         self.local_grads = None
+        self._to_outer = None
         self.carry = None
         self.reset_backward()
 

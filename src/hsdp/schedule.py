@@ -565,11 +565,12 @@ class Runtime:
             g.keep_local(rs_in)
             return
         copied = self.streams.compute.record()
+        outer_next = self.is_last and g.has_outer_reduction
         # rs waits: the reduce-scatter reads rs_in, written on compute by the copy-in.
         ev_rs = self._logged("RS", g, self.streams.rs, g.reduce_scatter(
-            self.streams.rs, self.coll, rs_in, self.rs_first, [copied]))
+            self.streams.rs, self.coll, rs_in, self.rs_first, [copied], outer_next))
         self._pending_rs.append((g, rs_in, ev_rs))
-        if self.is_last and g.has_outer_reduction:
+        if outer_next:
             stream = self.streams.outer if self.overlap else self.streams.rs
             # outer waits: it reduces the inner shard that RS_i has just accumulated.
             self._outer_events.append(

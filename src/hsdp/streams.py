@@ -150,6 +150,13 @@ class SideStream(ABC):
                label: str = "") -> Event:
         """Run ``fn`` on this stream after ``after``; returns its completion event."""
 
+    def hold(self, t: torch.Tensor) -> None:
+        """From inside an op of this stream: keep ``t``, allocated by another stream, from
+        being reused until this stream's work issued so far is done (CUDA's caching
+        allocator would hand a freed block back to its own stream at once; on CPU threads
+        and virtual streams memory is not reused early)."""
+        return  # nothing to do where memory is only reused once its last reference is gone
+
 
 # --------------------------------------------------------------------------- CUDA
 
@@ -253,6 +260,8 @@ class CudaSideStream(SideStream):
                                      threading.get_ident()))
         return event
 
+    def hold(self, t: torch.Tensor) -> None:
+        t.record_stream(self.stream)
 
     @contextmanager
     def _current(self) -> Iterator[None]:

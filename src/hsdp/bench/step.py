@@ -444,8 +444,9 @@ def bench(cfg: Config, device: torch.device, mesh: DeviceMesh) -> dict:
             with _oom_guard(t.name, cfg):
                 _phase_memory(t, batches, device)
         progress("memory per phase: one step of each schedule")
-    recorded = _record(cfg, trainees, batches, cuda)
-    progress(f"recorded: {cfg.record_steps} interleaved steps of each schedule, tracer on")
+    cpu_records = _record(cfg, trainees, batches, cuda)
+    progress(f"recorded: {cfg.record_steps} interleaved steps of each "
+             f"{'hsdp ' if cuda else ''}schedule, tracer on")
     reference = None
     if cfg.emulate:
         reference = _collective_free(cfg, trainees, batches, device)
@@ -458,7 +459,7 @@ def bench(cfg: Config, device: torch.device, mesh: DeviceMesh) -> dict:
                 path = _trace(t, batches, cfg, k, cuda)
             if path is not None:
                 paths[t.name].append(path)
-    traces = {name: (_intervals(p[0], recorded.get(name)) if p else [], p)
+    traces = {name: (_intervals(p[0], cpu_records.get(name)) if p else [], p)
               for name, p in paths.items()}
     progress(f"traced: {cfg.trace_steps} profiled steps of each schedule")
     return _results(cfg, device, trainees, traces, reference)

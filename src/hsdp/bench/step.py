@@ -753,7 +753,8 @@ def _report(result: dict, cfg: Config) -> None:
         with open(cfg.json_path, "w") as f:
             json.dump(result, f, indent=2)
     where = [f"traces: {Path(cfg.out_dir) / 'trace_<schedule>.json.gz'}"
-             + (f" (and trace_<schedule>.<k>.json.gz, k = 2..{cfg.trace_steps})"
+             + (f" (and trace_<schedule>.<k>.json.gz, k = "
+                f"{'2' if cfg.trace_steps == 2 else f'2..{cfg.trace_steps}'})"
                 if cfg.trace_steps > 1 else "")]
     if "timeline" in result["meta"]:
         where.append(f"timeline: {result['meta']['timeline']}")

@@ -187,6 +187,7 @@ def test_options_and_registration():
     demo = parser.parse_args(["demo"])
     assert step.schedules == ("overlap", "serial", "fsdp2")
     assert demo.schedules == step.schedules and demo.steps < step.steps
+    assert demo.record_steps == demo.trace_steps == 1  # nothing to calibrate
     assert demo.model_defaults["cpu"]["hidden"] <= step.model_defaults["cpu"]["hidden"]
 
 

@@ -159,7 +159,7 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
         runs = [_busy_ms(path, data, name, traced=measured if name == schedule else None)
                 for name in {schedule, times_from or schedule}]
         busy_ms = {k: min(r[k] for r in runs if k in r) for k in runs[0]}
-    else:  # emulated: no peers to wait for; the schedule's unprofiled step if it has one
+    else:  # emulated: no peers to wait for; the schedule's unprofiled steps if it has them
         busy_ms = _busy_ms(path, data, times_from or schedule, emulated=True)
     return dataclasses.replace(costs, comm_scale=_comm_scale(evaluate(rec, own).metrics,
                                                              busy_ms))
@@ -167,10 +167,10 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
 
 def _busy_ms(path: str | Path, data: dict, name: str, emulated: bool = False,
              traced: TracePhases | None = None) -> dict[str, float]:
-    """Per kind, schedule ``name``'s measured busy time: emulated, its unprofiled step's
-    where the JSON has one, else its traced step's; real NCCL, the lesser of the two,
-    the traced one less its waits for the other ranks (``peer_wait_ms``; ``traced``: its
-    trace, already read)."""
+    """Per kind, schedule ``name``'s measured busy time: emulated, its unprofiled steps'
+    (``unprofiled_busy_ms``) where the JSON has them, else its first traced step's; real
+    NCCL, the lesser of the two, the traced one less its waits for the other ranks
+    (``peer_wait_ms``; ``traced``: its traces, already read)."""
     entry = data["schedules"].get(name) or {}
     busy = (entry.get("metrics") or {}).get("busy_ms", {}).get("by_kind")
     if busy is None:

@@ -5,11 +5,13 @@
     python scripts/sim_vs_measured.py runs/*/*.json --calibrate-from runs/a/a.json
 
 Measuring the rows (``scripts/gpu/final_runs.sh tables`` then ``... twins`` on two H200s:
-the bench's default model, 8 Llama-8B layers; each run's JSON next to its traces, so that
-the calibration finds them; the JSON also holds the host marks and per-op stream times of
-a step without the profiler):
+the bench's default model, 8 Llama-8B layers; each run's JSON next to its traces, one per
+profiled step (``--trace-steps``), so that the calibration finds them; the JSON also
+holds the host marks and per-op stream times of each of ``--record-steps`` steps without
+the profiler):
 
-    B="python -m hsdp bench step --reduce-dtype bf16 --steps 5 --warmup 2"
+    B="python -m hsdp bench step --reduce-dtype bf16 --steps 5 --warmup 2 \
+       --record-steps 5 --trace-steps 3"
     run() { n=$1; shift; $B "$@" --json runs/$n/$n.json --out-dir runs/$n; }
     run emu16x8_s1024 --emulate --mesh 16x8 --seq 1024 --schedules overlap,serial,fsdp2,mfsdp
     run real1x2_s1024 --mesh 1x2 --seq 1024 --schedules overlap,serial,fsdp2,mfsdp
@@ -24,9 +26,12 @@ collective times (``comm_scale``), or ``--fabric-json`` from ``bench collectives
 For each JSON and each hsdp schedule in it, the simulator runs the same setup (model,
 mesh, microbatches, dtypes; the JSON's emulated fabric, else ``--fabric-json`` /
 the defaults) and its step time, saving and busy times are set next to the measured
-ones. Calibration: ``self`` (default) fits each row to its own run (the traced step's
-per-phase times when its Chrome trace is found next to the JSON or at the path it names,
-else its compute busy time); a path fits every row to that one run.
+ones. Calibration (``hsdp.sim.calibrate``): ``self`` (default) fits each row to its own
+run (when its Chrome traces are found next to the JSON or at the paths it names, the
+per-phase times: device time per phase class the least over the profiled steps, host time
+per phase and side op the median over the unprofiled recorded steps; else its compute
+busy time); a path fits every row to that one run. JSONs of older runs hold one profiled
+and one recorded step.
 """
 
 from __future__ import annotations
@@ -115,16 +120,17 @@ def render(rows: list[dict], command: str, calibration: str, host_us: float,
     cal_text = (
         "each row is fitted to its run's overlapped schedule (hsdp's `overlap`, "
         "hfsdp's `hfsdp`), except for the host time per step and the collectives' busy "
-        "times, which are the row's own schedule's: with the Chrome trace, the step's "
-        "measured device "
-        "time per phase (forward / backward / copy-in of each unit class), the memory "
-        "bandwidth of the optimizer and copy-in, per collective kind the busy time and "
-        "the share of its own casts and copies that held compute up; the "
-        "host time per phase and per side-stream op from the `host_marks` of a step "
-        "without the profiler when the JSON has them (the profiler slows the host "
-        "unevenly), else from the trace, scaled to the unprofiled host time `t_host_ms`; "
-        "without a trace, only the achieved TFLOP/s, fitted to the run's compute busy "
-        "time" if calibration == "self" else
+        "times, which are the row's own schedule's: with the Chrome traces, the "
+        "measured device time per phase (forward / backward / copy-in of each unit "
+        "class; the least over the profiled steps, a run of older code has one), the "
+        "memory bandwidth of the optimizer and copy-in, per collective kind the busy "
+        "time (each op's median over the steps recorded without the profiler when the "
+        "JSON has them) and the share of its own casts and copies that held compute up; "
+        "the host time per phase and per side-stream op from the host marks of the "
+        "steps recorded without the profiler when the JSON has them (the median over "
+        "them; the profiler slows the host unevenly), else from the trace, scaled to "
+        "the unprofiled host time `t_host_ms`; without a trace, only the achieved "
+        "TFLOP/s, fitted to the run's compute busy time" if calibration == "self" else
         f"every row is fitted to one run, `{calibration}` (its trace's per-phase table "
         f"applies to rows of the same model, sequence and micro-batch size; the others "
         f"use the fitted TFLOP/s, memory bandwidth and host cost per op)")

@@ -31,7 +31,10 @@ def bench_step(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def check_result(path: Path, out_dir: Path, schedules: list[str]) -> dict:
+def check_result(path: Path, out_dir: Path, schedules: list[str], recorded: int = 3,
+                 traced: int = 2) -> dict:
+    """The JSON's shape; ``recorded`` / ``traced``: the steps recorded without the
+    profiler (hsdp's host marks of each) and the profiled steps (a trace each)."""
     result = json.loads(path.read_text())
     meta = result["meta"]
     for key in ("hardware", "torch", "nccl", "mesh", "emulate", "fabric",
@@ -49,7 +52,21 @@ def check_result(path: Path, out_dir: Path, schedules: list[str]) -> dict:
         for key in METRICS:  # fsdp2 included: its collectives are wrapped and traced
             assert s[key] >= 0 and math.isfinite(s[key]), (name, key, s[key])
         assert s["lower_bound_ms"] > 0
-        assert Path(s["trace"]).is_file()
+        assert s["traces"][0] == s["trace"] and len(s["traces"]) == traced
+        assert [Path(t).name for t in s["traces"]] == [
+            f"trace_{name}{f'.{k}' if k > 1 else ''}.json.gz" for k in range(1, traced + 1)]
+        assert all(Path(t).is_file() for t in s["traces"])
+        if s["library"] == "hsdp":  # each recorded step's phase marks (CPU: no submits)
+            assert len(s["host_marks_steps"]) == recorded
+            for marks in s["host_marks_steps"]:
+                begins = [name.rstrip("0123456789") for _, name, _, _ in marks
+                          if name.startswith("hsdp.begin:")]
+                assert begins.count("hsdp.begin:OPTIMIZER:Llama") == 1, begins
+                assert begins.count("hsdp.begin:FWD:LlamaBlock") == 2 * meta["model"][
+                    "microbatches"]  # 2 layers
+            assert s["side_ms_steps"] == [[]] * recorded  # timing events on GPU only
+        else:
+            assert s["host_marks_steps"] is None and s["side_ms_steps"] is None
         by_kind = s["metrics"]["busy_ms"]["by_kind"]
         assert by_kind["compute"] > 0 and by_kind["inner"] > 0 and by_kind["outer"] > 0
     assert (out_dir / "timeline.png").stat().st_size > 0
@@ -59,7 +76,7 @@ def check_result(path: Path, out_dir: Path, schedules: list[str]) -> dict:
 def check_output(proc: subprocess.CompletedProcess) -> None:
     """A progress line per phase, where the files went, no profiler start/stop lines."""
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for phase in ("built", "warm-up:", "timed:", "traced:"):
+    for phase in ("built", "warm-up:", "timed:", "recorded:", "traced:"):
         assert f"bench step: {phase}" in proc.stderr, phase
     assert "profiler_start" not in proc.stderr + proc.stdout
     assert "timeline.png" in proc.stdout and "trace_<schedule>.json.gz" in proc.stdout
@@ -85,11 +102,12 @@ def test_emulated_mesh(tmp_path):
     out = tmp_path / "step.json"
     schedules = ["overlap", "serial", "hfsdp", "fsdp2"]
     proc = bench_step("--emulate", "--mesh", "2x4", *TINY, "--microbatches", "2",
-                      "--schedules", ",".join(schedules), "--json", str(out),
+                      "--schedules", ",".join(schedules), "--record-steps", "2",
+                      "--trace-steps", "1", "--json", str(out),
                       "--out-dir", str(tmp_path / "traces"))
     check_output(proc)
     assert "bench step: collective-free:" in proc.stderr
-    result = check_result(out, tmp_path / "traces", schedules)
+    result = check_result(out, tmp_path / "traces", schedules, recorded=2, traced=1)
     ref = result["reference"]
     assert ref["name"] == "unsharded" and 0 < ref["t_step_min_ms"] <= ref["t_step_ms"]
     for s in result["schedules"].values():  # every schedule's collective-free step
@@ -101,6 +119,7 @@ def test_emulated_mesh(tmp_path):
     assert meta["fabric"]["inner"]["bus_gbps"] == 370.0
     assert meta["fabric"]["outer"]["latency_us"] == 20.0
     assert meta["global_tokens_per_step"] == 8 * 2 * 16 * 2
+    assert meta["record_steps"] == 2 and meta["trace_steps"] == 1
 
 
 def test_missing_or_unsupported_peer_is_a_clear_error():
@@ -168,6 +187,7 @@ def test_options_and_registration():
     demo = parser.parse_args(["demo"])
     assert step.schedules == ("overlap", "serial", "fsdp2")
     assert demo.schedules == step.schedules and demo.steps < step.steps
+    assert demo.record_steps == demo.trace_steps == 1  # nothing to calibrate
     assert demo.model_defaults["cpu"]["hidden"] <= step.model_defaults["cpu"]["hidden"]
 
 
@@ -186,3 +206,7 @@ def test_default_model_is_llama_style():
         cfg("--arch", "gpt", "--kv-heads", "2")
     with pytest.raises(SystemExit, match="not a multiple of kv_heads"):
         cfg("--heads", "4", "--kv-heads", "3")
+    assert (cfg().record_steps, cfg().trace_steps) == (3, 2)
+    for flag in ("--record-steps", "--trace-steps"):
+        with pytest.raises(SystemExit, match=f"{flag} >= 1"):
+            cfg(flag, "0")

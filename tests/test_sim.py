@@ -18,12 +18,16 @@ from hsdp.__main__ import main
 from hsdp.fabric import Fabric, Link
 from hsdp.models import GPTConfig, LlamaConfig, build_model
 from hsdp.sim.calibrate import (
+    TracePhases,
     _exclusive,
     _host_between_phases,
     calibrate,
     fit_tflops,
+    least_device_time,
     peer_wait_ms,
     phases_from_trace,
+    recorded_steps,
+    unprofiled_busy_ms,
     with_host_marks,
 )
 from hsdp.sim.costs import CostModel, PhaseCost, phase_class
@@ -337,11 +341,49 @@ def test_phases_from_a_trace():
     # and instances stay the trace's.
     marks = [[e["tid"], e["name"], e["ts"] / 2, e["dur"] / 2] for e in events
              if e["cat"] == "user_annotation"]
-    fast = with_host_marks(m, marks)
+    fast = with_host_marks(m, [marks])
     assert {k: [v[0], round(v[1] * 1e3, 6), round(v[2] * 1e3, 6)]
             for k, v in fast.phases.items()} == {
         k: [v[0], v[1] / 2, v[2]] for k, v in ph.items()}
     assert fast.side_host_ms == [0.002] and fast.span_ms == pytest.approx(0.06)
+
+    # Several steps: per phase class, side op and span, the median over the steps; a
+    # step three times as slow (a hiccup) and one twice as fast move nothing.
+    slow = [[tid, name, ts * 3, dur * 3] for tid, name, ts, dur in marks]
+    faster = [[tid, name, ts / 2, dur / 2] for tid, name, ts, dur in marks]
+    steady = with_host_marks(m, [slow, marks, faster])
+    assert steady.phases == fast.phases
+    assert steady.side_host_ms == [0.002] and steady.span_ms == pytest.approx(0.06)
+    assert with_host_marks(m, [marks, slow, marks]).phases == fast.phases
+
+
+def test_per_step_records_combine_by_the_median_per_op():
+    """The unprofiled steps' stream times: each op (by stream, label and occurrence) the
+    median over the steps; older JSONs' single step read as one step."""
+    step = [["outer", "OUTER_AR:Block0/0", 1.0], ["outer", "OUTER_AR:Block0/0", 2.0],
+            ["rs", "RS:Block0/0", 0.5], ["ag", "FREE:Block0/0", 0.1]]
+    waited = [[s, label, ms * 10 if label.startswith("RS") else ms] for s, label, ms in step]
+    fast = [[s, label, ms / 2] for s, label, ms in step]
+    assert unprofiled_busy_ms([step]) == {"outer": 3.0, "inner_rs": 0.5}
+    assert unprofiled_busy_ms([step, waited, fast]) == {"outer": 3.0, "inner_rs": 0.5}
+    assert unprofiled_busy_ms([step, fast]) == {"outer": 2.25, "inner_rs": 0.375}
+    assert recorded_steps({"side_ms": step}, "side_ms") == [step]
+    assert recorded_steps({"side_ms_steps": [step, [], fast]}, "side_ms") == [step, fast]
+    assert recorded_steps({"side_ms": None, "side_ms_steps": None}, "side_ms") == []
+
+
+def test_least_device_time_over_profiled_steps():
+    """Per phase class, the least device time of the profiled steps that ran it as many
+    times; everything else is the first step's."""
+    first = TracePhases({"FWD:Block": [2, 1.0, 9.0], "BWD:Block": [2, 2.0, 8.0]}, [0.1], 5.0,
+                        collectives={"AG:Block/0": [1.0]})
+    second = TracePhases({"FWD:Block": [2, 3.0, 7.0], "BWD:Block": [2, 4.0, 9.0]}, [0.2], 6.0)
+    partial = TracePhases({"FWD:Block": [1, 0.5, 1.0]}, [], 1.0)
+    least = least_device_time([first, second, partial])
+    assert least.phases == {"FWD:Block": [2, 1.0, 7.0], "BWD:Block": [2, 2.0, 8.0]}
+    assert least.side_host_ms == [0.1] and least.span_ms == 5.0
+    assert least.collectives == first.collectives
+    assert first.phases["FWD:Block"] == [2, 1.0, 9.0]  # not modified in place
 
 
 def test_exclusive_share_counts_compute_held_up_not_idle():
@@ -368,22 +410,32 @@ def test_blocked_launches_and_peer_waits_are_not_host_or_transfer_time():
     assert peer_wait_ms(m) == {"inner_rs": pytest.approx(0.032)}  # (40 - 10) + (12 - 10) us
 
 
+def _llama_step(kernel_us: float = 3000, host_us: tuple[float, ...] = (1000,) * 3
+                ) -> list[dict]:
+    """A profiled forward of TINY_LLAMA: the root's 1 ms of host, then each block's
+    ``host_us`` of host and one kernel of ``kernel_us``; the optimizer's 1 ms of host."""
+    labels = ["FWD:Llama90"] + [f"FWD:LlamaBlock{90 + i}" for i in range(1, 4)]
+    events, t = [], 0
+    for i, (label, host) in enumerate(zip(labels[1:], host_us)):
+        events += [_ev(f"hsdp.begin:{label}", t, 0), _ev(f"hsdp.end:{label}", t + host, 0),
+                   *_kernel(i, 10_000 + kernel_us * i, kernel_us, t + 10)]
+        t += host
+    return events + [_ev(f"hsdp.begin:{labels[0]}", -1000, 0),
+                     _ev(f"hsdp.end:{labels[0]}", t, 0),
+                     _ev("hsdp.begin:OPTIMIZER:Llama90", t, 0),
+                     _ev("hsdp.end:OPTIMIZER:Llama90", t + 1000, 0)]
+
+
+def _write_trace(path: Path, events: list[dict]) -> None:
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
 def test_calibrate_from_json_and_trace(fake_world_8, tmp_path):
     """Per-phase measured times reproduce on the calibrated setup; the host times are
     scaled to the unprofiled host time of the JSON."""
     setup = Setup(TINY_LLAMA, 2, 4, microbatches=1)
-    labels = ["FWD:Llama90"] + [f"FWD:LlamaBlock{90 + i}" for i in range(1, 4)]
-    events, t = [], 0
-    for i, label in enumerate(labels[1:]):  # blocks: 1 ms of host, 3 ms of kernels each
-        events += [_ev(f"hsdp.begin:{label}", t, 0), _ev(f"hsdp.end:{label}", t + 1000, 0),
-                   *_kernel(i, 10_000 + 3000 * i, 3000, t + 10)]
-        t += 1000
-    events += [_ev(f"hsdp.begin:{labels[0]}", -1000, 0), _ev(f"hsdp.end:{labels[0]}", t, 0),
-               _ev("hsdp.begin:OPTIMIZER:Llama90", t, 0),
-               _ev("hsdp.end:OPTIMIZER:Llama90", t + 1000, 0)]
-    trace = tmp_path / "trace_overlap.json.gz"
-    with gzip.open(trace, "wt") as f:
-        json.dump({"traceEvents": events}, f)
+    _write_trace(tmp_path / "trace_overlap.json.gz", _llama_step())
     path = _bench_json(tmp_path, setup, 50.0, trace="/elsewhere/trace_overlap.json.gz",
                        t_host_ms=2.5)  # the trace's span is 5 ms: host times halve
     costs = calibrate(path, CostModel(mem_gbps=100.0))
@@ -406,6 +458,34 @@ def test_calibrate_from_json_and_trace(fake_world_8, tmp_path):
                 if op.kind == "compute" and phase_class(op.label) in ("FWD:Llama",
                                                                       "FWD:LlamaBlock"))
     assert costs.tflops == pytest.approx(flops / 9e-3 / 1e12)
+
+
+def test_calibrate_from_several_steps(fake_world_8, tmp_path):
+    """Several profiled steps: per phase class, the least device time (the first step's
+    kernels slowed down here); several recorded steps: per phase class, the median host
+    time (one step's hiccup in one block ignored). A JSON of one step each takes them."""
+    setup = Setup(TINY_LLAMA, 2, 4, microbatches=1)
+    names = ["trace_overlap.json.gz", "trace_overlap.2.json.gz", "trace_overlap.3.json.gz"]
+    for name, kernel_us in zip(names, (4000, 3000, 3500)):
+        _write_trace(tmp_path / name, _llama_step(kernel_us))
+
+    def marks(host_us: tuple[float, ...]) -> list[list]:
+        return [[e["tid"], e["name"], e["ts"], e["dur"]] for e in _llama_step(3000, host_us)
+                if e["cat"] == "user_annotation"]
+
+    steady, hiccup = marks((1000,) * 3), marks((1000, 5000, 1000))
+    path = _bench_json(tmp_path, setup, 50.0, trace=names[0], traces=names, t_host_ms=2.5,
+                       host_marks_steps=[steady, hiccup, steady])
+    costs = calibrate(path, CostModel(mem_gbps=100.0))
+    assert costs.phases["FWD:LlamaBlock"] == PhaseCost(host_ms=0.5, device_ms=3.0)
+    assert costs.phases["FWD:Llama"] == PhaseCost(host_ms=0.5, device_ms=0.0)
+    # One step of each, as older JSONs have: the first trace's device time, the host
+    # time of the one recorded step
+    path = _bench_json(tmp_path, setup, 50.0, trace=names[0], t_host_ms=2.5,
+                       host_marks=hiccup)
+    costs = calibrate(path, CostModel(mem_gbps=100.0))
+    block = costs.phases["FWD:LlamaBlock"]
+    assert block.device_ms == 4.0 and block.host_ms == pytest.approx(7 / 9 * 2.5 / 3)
 
 
 def test_phase_class_drops_unit_numbers():

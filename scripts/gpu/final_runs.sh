@@ -10,7 +10,9 @@
 #                                           # rows of both calls again (no real rows, no tests)
 #   bash scripts/gpu/final_runs.sh emu16x8  # the emulated 16x8 rows of the tables alone
 source scripts/gpu/prefix.sh
-B="python3 -m hsdp bench step --reduce-dtype bf16"
+# 5 recorded and 3 profiled steps per schedule: the simulator's calibration takes the
+# median host time and least device time over them (hsdp.sim.calibrate)
+B="python3 -m hsdp bench step --reduce-dtype bf16 --record-steps 5 --trace-steps 3"
 D=/tmp/runs; mkdir -p $D
 run() { n=$1; T=$2; shift 2; mkdir -p $D/$n; timeout $T $B "$@" --json $D/$n/$n.json --out-dir $D/$n > $D/$n/log.txt 2>&1; echo "$n rc $?"; grep -A14 "bench step: mesh" $D/$n/log.txt | cut -c1-200 | grep "│\|vs"; rm -f $D/$n/timeline.png; }
 emu16x8() {
@@ -19,10 +21,10 @@ emu16x8() {
   tar czf $R/emu16x8.tgz -C $D emu16x8_s1024 emu16x8_s4096
 }
 twins() {
-  for m in 1x2 2x1; do for q in 1024 4096; do run emu${m}_s$q 45 --emulate --mesh $m --seq $q --steps 5 --warmup 2 --schedules overlap,serial --fabric-json .gpu/runs/coll$m.json; done; done
+  for m in 1x2 2x1; do for q in 1024 4096; do run emu${m}_s$q 60 --emulate --mesh $m --seq $q --steps 5 --warmup 2 --schedules overlap,serial --fabric-json .gpu/runs/coll$m.json; done; done
   tar czf $R/twins.tgz -C $D emu1x2_s1024 emu1x2_s4096 emu2x1_s1024 emu2x1_s4096
   run emu2x4_s4096_outer12.5 60 --emulate --mesh 2x4 --seq 4096 --outer-gbps 12.5 --steps 5 --warmup 2 --schedules overlap,serial,hfsdp,hfsdp-serial
-  run emu16x8_s1024_mb4 60 --emulate --mesh 16x8 --seq 1024 --microbatches 4 --steps 4 --warmup 1 --schedules overlap,serial
+  run emu16x8_s1024_mb4 80 --emulate --mesh 16x8 --seq 1024 --microbatches 4 --steps 4 --warmup 1 --schedules overlap,serial
   tar czf $R/extra.tgz -C $D emu2x4_s4096_outer12.5 emu16x8_s1024_mb4
 }
 if [ "$1" = tables ]; then

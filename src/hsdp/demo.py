@@ -20,7 +20,7 @@ DEMO_MODEL = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     step.add_arguments(p, DEMO_MODEL)
-    p.set_defaults(steps=5, warmup=2, out_dir="out/demo")
+    p.set_defaults(steps=5, warmup=2, record_steps=1, trace_steps=1, out_dir="out/demo")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,18 +20,28 @@ Phases (one progress line each on rank 0):
    (forward, backward, optimizer: ``torch.cuda.max_memory_allocated`` between phase ends)
    less what the other schedules' models hold, so each figure is what the schedule would
    need alone; the peak over the timed steps is reported the same way;
-5. collective-free (``--emulate`` only): ``--steps`` more interleaved steps with the
+5. recorded: ``--record-steps`` more interleaved steps per schedule without the profiler,
+   with the schedule's tracer on (outside the timed steps: the tracer costs host time).
+   Each hsdp schedule keeps, per step, its host marks (phase marks and side-op submits,
+   ``hsdp.bench.trace.host_marks``) and, on GPU, each side op's time on its stream
+   (timing events, ``Tracer.side_ms``): the simulator's calibration combines them over the
+   steps (``hsdp.sim.calibrate``). CPU: the first step's stream records also give the
+   traced step's intervals (the profiler's per-op cost is large next to small CPU ops);
+6. collective-free (``--emulate`` only): ``--steps`` more interleaved steps with the
    emulated delays off, so collectives take no time at all (torch's fake process group
    launches nothing), next to the ``unsharded`` reference: the same layers unsharded plus
    AdamW over one rank's shard (``hsdp.bench.trainee``). Their ratio is the overhead of the
    sharding machinery itself;
-6. trace: one more step per schedule under ``torch.profiler`` with the schedule's tracer
-   on (hsdp's root unit tracer; the peers' collectives are intercepted, see
-   ``hsdp.bench.intercept``). GPU: its Chrome trace gives the intervals. CPU: the intervals
-   come from the stream records of one extra step per schedule without the profiler (whose
-   per-op cost is large next to small CPU ops), all taken before the first profiled step.
-   Rank 0 measures them with ``hsdp.report.metrics.step_metrics`` and writes the Chrome
-   traces and one timeline PNG to ``--out-dir``.
+7. trace: ``--trace-steps`` more interleaved steps per schedule, each under its own
+   ``torch.profiler`` session, with the schedule's tracer on (hsdp's root unit tracer; the
+   peers' collectives are intercepted, see ``hsdp.bench.intercept``). Rank 0 writes the
+   Chrome traces to ``--out-dir``: ``trace_<schedule>.json.gz`` for the first profiled
+   step, ``trace_<schedule>.<k>.json.gz`` for the k-th (k = 2..N; the JSON's ``traces``
+   lists them all, ``trace`` names the first). The first step's intervals (GPU: from its
+   Chrome trace; CPU: from the recorded step) give the metrics
+   (``hsdp.report.metrics.step_metrics``) and one timeline PNG; the further traces are
+   for the calibration (a kernel slowed down, e.g. beside NCCL kernels waiting for a
+   peer, is only ever slower: it takes the least device time per phase).
 
 Lower bound: ``max(compute + tail, inner, outer)`` from each schedule's traced step,
 with compute / inner / outer the busy time of each resource and tail the duration of
@@ -164,6 +174,13 @@ def add_arguments(p: argparse.ArgumentParser,
                                       f"(default: overlap,serial,fsdp2)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per schedule")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per schedule first")
+    p.add_argument("--record-steps", type=int, default=3,
+                   help="untimed steps per schedule with its tracer on, without the "
+                        "profiler: host marks and side-op stream times of each, for "
+                        "`hsdp sim` calibration (default 3)")
+    p.add_argument("--trace-steps", type=int, default=2,
+                   help="profiled steps per schedule, one Chrome trace each; the first "
+                        "gives the metrics and the timeline (default 2)")
     emu = p.add_argument_group("emulation")
     emu.add_argument("--emulate", action="store_true",
                      help="one process posing as the whole mesh, modelled collective times")
@@ -235,6 +252,8 @@ class Config:
     schedules: tuple[str, ...]
     steps: int
     warmup: int
+    record_steps: int
+    trace_steps: int
     emulate: bool
     fabric: Fabric | None
     fabric_source: str | None
@@ -281,9 +300,11 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
     share = bool(args.share_gpus) and cuda and not args.emulate
     if share:
         check_shared_layout("bench step", outer, inner, torch.cuda.device_count())
-    if args.steps < 1 or args.warmup < 1 or args.microbatches < 1:
+    if min(args.steps, args.warmup, args.record_steps, args.trace_steps,
+           args.microbatches) < 1:
         raise fail("need --steps >= 1, --warmup >= 1 (the first step records the unit "
-                   "order and creates optimizer state) and --microbatches >= 1")
+                   "order and creates optimizer state), --record-steps >= 1, "
+                   "--trace-steps >= 1 and --microbatches >= 1")
     if "mfsdp" in args.schedules:
         try:
             import_mfsdp()
@@ -312,7 +333,8 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
         source = args.fabric_json
     return Config(world, outer, inner, model, mbs, args.microbatches,
                   args.dtype or ("bf16" if cuda else "fp32"), args.reduce_dtype,
-                  tuple(args.schedules), args.steps, args.warmup, args.emulate, fabric,
+                  tuple(args.schedules), args.steps, args.warmup, args.record_steps,
+                  args.trace_steps, args.emulate, fabric,
                   source, args.json, args.out_dir, cuda, share, fit)
 
 
@@ -422,29 +444,47 @@ def bench(cfg: Config, device: torch.device, mesh: DeviceMesh) -> dict:
             with _oom_guard(t.name, cfg):
                 _phase_memory(t, batches, device)
         progress("memory per phase: one step of each schedule")
-        for t in trainees:  # the simulator's host and stream times, without the profiler
-            if SCHEDULES[t.name].library == "hsdp":
-                host_barrier()
-                records, t0, _ = _recorded_step(t, batches)
-                t.host_marks = host_marks(records, t0)
-                t.side_ms = t.tracer.side_ms()
+    cpu_records = _record(cfg, trainees, batches, cuda)
+    progress(f"recorded: {cfg.record_steps} interleaved steps of each "
+             f"{'hsdp ' if cuda else ''}schedule, tracer on")
     reference = None
     if cfg.emulate:
         reference = _collective_free(cfg, trainees, batches, device)
         progress(f"collective-free: {cfg.steps} interleaved steps of each schedule and of "
                  f"the unsharded reference")
-    # CPU: the metrics' records come from steps without the profiler (its per-op cost
-    # is large next to small CPU ops), all taken before the first profiled step.
-    recorded = {}
-    for t in [] if cuda else trainees:
-        host_barrier()
-        recorded[t.name] = _recorded_step(t, batches)
-    traces = {}
-    for t in trainees:
-        with _oom_guard(t.name, cfg):
-            traces[t.name] = _trace(t, batches, cfg, recorded.get(t.name))
-    progress("traced: one profiled step of each schedule")
+    paths: dict[str, list[str]] = {t.name: [] for t in trainees}
+    for k in range(1, cfg.trace_steps + 1):
+        for t in trainees:
+            with _oom_guard(t.name, cfg):
+                path = _trace(t, batches, cfg, k, cuda)
+            if path is not None:
+                paths[t.name].append(path)
+    traces = {name: (_intervals(p[0], cpu_records.get(name)) if p else [], p)
+              for name, p in paths.items()}
+    progress(f"traced: {cfg.trace_steps} profiled steps of each schedule")
     return _results(cfg, device, trainees, traces, reference)
+
+
+def _record(cfg: Config, trainees: list[Trainee], batches: list[torch.Tensor],
+            cuda: bool) -> dict[str, tuple[list[OpRecord], float, float]]:
+    """The recorded steps (module docstring): each hsdp trainee's host marks and side-op
+    stream times per step; returns, on CPU, each schedule's first recorded step (records,
+    start, end) for its intervals."""
+    first = {}
+    for _ in range(cfg.record_steps):
+        for t in trainees:
+            hsdp_schedule = SCHEDULES[t.name].library == "hsdp"
+            if cuda and not hsdp_schedule:
+                continue
+            with _oom_guard(t.name, cfg):
+                host_barrier()
+                records, t0, t1 = _recorded_step(t, batches)
+            if hsdp_schedule:
+                t.host_marks.append(host_marks(records, t0))
+                t.side_ms.append(t.tracer.side_ms())
+            if not cuda:
+                first.setdefault(t.name, (records, t0, t1))
+    return first
 
 
 def _timed_step(t: Trainee, batches: list[torch.Tensor], device: torch.device) -> None:
@@ -496,14 +536,12 @@ def _collective_free(cfg: Config, trainees: list[Trainee], batches: list[torch.T
     return ref
 
 
-def _trace(t: Trainee, batches: list[torch.Tensor], cfg: Config,
-           recorded: tuple[list[OpRecord], float, float] | None) -> tuple[list[Interval],
-                                                                          str | None]:
-    """Profile one step; rank 0 returns its intervals and Chrome trace path. Intervals:
-    from the CUDA trace, or from the CPU stream records ``recorded`` (records, t0, t1)."""
+def _trace(t: Trainee, batches: list[torch.Tensor], cfg: Config, k: int,
+           cuda: bool) -> str | None:
+    """Profile one step, the schedule's ``k``-th profiled one; rank 0 returns the path of
+    its Chrome trace (module docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = recorded is None
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     host_barrier()
     prof = profile(activities=activities, acc_events=True)  # no warning about cycles
@@ -516,13 +554,21 @@ def _trace(t: Trainee, batches: list[torch.Tensor], cfg: Config,
             prof.__exit__(None, None, None)
     host_barrier()
     if dist.get_rank() != 0:
-        return [], None
+        return None
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = str(out / f"trace_{t.name}.json.gz")
+    path = str(out / f"trace_{t.name}{f'.{k}' if k > 1 else ''}.json.gz")
     prof.export_chrome_trace(path)
-    ivs = intervals_from_chrome_trace(path) if cuda else intervals_from_records(*recorded)
-    return ivs, path
+    return path
+
+
+def _intervals(trace: str, recorded: tuple[list[OpRecord], float, float] | None
+               ) -> list[Interval]:
+    """The first profiled step's intervals: from its Chrome trace (GPU), else from the
+    CPU stream records ``recorded`` (records, start, end) of the first recorded step."""
+    if recorded is None:
+        return intervals_from_chrome_trace(trace)
+    return intervals_from_records(*recorded)
 
 
 # Kineto's own log lines ("USDT:... profiler_start"), one per profiler start and stop
@@ -584,7 +630,7 @@ def _spread(samples: list[float], key: str) -> dict:
 
 
 def _results(cfg: Config, device: torch.device, trainees: list[Trainee],
-             traces: dict[str, tuple[list[Interval], str | None]],
+             traces: dict[str, tuple[list[Interval], list[str]]],
              reference: Trainee | None) -> dict:
     """Slowest rank per step and largest peak over ranks; metrics from rank 0's trace."""
     cuda = device.type == "cuda"
@@ -604,7 +650,7 @@ def _results(cfg: Config, device: torch.device, trainees: list[Trainee],
     schedules = {}
     for i, t in enumerate(trainees):
         s = SCHEDULES[t.name]
-        intervals, trace_path = traces[t.name]
+        intervals, trace_paths = traces[t.name]
         entry = {
             "library": s.library, "strategy": s.strategy, "overlap_outer": s.overlap,
             **_spread(steps[i], "t_step"), "t_step_samples_ms": steps[i],
@@ -615,9 +661,10 @@ def _results(cfg: Config, device: torch.device, trainees: list[Trainee],
                                      if cuda else None),
             "resident_mem_bytes": t.resident_bytes if cuda else None,
             "calibration_error": t.calibration_error,
-            "trace": trace_path,
-            "host_marks": t.host_marks,
-            "side_ms": t.side_ms,
+            "trace": trace_paths[0] if trace_paths else None,
+            "traces": trace_paths,
+            "host_marks_steps": t.host_marks or None,
+            "side_ms_steps": t.side_ms or None,
         }
         entry["free_over_unsharded"] = (entry["t_free_ms"] / ref["t_step_ms"]
                                         if ref and entry["t_free_ms"] else None)
@@ -678,7 +725,8 @@ def _meta(cfg: Config, device: torch.device, trainees: list[Trainee]) -> dict:
                   "dtype": cfg.dtype, "reduce_dtype": cfg.reduce_dtype},
         "num_params": cfg.model.num_params,
         "global_tokens_per_step": cfg.global_tokens,
-        "steps": cfg.steps, "warmup": cfg.warmup,
+        "steps": cfg.steps, "warmup": cfg.warmup, "record_steps": cfg.record_steps,
+        "trace_steps": cfg.trace_steps,
         "timing": "wall clock per step between barriers, every stream idle at the end "
                   "(cuda synchronize on GPU); median/min/max over steps of the slowest rank; "
                   "host: until the step was issued; free: emulated delays off",
@@ -704,7 +752,10 @@ def _report(result: dict, cfg: Config) -> None:
     if cfg.json_path:
         with open(cfg.json_path, "w") as f:
             json.dump(result, f, indent=2)
-    where = [f"traces: {Path(cfg.out_dir) / 'trace_<schedule>.json.gz'}"]
+    where = [f"traces: {Path(cfg.out_dir) / 'trace_<schedule>.json.gz'}"
+             + (f" (and trace_<schedule>.<k>.json.gz, k = "
+                f"{'2' if cfg.trace_steps == 2 else f'2..{cfg.trace_steps}'})"
+                if cfg.trace_steps > 1 else "")]
     if "timeline" in result["meta"]:
         where.append(f"timeline: {result['meta']['timeline']}")
     if cfg.json_path:

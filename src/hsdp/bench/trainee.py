@@ -83,8 +83,9 @@ class Trainee:
     resident_bytes: int = 0
     peak_bytes: int = 0
     phase_peak_bytes: dict[str, int] = field(default_factory=dict)
-    host_marks: list[list] | None = None  # ``trace.host_marks`` of an unprofiled step
-    side_ms: list[list] | None = None  # ``Tracer.side_ms`` of that step
+    # per recorded step (unprofiled, tracer on): ``trace.host_marks``, ``Tracer.side_ms``
+    host_marks: list[list[list]] = field(default_factory=list)
+    side_ms: list[list[list]] = field(default_factory=list)
 
     def step(self, batches: list[torch.Tensor], delays: bool = True,
              mark: Callable[[str], None] = _no_mark) -> float:

@@ -1,37 +1,43 @@
-"""Fit the cost model to a ``bench step`` run (its JSON, and the Chrome trace it names).
+"""Fit the cost model to a ``bench step`` run (its JSON, and the Chrome traces it names).
 
 From the JSON alone: the achieved TFLOP/s, such that the simulated compute busy time of
-the run's own setup equals the measured one (``busy_ms.by_kind.compute`` of the traced
-step), with the optimizer and the copy-in priced at the memory bandwidth.
+the run's own setup equals the measured one (``busy_ms.by_kind.compute`` of the first
+traced step), with the optimizer and the copy-in priced at the memory bandwidth.
 
-From the trace, when it has the runtime's phase marks (``hsdp.begin:<phase>`` /
-``hsdp.end:<phase>`` ranges, recorded while the step's tracer is on), per phase class
-("FWD:LlamaBlock", "BWD:Llama", "COPY_IN:LlamaBlock/0", ...) and instance:
+From the traces (``traces``, one per profiled step; older JSONs: the one ``trace``), when
+they have the runtime's phase marks (``hsdp.begin:<phase>`` / ``hsdp.end:<phase>``
+ranges, recorded while the step's tracer is on), per phase class ("FWD:LlamaBlock",
+"BWD:Llama", "COPY_IN:LlamaBlock/0", ...) and instance, from the first trace:
 
 - host ms: wall time on the issuing thread while the phase is the innermost open one,
   less the time inside hsdp's side-stream ops (``hsdp:<stream>:<label>`` ranges, whose
   mean is the host cost of a side op) and inside launch calls that waited for room in the
   GPU's launch queue (``BLOCKED_US``);
 - device ms: the GPU time of the kernels launched meanwhile (through the launch's
-  correlation id), side-stream ops' excepted.
+  correlation id), side-stream ops' excepted; per phase class, the least over the
+  profiled steps (a kernel slowed down, e.g. beside NCCL kernels that wait for a peer
+  and keep SMs busy, is only ever slower).
 
 The profiler slows the host down, and unevenly (it costs per op it records): when the
-JSON has ``host_marks`` (the phase marks and side-op submits of a step without the
-profiler), host times come from them instead of the trace. Either way, when the JSON has
-the unprofiled host time of the step (``t_host_ms``, a median over the timed steps), host
-times are scaled by it over their step's host span (from the first phase mark to the end
-of the optimizer on the main thread). Without phase marks, ``t_host_ms`` alone gives an
-even host cost per compute op.
+JSON has host marks (the phase marks and side-op submits of steps without the profiler:
+``host_marks_steps``, one list per recorded step; older JSONs: one step's
+``host_marks``), host times come from them instead of the trace, each phase class's and
+side op's the median over the steps (so does the step's host span). Either way, when the
+JSON has the unprofiled host time of the step (``t_host_ms``, a median over the timed
+steps), host times are scaled by it over their step's host span (from the first phase
+mark to the end of the optimizer on the main thread). Without phase marks, ``t_host_ms``
+alone gives an even host cost per compute op.
 
 Communication: per kind (inner AG, inner RS, outer), the measured busy time of the
 traced step over the one simulated on the run's own fabric (the emulated one it names,
 else the base cost model's) scales the fabric's times (``comm_scale``); the base cost
 model's fabric stays the one simulated with. Busy times come from the JSON's
-``side_ms`` (timing events around each side op in a step without the profiler) when it
-has them, else from the trace, where on real NCCL the time the kernels spent waiting for
-the other ranks is taken out (``peer_wait_ms``). The share of each kind's own casts
-and copies that held compute up (compute stood still, its next kernel launched) is
-``CostModel.exclusive``.
+side-op stream times (timing events around each side op in steps without the profiler:
+``side_ms_steps``, one list per recorded step, each op the median over the steps; older
+JSONs: one step's ``side_ms``) when it has them, else from the first trace, where on
+real NCCL the time the kernels spent waiting for the other ranks is taken out
+(``peer_wait_ms``). The share of each kind's own casts and copies that held compute up
+(compute stood still, its next kernel launched) is ``CostModel.exclusive``.
 
 These give: the achieved TFLOP/s (the simulator's FLOPs of the measured model phases
 over their device time), the memory bandwidth (device time of ``OPTIMIZER`` and
@@ -48,7 +54,8 @@ import bisect
 import dataclasses
 import gzip
 import json
-from collections import defaultdict
+import statistics
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from hsdp.fabric import Fabric, Link
@@ -118,10 +125,12 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
         raise ValueError(f"{path}: no traced {schedule!r} schedule to calibrate on") from None
     setup = setup_from_results(data, schedule)
     rec = record(setup)
-    trace = find_trace(path, entry.get("trace"))
-    measured = phases_from_trace(load_trace(trace)) if trace is not None else None
-    if measured is not None and entry.get("host_marks"):
-        measured = with_host_marks(measured, entry["host_marks"])
+    traces = [t for t in (find_trace(path, p) for p in trace_paths(entry)) if t is not None]
+    measured = (least_device_time([phases_from_trace(load_trace(t)) for t in traces])
+                if traces else None)
+    marks = recorded_steps(entry, "host_marks")
+    if measured is not None and marks:
+        measured = with_host_marks(measured, marks)
     host_ms = (data["schedules"].get(times_from) or {} if times_from else entry).get(
         "t_host_ms")
     if measured is None or not measured.phases:
@@ -150,7 +159,7 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
         runs = [_busy_ms(path, data, name, traced=measured if name == schedule else None)
                 for name in {schedule, times_from or schedule}]
         busy_ms = {k: min(r[k] for r in runs if k in r) for k in runs[0]}
-    else:  # emulated: no peers to wait for; the schedule's unprofiled step if it has one
+    else:  # emulated: no peers to wait for; the schedule's unprofiled steps if it has them
         busy_ms = _busy_ms(path, data, times_from or schedule, emulated=True)
     return dataclasses.replace(costs, comm_scale=_comm_scale(evaluate(rec, own).metrics,
                                                              busy_ms))
@@ -158,15 +167,15 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
 
 def _busy_ms(path: str | Path, data: dict, name: str, emulated: bool = False,
              traced: TracePhases | None = None) -> dict[str, float]:
-    """Per kind, schedule ``name``'s measured busy time: emulated, its unprofiled step's
-    where the JSON has one, else its traced step's; real NCCL, the lesser of the two,
-    the traced one less its waits for the other ranks (``peer_wait_ms``; ``traced``: its
-    trace, already read)."""
+    """Per kind, schedule ``name``'s measured busy time: emulated, its unprofiled steps'
+    (``unprofiled_busy_ms``) where the JSON has them, else its first traced step's; real
+    NCCL, the lesser of the two, the traced one less its waits for the other ranks
+    (``peer_wait_ms``; ``traced``: its traces, already read)."""
     entry = data["schedules"].get(name) or {}
     busy = (entry.get("metrics") or {}).get("busy_ms", {}).get("by_kind")
     if busy is None:
         raise ValueError(f"{path}: schedule {name!r} has no measured busy times")
-    unprofiled = unprofiled_busy_ms(entry["side_ms"]) if entry.get("side_ms") else {}
+    unprofiled = unprofiled_busy_ms(recorded_steps(entry, "side_ms"))
     if emulated:
         return dict(busy) | unprofiled
     if traced is None:
@@ -205,6 +214,20 @@ def _comm_scale(sim: dict, measured: dict) -> dict[str, float]:
         if a > 0 and b:
             out[kind] = b / a
     return out
+
+
+def trace_paths(entry: dict) -> list[str]:
+    """The Chrome traces of a schedule's profiled steps as its JSON entry names them, the
+    first (whose metrics the entry holds) first; older JSONs name one, ``trace``."""
+    return entry.get("traces") or ([entry["trace"]] if entry.get("trace") else [])
+
+
+def recorded_steps(entry: dict, key: str) -> list[list[list]]:
+    """Per recorded step (without the profiler), a schedule entry's ``key``
+    (``host_marks`` or ``side_ms``): ``<key>_steps``, or an older JSON's one step
+    ``<key>``; steps that recorded nothing (``side_ms`` on CPU) left out."""
+    steps = entry.get(f"{key}_steps") or [entry.get(key)]
+    return [step for step in steps if step]
 
 
 def find_trace(json_path: str | Path, trace: str | None) -> Path | None:
@@ -296,17 +319,24 @@ def phases_from_trace(trace: dict) -> TracePhases:
                        dict(per_class), dict(blocked))
 
 
-def unprofiled_busy_ms(side_ms: list[list]) -> dict[str, float]:
-    """Per collective kind, the stream time of its ops in ``bench step``'s step without
-    the profiler (``side_ms``: ``[stream, label, ms]``, timing events around each op's
-    work). On real NCCL the profiled step's collectives can differ a lot: in one 1x2 run,
-    with the ranks further apart under the profiler, its reduce-scatters took 3.4-4.5 ms,
-    waiting for the other rank, against about 1 ms without it."""
+def unprofiled_busy_ms(steps: list[list[list]]) -> dict[str, float]:
+    """Per collective kind, the stream time of its ops in ``bench step``'s steps without
+    the profiler (``side_ms`` of each: ``[stream, label, ms]``, timing events around each
+    op's work), each op (by stream, label and occurrence) the median over the steps. On
+    real NCCL the profiled step's collectives can differ a lot: in one 1x2 run, with the
+    ranks further apart under the profiler, its reduce-scatters took 3.4-4.5 ms, waiting
+    for the other rank, against about 1 ms without it."""
+    per_op: dict[tuple[str, str, int], list[float]] = defaultdict(list)
+    for side_ms in steps:
+        seen: Counter[tuple[str, str]] = Counter()
+        for stream, label, ms in side_ms:
+            per_op[(stream, label, seen[(stream, label)])].append(ms)
+            seen[(stream, label)] += 1
     out: dict[str, float] = defaultdict(float)
-    for stream, label, ms in side_ms:
+    for (stream, label, _), times in per_op.items():
         kind = op_kind(Interval(stream, label, 0, 0))
         if kind != "other":
-            out[kind] += ms
+            out[kind] += statistics.median(times)
     return dict(out)
 
 
@@ -323,23 +353,50 @@ def peer_wait_ms(measured: TracePhases) -> dict[str, float]:
     return dict(out)
 
 
-def with_host_marks(measured: TracePhases, marks: list[list]) -> TracePhases:
-    """``measured`` (a profiled step) with its host times replaced by those of a step
-    without the profiler (``bench step``'s ``host_marks``: ``[thread, name, start us,
-    duration us]``, named as the trace's annotations): the profiler slows the host down
-    unevenly (per op it records), so no single scale maps one onto the other."""
-    threads: dict[int, list[dict]] = defaultdict(list)
-    for thread, name, ts, dur in marks:
-        threads[thread].append({"name": name, "ts": ts, "dur": dur})
-    host: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-    side_host: list[float] = []
-    span = max((_thread_spans(events, host, side_host)[1] for events in threads.values()),
-               default=0.0)
-    phases = {c: [v[0], host[c][1] if c in host else 0.0, v[2]]
+def least_device_time(steps: list[TracePhases]) -> TracePhases:
+    """The first profiled step's phases, each class's device ms the least over ``steps``
+    that ran it as many times: a kernel slowed down (beside NCCL kernels that wait for a
+    peer and keep SMs busy, or by the profiler) is only ever slower. The rest is the first
+    step's, whose metrics the JSON holds."""
+    first = steps[0]
+    phases = {c: list(v) for c, v in first.phases.items()}
+    for step in steps[1:]:
+        for c, (n, _, device) in step.phases.items():
+            if c in phases and phases[c][0] == n:
+                phases[c][2] = min(phases[c][2], device)
+    return dataclasses.replace(first, phases=phases)
+
+
+def with_host_marks(measured: TracePhases, steps: list[list[list]]) -> TracePhases:
+    """``measured`` (profiled steps) with its host times replaced by those of steps
+    without the profiler (``bench step``'s host marks, one list per step: ``[thread,
+    name, start us, duration us]``, named as the trace's annotations): the profiler slows
+    the host down unevenly (per op it records), so no single scale maps one onto the
+    other. Each phase class's host ms, each side op's (by name and occurrence) and the
+    step's host span are the median over the steps: one step's hiccup moves none."""
+    hosts: list[dict[str, list[float]]] = []
+    side: dict[tuple[str, int], list[float]] = defaultdict(list)
+    spans: list[float] = []
+    for marks in steps:
+        threads: dict[int, list[dict]] = defaultdict(list)
+        for thread, name, ts, dur in marks:
+            threads[thread].append({"name": name, "ts": ts, "dur": dur})
+        host: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+        spans.append(max((_thread_spans(events, host, [])[1] for events in threads.values()),
+                         default=0.0))
+        hosts.append(host)
+        seen: Counter[str] = Counter()
+        for e in (e for events in threads.values() for e in events):
+            if e["name"].startswith(SIDE_OP):
+                side[(e["name"], seen[e["name"]])].append(e["dur"] / 1e3)
+                seen[e["name"]] += 1
+    phases = {c: [v[0], statistics.median(h[c][1] if c in h else 0.0 for h in hosts), v[2]]
               for c, v in measured.phases.items()}
     for c in measured.blocked_ms:  # no more than the trace's host time outside those calls
         phases[c][1] = min(phases[c][1], measured.phases[c][1])
-    return dataclasses.replace(measured, phases=phases, side_host_ms=side_host, span_ms=span)
+    return dataclasses.replace(measured, phases=phases,
+                               side_host_ms=[statistics.median(v) for v in side.values()],
+                               span_ms=statistics.median(spans))
 
 
 def _exclusive(side: list[tuple[str, float, float]],

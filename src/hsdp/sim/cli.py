@@ -4,7 +4,7 @@ The runtime's own schedule runs on a meta-device model over virtual streams (see
 ``hsdp.sim.engine``); every op is priced by the cost model (``hsdp.sim.costs``): the
 model's FLOPs at an achieved TFLOP/s, the optimizer and the gradient copy-in at a memory
 bandwidth, collectives on the fabric, host time per op. ``--calibrate-from`` fits the
-compute (and, from its trace, per-phase host and device times) to a ``bench step`` JSON.
+compute (and, from its traces, per-phase host and device times) to a ``bench step`` JSON.
 ``--sweep`` runs a grid and says, per row, whether the overlap pays.
 """
 
@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "with inner 1-2 at seq 4096, 0.1-0.4 with inner 8)")
     cost.add_argument("--calibrate-from", metavar="JSON", default=None,
                       help="fit the compute and host costs to a `bench step` JSON (and the "
-                           "Chrome trace it names, if found): overrides the five above")
+                           "Chrome traces it names, if found): overrides the five above")
     cost.add_argument("--inner-gbps", type=float, default=370.0, help="inner bus GB/s")
     cost.add_argument("--outer-gbps", type=float, default=47.0, help="outer bus GB/s")
     cost.add_argument("--latency-us", type=float, default=20.0, help="per collective, us")

@@ -5,7 +5,8 @@
 #   bash scripts/gpu/final_runs.sh twins    # emulated twins of the real rows (fabric fitted
 #                                           # from the first call's collectives, in .gpu/runs/),
 #                                           # 2x4 at 12.5 GB/s, 16x8 with 4 microbatches, the
-#                                           # two-GPU tests, tests/test_cuda.py
+#                                           # two-GPU tests
+#   bash scripts/gpu/final_runs.sh cuda     # tests/test_cuda.py
 #   bash scripts/gpu/final_runs.sh emulated # after a change to emulation only: the emulated
 #                                           # rows of both calls again (no real rows, no tests)
 #   bash scripts/gpu/final_runs.sh emu16x8  # the emulated 16x8 rows of the tables alone
@@ -38,7 +39,10 @@ if [ "$1" = tables ]; then
   tar czf $R/real2x1.tgz -C $D real2x1_s1024 real2x1_s4096
 elif [ "$1" = twins ]; then
   twins
-  timeout 120 python3 -m pytest -q tests/test_multi_gpu.py -k "parity or killed" > $R/pytest_two_gpus.log 2>&1; echo "pytest two GPUs rc $?"; tail -2 $R/pytest_two_gpus.log
+  timeout 150 python3 -m pytest -q tests/test_multi_gpu.py -k "parity or killed" > $R/pytest_two_gpus.log 2>&1; echo "pytest two GPUs rc $?"; tail -2 $R/pytest_two_gpus.log
+  # the lagging-outer job without SideStream.hold: does it see the reuse? (expect False)
+  timeout 60 python3 -c "from dist_utils import run_ranks; from parity_jobs import lagging_outer_job; print('without hold:', run_ranks(lagging_outer_job, 2, True, backend='nccl'))" 2>&1 | tail -1
+elif [ "$1" = cuda ]; then
   timeout 200 python3 -m pytest -q tests/test_cuda.py > $R/pytest_cuda.log 2>&1; echo "pytest cuda rc $?"; tail -2 $R/pytest_cuda.log
 elif [ "$1" = emulated ]; then
   emu16x8

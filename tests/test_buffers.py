@@ -122,3 +122,30 @@ def test_optimizer_state_is_one_buffer_per_group_and_key(fake_world_8, strategy,
     step()
     assert _packed(opt, "exp_avg") == packed
     assert all(snapshots)
+
+
+def test_out_of_place_optimizer_ops_allocate_once_per_group(fake_world_8):
+    """An out-of-place foreach op over back-to-back pieces (AdamW's square root of its
+    packed second moment) makes one tensor per group, whose views are the results, with
+    the values of the op on each piece."""
+    mesh = hsdp.init_mesh(2, 4, "cpu")
+    # 16-element weights: back to back in the flat buffer, two in this rank's shard.
+    net = nn.Sequential(*[nn.Linear(4, 4, bias=False) for _ in range(8)])
+    hsdp.fully_shard(net, mesh=mesh)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    for _ in range(2):
+        net(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    held = [p for p in net.parameters() if p._local_tensor.untyped_storage().data_ptr()
+            == _groups(net)[0].main.untyped_storage().data_ptr()]
+    assert len(held) == 2
+    moments = [opt.state[p]["exp_avg_sq"] for p in held]
+    with torch.no_grad():
+        roots = torch._foreach_sqrt(moments)
+    assert all(isinstance(r, type(m)) for r, m in zip(roots, moments))
+    locals_ = [r._local_tensor for r in roots]
+    assert locals_[0].untyped_storage().data_ptr() == locals_[1].untyped_storage().data_ptr()
+    assert locals_[0].untyped_storage().nbytes() == sum(t.nbytes for t in locals_)
+    for r, m in zip(locals_, moments):
+        assert torch.equal(r.view(torch.uint8), m._local_tensor.sqrt().view(torch.uint8))

@@ -129,14 +129,57 @@ def _on_locals(func, args: tuple, kwargs: dict):
     new_kwargs = {k: unwrap(v) for k, v in kwargs.items()}
     if any(a is _DECLINED for a in (*new_args, *new_kwargs.values())):
         return _DECLINED
-    out = func(*new_args, **new_kwargs)
     if func.__name__.endswith("_"):  # in place: foreach -> None, single -> self
+        out = func(*new_args, **new_kwargs)
         return args[0] if isinstance(args[0], DTensor) else out
+    out = _by_runs(func, new_args, new_kwargs)
     # New tensors (e.g. AdamW's sqrt of its second moment) are laid out like the first
     # argument's: Pieces where those are, so that the ops the optimizer runs on them next
     # take this path too, not DTensor's (which re-checks every spec at each op).
     return [piece_like(t, o) if isinstance(t, Piece) else DTensor(o, r, requires_grad=False)
             for t, o, r in zip(first, out, refs)]
+
+
+def _runs(ts: list[torch.Tensor]) -> list[int]:
+    """Lengths of the runs of consecutive 1-D contiguous tensors in ``ts`` that lie back to
+    back in one storage (the pieces of a group's flat buffer), front to back."""
+    lengths: list[int] = []
+    end = None  # (storage pointer, offset) where the previous tensor ended
+    for t in ts:
+        here = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if end == here and here[0] and t.dim() == 1 and t.stride(0) == 1:  # 0: meta
+            lengths[-1] += 1
+        else:
+            lengths.append(1)
+        end = (here[0], here[1] + t.numel()) if t.dim() == 1 and t.stride(0) == 1 else None
+    return lengths
+
+
+def _by_runs(func, args: list, kwargs: dict) -> list[torch.Tensor] | torch.Tensor:
+    """An out-of-place op on local tensors. A foreach op whose only tensor argument is its
+    first list runs once over each run of back-to-back pieces (``_runs``), the results
+    being views of one new tensor per run: one allocation of the group's size instead of
+    one odd-sized allocation per piece (each of which the caching allocator rounds), as
+    for the packed optimizer state; same values, element by element."""
+    ts = args[0]
+    if not (isinstance(ts, list) and func.__name__.startswith("_foreach_") and not kwargs
+            and not any(isinstance(a, (torch.Tensor, list, tuple)) for a in args[1:])):
+        return func(*args, **kwargs)
+    lengths = _runs(ts)
+    if len(lengths) == len(ts):
+        return func(*args, **kwargs)
+    spans, i = [], 0
+    for n in lengths:
+        first = ts[i]
+        numel = sum(t.numel() for t in ts[i:i + n])
+        spans.append(first if n == 1 else first.as_strided((numel,), (1,),
+                                                           first.storage_offset()))
+        i += n
+    out, i = [], 0
+    for n, res in zip(lengths, func(spans, *args[1:])):
+        out += [res] if n == 1 else list(res.split([t.numel() for t in ts[i:i + n]]))
+        i += n
+    return out
 
 
 class Piece(DTensor):

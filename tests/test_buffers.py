@@ -149,3 +149,28 @@ def test_out_of_place_optimizer_ops_allocate_once_per_group(fake_world_8):
     assert locals_[0].untyped_storage().nbytes() == sum(t.nbytes for t in locals_)
     for r, m in zip(locals_, moments):
         assert torch.equal(r.view(torch.uint8), m._local_tensor.sqrt().view(torch.uint8))
+
+
+def test_empty_pieces_placeholders_are_one_allocation_per_group(fake_world_8):
+    """A rank's empty pieces hold one-element placeholders (torch's inf-norm refuses empty
+    tensors); for the parameters, their gradients and each optimizer state key they are
+    views of one tensor per group, not one allocation each."""
+    mesh = hsdp.init_mesh(2, 4, "cpu")
+    net = nn.Sequential(*[nn.Linear(4, 4, bias=False) for _ in range(8)])
+    hsdp.fully_shard(net, mesh=mesh)  # this rank: 2 of the 8 weights, 6 placeholders
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    for _ in range(2):
+        net(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    g = _groups(net)[0]
+    empty = [p for p, (_, n) in zip(g.sharded, g._slices) if n == 0]
+    assert len(empty) == 6
+
+    def storages(tensors):
+        return {t._local_tensor.untyped_storage().data_ptr() for t in tensors}
+
+    for tensors in (empty, [p.grad for p in empty],
+                    *([opt.state[p][k] for p in empty] for k in ("exp_avg", "exp_avg_sq"))):
+        assert all(t._local_tensor.numel() == 1 for t in tensors)
+        assert len(storages(tensors)) == 1
+    assert all(p._local_tensor.item() == 0 for p in empty)

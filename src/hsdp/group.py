@@ -38,7 +38,7 @@ from hsdp.pieces import (
     checkpoint_view,
     direct,
     piece_like,
-    placeholder_if_empty,
+    placeholders_if_empty,
     same_layout,
     spec,
 )
@@ -60,6 +60,28 @@ def _allocate(t: torch.Tensor) -> None:
     nbytes = t.numel() * t.element_size()
     if t.untyped_storage().nbytes() < nbytes:
         t.untyped_storage().resize_(nbytes)
+
+
+def _pack(states: list[dict], key: str, pieces: list[tuple[Piece, int, int]],
+          numel: int) -> None:
+    """``pack_state`` for one key: each state ``states[i][key]`` (of ``pieces[i]``: the
+    parameter, its offset and length) becomes the view at that offset of one new buffer
+    of ``numel`` elements, unless it is already there or is not an elementwise Piece."""
+    values = [st[key] for st in states]
+    if not all(isinstance(v, Piece) and v._local_tensor.numel() == n
+               and v.dtype == values[0].dtype for v, (_, _, n) in zip(values, pieces)):
+        return
+    locals_ = [v._local_tensor for v in values]
+    base = locals_[0].untyped_storage()
+    if base.nbytes() == numel * locals_[0].element_size() and all(
+            t.untyped_storage().data_ptr() == base.data_ptr() and t.storage_offset() == a
+            for t, (_, a, _) in zip(locals_, pieces)):
+        return  # packed already
+    flat = torch.zeros(numel, dtype=values[0].dtype, device=locals_[0].device)
+    views = [flat[a:a + n] for _, a, n in pieces]
+    torch._foreach_copy_(views, locals_)
+    for st, (p, _, _), view in zip(states, pieces, views):
+        st[key] = piece_like(p, view)
 
 
 def owner(p: torch.Tensor) -> tuple[ParamGroup, int] | None:
@@ -108,11 +130,13 @@ class ParamGroup:
         self.shard_starts: list[int] = []  # first element of each parameter held here
         self.specs = [spec(comms.mesh, self.shard_outer, shape, self.orig_dtype)
                       for shape in lay.shapes]
-        for shape, dspec, piece in zip(lay.shapes, self.specs, lay.pieces(owned_lo, owned_hi)):
+        owned = lay.pieces(owned_lo, owned_hi)
+        locals_ = placeholders_if_empty([self.main[pc.range_offset:pc.range_offset + pc.length]
+                                         if pc else self.main[:0] for pc in owned])
+        for shape, dspec, piece, local in zip(lay.shapes, self.specs, owned, locals_):
             a, n = (piece.range_offset, piece.length) if piece else (0, 0)
             start = piece.param_start if piece else 0
-            sp = nn.Parameter(as_dtensor(placeholder_if_empty(self.main[a:a + n]), dspec,
-                                         start, n, self._piece_groups()),
+            sp = nn.Parameter(as_dtensor(local, dspec, start, n, self._piece_groups()),
                               requires_grad=self.requires_grad)
             attach_chunks(sp._local_tensor, shape, start, n)  # state_dict(keep_vars=True)
             sp._hsdp_group = self  # marks the parameter as managed by hsdp (see owner())
@@ -151,10 +175,10 @@ class ParamGroup:
         self.grad_buf = (torch.empty(C, dtype=self.orig_dtype, device=device)
                          if self.shard_outer else self.accum)
         # The sharded .grad DTensors, made once (while the storage exists), then freed.
-        self._grad_views = [as_dtensor(placeholder_if_empty(self.grad_buf[a:a + n]), dspec,
-                                       start, n, self._piece_groups())
-                            for (a, n), dspec, start in zip(self._slices, self.specs,
-                                                            self.shard_starts)]
+        locals_ = placeholders_if_empty([self.grad_buf[a:a + n] for a, n in self._slices])
+        self._grad_views = [as_dtensor(local, dspec, start, n, self._piece_groups())
+                            for local, (_, n), dspec, start in zip(
+                                locals_, self._slices, self.specs, self.shard_starts)]
         self._placeholder_grads = [g._local_tensor for g, (_, n) in
                                    zip(self._grad_views, self._slices) if n == 0]
         for buf in {id(b): b for b in (self.accum, self.grad_buf)}.values():
@@ -471,33 +495,23 @@ class ParamGroup:
     def pack_state(self, state: Mapping[torch.Tensor, dict]) -> None:
         """Move the optimizer's elementwise state of this group's parameters (``state``:
         ``optimizer.state``, values already Pieces) into one flat buffer per state key,
-        laid out like ``main``: each value becomes the view at its parameter's offset. Why:
-        the optimizer allocates one tensor per parameter, and hsdp's pieces are split where
-        the flat shards end, not at rows, so their odd sizes each cost the caching
-        allocator's rounding (about 0.2-0.4 MB a model at 8B sizes, more than FSDP2's round
-        row shards); one buffer per key is a single allocation of the shard's size. Only
-        when every parameter with a piece here has the key (otherwise the buffer would hold
-        room for state that does not exist); values are copied exactly."""
+        laid out like ``main``: each value becomes the view at its parameter's offset (the
+        empty pieces' one-element placeholders: back to back in a small buffer of their
+        own). Why: the optimizer allocates one tensor per parameter, and hsdp's pieces are
+        split where the flat shards end, not at rows, so their odd sizes each cost the
+        caching allocator's rounding (0.1-0.4 MB a model at 8B sizes, more than FSDP2's
+        round row shards), and each placeholder a 512-byte block; one buffer per key is a
+        single allocation. Only when every parameter of the pool has the key (otherwise
+        the buffer would hold room for state that does not exist); values are copied
+        exactly."""
         held = [(p, a, n) for p, (a, n) in zip(self.sharded, self._slices) if n]
-        states = [state.get(p) for p, _, _ in held]
-        if not held or any(st is None for st in states):
-            return
-        for key in set.intersection(*(set(st) for st in states)):
-            values = [st[key] for st in states]
-            if not all(isinstance(v, Piece) and v._local_tensor.numel() == n
-                       and v.dtype == values[0].dtype for v, (_, _, n) in zip(values, held)):
-                continue
-            locals_ = [v._local_tensor for v in values]
-            base = locals_[0].untyped_storage()
-            if base.nbytes() == self.main.numel() * locals_[0].element_size() and all(
-                    t.untyped_storage().data_ptr() == base.data_ptr() and t.storage_offset() == a
-                    for t, (_, a, _) in zip(locals_, held)):
-                continue  # packed already
-            flat = torch.zeros_like(self.main, dtype=values[0].dtype, device=locals_[0].device)
-            views = [flat[a:a + n] for _, a, n in held]
-            torch._foreach_copy_(views, locals_)
-            for st, (p, _, _), view in zip(states, held, views):
-                st[key] = piece_like(p, view)
+        empty = [(p, j, 1) for j, p in enumerate(
+            p for p, (_, n) in zip(self.sharded, self._slices) if not n)]
+        for pieces, numel in ((held, self.main.numel()), (empty, len(empty))):
+            states = [state.get(p) for p, _, _ in pieces]
+            if pieces and all(st is not None for st in states):
+                for key in set.intersection(*(set(st) for st in states)):
+                    _pack(states, key, pieces, numel)
 
     def load_flat(self, flat: torch.Tensor) -> None:
         """Take this rank's shards from ``flat``, the whole group in the original dtype

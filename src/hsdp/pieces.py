@@ -264,11 +264,17 @@ def piece_like(piece: Piece, local: torch.Tensor) -> Piece:
     return as_dtensor(local, piece._spec, *piece._hsdp_range, piece._hsdp_groups)
 
 
-def placeholder_if_empty(view: torch.Tensor) -> torch.Tensor:
-    """``view``, or for an empty piece a one-element zero placeholder: torch's inf-norm
-    (``clip_grad_norm_``) raises on an empty local tensor, which would fail on some ranks
-    only. Zero gradients keep the placeholder at zero under every torch optimizer."""
-    return view if view.numel() else torch.zeros(1, dtype=view.dtype, device=view.device)
+def placeholders_if_empty(views: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``views``, each empty one replaced by a one-element zero placeholder: torch's
+    inf-norm (``clip_grad_norm_``) raises on an empty local tensor, which would fail on
+    some ranks only. Zero gradients keep a placeholder at zero under every torch
+    optimizer. The placeholders are views of one tensor (the caching allocator gives each
+    tensor at least 512 bytes)."""
+    k = sum(v.numel() == 0 for v in views)
+    if not k:
+        return views
+    spare = iter(torch.zeros(k, dtype=views[0].dtype, device=views[0].device).split(1))
+    return [v if v.numel() else next(spare) for v in views]
 
 
 def attach_chunks(local: torch.Tensor, shape: tuple[int, ...], start: int,

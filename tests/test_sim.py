@@ -589,3 +589,21 @@ def test_sweep_verdicts():
         r = row({"nodes": 2}, result(*args), result(args[0] + 1.0, *args[1:]), setup)
         assert reason in r["line"] and r["saving_ms"] == pytest.approx(1.0)
         assert r["verdict"] == "pays"  # 1 ms of 11
+
+
+def test_real_nccl_busy_times_keep_the_unprofiled_waits(tmp_path):
+    """On real NCCL the collectives' busy times are the unprofiled steps' (median per op,
+    waits for the other ranks included: the simulator has no model of rank skew); only a
+    run without them falls back to its trace less the waits."""
+    from hsdp.sim.calibrate import _busy_ms
+
+    steps = [[["rs", "RS:Block0/0", ms], ["outer", "OUTER_AR:Block0/0", 2 * ms]]
+             for ms in (1.0, 3.0, 2.0)]
+    entry = {"metrics": {"busy_ms": {"by_kind": {"inner_rs": 1.5, "outer": 3.5}}},
+             "side_ms_steps": steps}
+    data = {"schedules": {"overlap": entry}}
+    assert _busy_ms(tmp_path / "run.json", data, "overlap") == {"inner_rs": 2.0,
+                                                                 "outer": 4.0}
+    del entry["side_ms_steps"]  # no unprofiled steps and no trace: the traced busy times
+    assert _busy_ms(tmp_path / "run.json", data, "overlap") == {"inner_rs": 1.5,
+                                                                 "outer": 3.5}

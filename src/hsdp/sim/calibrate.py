@@ -153,9 +153,8 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
     if times_from not in (None, schedule):
         rec = record(setup_from_results(data, times_from))
     if data["meta"].get("emulate") is False:
-        # Real NCCL: a collective's time also holds its wait for the other ranks, which
-        # a one-rank simulator cannot place, and each measured step (profiled or not, of
-        # either schedule) waited differently: each kind takes the least of them.
+        # Real NCCL: a collective's time also holds its wait for the other ranks (see
+        # _busy_ms); with another schedule's times, each kind takes the lesser of the two.
         runs = [_busy_ms(path, data, name, traced=measured if name == schedule else None)
                 for name in {schedule, times_from or schedule}]
         busy_ms = {k: min(r[k] for r in runs if k in r) for k in runs[0]}
@@ -167,10 +166,14 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
 
 def _busy_ms(path: str | Path, data: dict, name: str, emulated: bool = False,
              traced: TracePhases | None = None) -> dict[str, float]:
-    """Per kind, schedule ``name``'s measured busy time: emulated, its unprofiled steps'
-    (``unprofiled_busy_ms``) where the JSON has them, else its first traced step's; real
-    NCCL, the lesser of the two, the traced one less its waits for the other ranks
-    (``peer_wait_ms``; ``traced``: its traces, already read)."""
+    """Per kind, schedule ``name``'s measured busy time: its unprofiled steps'
+    (``unprofiled_busy_ms``, each op the median over them) where the JSON has them, else
+    its first traced step's; on real NCCL that one less its waits for the other ranks
+    (``peer_wait_ms``; ``traced``: its traces, already read), which the profiler
+    exaggerates. The unprofiled steps' waits stay in: every step of a real run has some
+    (ranks drift apart by host jitter), and the simulator has no model of that skew, so
+    the measured waits stand for it (taking the lesser, as before, left the real rows'
+    exposed communication at half the measured one)."""
     entry = data["schedules"].get(name) or {}
     busy = (entry.get("metrics") or {}).get("busy_ms", {}).get("by_kind")
     if busy is None:
@@ -182,7 +185,7 @@ def _busy_ms(path: str | Path, data: dict, name: str, emulated: bool = False,
         trace = find_trace(path, entry.get("trace"))
         traced = phases_from_trace(load_trace(trace)) if trace else None
     wait = peer_wait_ms(traced) if traced is not None else {}
-    return {k: min(v - wait.get(k, 0.0), unprofiled.get(k, v)) for k, v in busy.items()}
+    return {k: unprofiled.get(k, v - wait.get(k, 0.0)) for k, v in busy.items()}
 
 
 def _host_between_phases(costs: CostModel, rec: Recording, host_ms: float) -> CostModel:

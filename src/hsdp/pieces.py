@@ -144,14 +144,15 @@ def _runs(ts: list[torch.Tensor]) -> list[int]:
     """Lengths of the runs of consecutive 1-D contiguous tensors in ``ts`` that lie back to
     back in one storage (the pieces of a group's flat buffer), front to back."""
     lengths: list[int] = []
-    end = None  # (storage pointer, offset) where the previous tensor ended
+    end = None  # (storage pointer, dtype, offset) where the previous tensor ended
     for t in ts:
-        here = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if end == here and here[0] and t.dim() == 1 and t.stride(0) == 1:  # 0: meta
+        flat = t.dim() == 1 and t.stride(0) == 1
+        here = (t.untyped_storage().data_ptr(), t.dtype, t.storage_offset())
+        if flat and here[0] and end == here:  # a null pointer: meta tensors
             lengths[-1] += 1
         else:
             lengths.append(1)
-        end = (here[0], here[1] + t.numel()) if t.dim() == 1 and t.stride(0) == 1 else None
+        end = (here[0], here[1], here[2] + t.numel()) if flat else None
     return lengths
 
 

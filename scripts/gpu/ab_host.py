@@ -13,23 +13,15 @@ import statistics
 import time
 
 import torch
+from emulated_16x8 import setup
 
-from hsdp.bench import step as S
-from hsdp.bench.emulate import fake_mesh
-from hsdp.bench.trainee import build, synthetic_batches
+from hsdp.bench.trainee import build
 
 mine = argparse.ArgumentParser()
 mine.add_argument("version")
 mine.add_argument("--seq", default="1024")
 ab = mine.parse_args()
-p = argparse.ArgumentParser()
-S.add_arguments(p)
-args = p.parse_args(["--emulate", "--mesh", "16x8", "--seq", ab.seq, "--reduce-dtype", "bf16"])
-cfg = S.resolve(args, True, None)
-dev = torch.device("cuda", 0)
-torch.cuda.set_device(dev)
-mesh = fake_mesh(16, 8, "cuda")
-b = synthetic_batches(cfg.model.vocab, cfg.mbs, cfg.model.seq, 1, dev)
+cfg, dev, mesh, b = setup(ab.seq)
 t = build("overlap", cfg.model, cfg.mp, mesh, dev, cfg.fabric, True)
 for _ in range(3):
     t.step(b)

@@ -6,7 +6,6 @@ backward, optimizer).
 
     PYTHONPATH=src python3 scripts/gpu/host_breakdown.py 1024
 """
-import argparse
 import collections
 import functools
 import statistics
@@ -14,11 +13,10 @@ import sys
 import time
 
 import torch
+from emulated_16x8 import setup
 
 from hsdp import comm, group, schedule, streams
-from hsdp.bench import step as S
-from hsdp.bench.emulate import fake_mesh
-from hsdp.bench.trainee import build, synthetic_batches
+from hsdp.bench.trainee import build
 
 TIMED = {
     schedule.Runtime: ["_pre_forward", "_post_forward", "_pre_backward", "_post_backward",
@@ -54,14 +52,7 @@ def timed(cls: type, name: str) -> None:
     setattr(cls, name, wrapper)
 
 
-p = argparse.ArgumentParser()
-S.add_arguments(p)
-cfg = S.resolve(p.parse_args(["--emulate", "--mesh", "16x8", "--seq", sys.argv[1],
-                              "--reduce-dtype", "bf16"]), True, None)
-dev = torch.device("cuda", 0)
-torch.cuda.set_device(dev)
-mesh = fake_mesh(16, 8, "cuda")
-b = synthetic_batches(cfg.model.vocab, cfg.mbs, cfg.model.seq, 1, dev)
+cfg, dev, mesh, b = setup(sys.argv[1])
 t = build("overlap", cfg.model, cfg.mp, mesh, dev, cfg.fabric, True)
 for _ in range(3):
     t.step(b, delays=False)

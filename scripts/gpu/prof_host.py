@@ -4,7 +4,6 @@ each (by own time, and hsdp's functions by cumulative time).
 
     PYTHONPATH=src python3 scripts/gpu/prof_host.py 1024
 """
-import argparse
 import collections
 import cProfile
 import io
@@ -13,20 +12,11 @@ import sys
 import time
 
 import torch
+from emulated_16x8 import setup
 
-from hsdp.bench import step as S
-from hsdp.bench.emulate import fake_mesh
-from hsdp.bench.trainee import build, build_unsharded, synthetic_batches
+from hsdp.bench.trainee import build, build_unsharded
 
-p = argparse.ArgumentParser()
-S.add_arguments(p)
-args = p.parse_args(["--emulate", "--mesh", "16x8", "--seq", sys.argv[1], "--reduce-dtype",
-                     "bf16"])
-cfg = S.resolve(args, True, None)
-dev = torch.device("cuda", 0)
-torch.cuda.set_device(dev)
-mesh = fake_mesh(16, 8, "cuda")
-b = synthetic_batches(cfg.model.vocab, cfg.mbs, cfg.model.seq, 1, dev)
+cfg, dev, mesh, b = setup(sys.argv[1])
 trainees = {"overlap": build("overlap", cfg.model, cfg.mp, mesh, dev, cfg.fabric, True),
             "ref": build_unsharded(cfg.model, cfg.mp, cfg.inner, dev)}
 for t in trainees.values():

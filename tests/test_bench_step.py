@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from hsdp.__main__ import COMMANDS, build_parser
-from hsdp.bench.step import compare, fabric_from_collectives, parse_schedules, resolve
+from hsdp.bench.step import (
+    compare,
+    fabric_from_collectives,
+    parse_schedules,
+    print_table,
+    resolve,
+)
 from hsdp.fabric import Fabric, Link
 from hsdp.models import GPTConfig, LlamaConfig
 
@@ -49,6 +55,7 @@ def check_result(path: Path, out_dir: Path, schedules: list[str], recorded: int 
         assert s["tokens_per_s"] > 0 and math.isfinite(s["tokens_per_s"])
         assert 0 < s["t_host_min_ms"] <= s["t_host_ms"] <= s["t_host_max_ms"]
         assert s["peak_mem_bytes"] is None and s["peak_mem_phase_bytes"] is None  # CPU
+        assert s["alloc_retry_steps"] is None
         for key in METRICS:  # fsdp2 included: its collectives are wrapped and traced
             assert s[key] >= 0 and math.isfinite(s[key]), (name, key, s[key])
         assert s["lower_bound_ms"] > 0
@@ -82,7 +89,7 @@ def check_output(proc: subprocess.CompletedProcess) -> None:
     assert "timeline.png" in proc.stdout and "trace_<schedule>.json.gz" in proc.stdout
 
 
-def test_gloo_ranks(tmp_path):
+def test_gloo_ranks(tmp_path, capsys):
     out = tmp_path / "step.json"
     proc = bench_step("--nproc", "4", "--mesh", "2x2", *TINY, "--json", str(out),
                       "--out-dir", str(tmp_path / "traces"))
@@ -96,6 +103,13 @@ def test_gloo_ranks(tmp_path):
     assert set(result["summary"]) == {"overlap_vs_serial", "overlap_vs_fsdp2"}
     assert result["reference"] is None  # the collective-free step needs --emulate
     assert all(s["t_free_ms"] is None for s in result["schedules"].values())
+    assert "memory pressure" not in proc.stdout
+    # a GPU run whose timed steps hit the allocator's retry says so under the table
+    result["schedules"]["serial"]["alloc_retry_steps"] = 1
+    print_table(result)
+    assert ("memory pressure: the caching allocator freed its cache and retried (a device "
+            "synchronization) in 1 of 2 timed steps of serial") in " ".join(
+                capsys.readouterr().out.split())
 
 
 def test_emulated_mesh(tmp_path):

@@ -121,3 +121,20 @@ def test_side_stream_submit_runs_there_and_restores_the_callers_stream_and_devic
         finally:
             torch.cuda.set_device(0)
     s.ag.submit(lambda: None, [s.compute.record()]).synchronize()
+
+
+def test_alloc_retries_count_a_cache_flush():
+    """bench step's memory-pressure flag: an allocation that fits only once the cache is
+    freed is a retry (a cached block of 40 % of free memory, then one of 70 %)."""
+    from hsdp.bench.step import _alloc_retries
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info(device)[0]
+    before = _alloc_retries(device)
+    block = torch.empty(int(free * 0.4), dtype=torch.uint8, device=device)
+    del block  # cached, not returned to the driver
+    assert _alloc_retries(device) == before
+    block = torch.empty(int(free * 0.7), dtype=torch.uint8, device=device)
+    del block
+    torch.cuda.empty_cache()
+    assert _alloc_retries(device) == before + 1

@@ -493,6 +493,7 @@ def _timed_step(t: Trainee, batches: list[torch.Tensor], device: torch.device) -
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     others = _allocated(device) - t.resident_bytes  # held by the other schedules' models
+    retries = _alloc_retries(device)
     t0 = time.perf_counter()
     host = t.step(batches)
     host_barrier()
@@ -500,6 +501,15 @@ def _timed_step(t: Trainee, batches: list[torch.Tensor], device: torch.device) -
     t.host_ms.append(host * 1e3)
     if cuda:
         t.peak_bytes = max(t.peak_bytes, torch.cuda.max_memory_allocated(device) - others)
+        t.alloc_retries.append(_alloc_retries(device) - retries)
+
+
+def _alloc_retries(device: torch.device) -> int:
+    """How often the caching allocator has failed an allocation, freed its cache and
+    tried again: each time it synchronizes the device and stalls the host, so a timed step
+    with one measures memory pressure (e.g. from the other schedules' models beside it)
+    rather than its schedule."""
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
 
 
 def _phase_memory(t: Trainee, batches: list[torch.Tensor], device: torch.device) -> None:
@@ -639,6 +649,7 @@ def _results(cfg: Config, device: torch.device, trainees: list[Trainee],
     frees = _worst([t.free_ms for t in trainees], device)
     peaks = _worst([[t.peak_bytes, *(t.phase_peak_bytes.get(p, 0) for p in PHASES)]
                     for t in trainees], device)
+    retries = _worst([t.alloc_retries for t in trainees], device) if cuda else None
     ref = None
     if reference is not None:
         ref_free, ref_host = _worst([reference.free_ms, reference.host_ms], device)
@@ -660,6 +671,8 @@ def _results(cfg: Config, device: torch.device, trainees: list[Trainee],
             "peak_mem_phase_bytes": (dict(zip(PHASES, map(int, peaks[i][1:]), strict=True))
                                      if cuda else None),
             "resident_mem_bytes": t.resident_bytes if cuda else None,
+            # timed steps in which some rank's allocator retried (see _alloc_retries)
+            "alloc_retry_steps": sum(n > 0 for n in retries[i]) if cuda else None,
             "calibration_error": t.calibration_error,
             "trace": trace_paths[0] if trace_paths else None,
             "traces": trace_paths,
@@ -807,6 +820,14 @@ def print_table(result: dict) -> None:
                      + ref["what"] + "; free / reference: " + ", ".join(
                          f"{n} {s['free_over_unsharded']:.2f}x"
                          for n, s in result["schedules"].items() if s["free_over_unsharded"]))
+    retried = {n: s["alloc_retry_steps"] for n, s in result["schedules"].items()
+               if s.get("alloc_retry_steps")}
+    if retried:
+        notes.append("memory pressure: the caching allocator freed its cache and retried "
+                     "(a device synchronization) in " + ", ".join(
+                         f"{k} of {m['steps']} timed steps of {n}" for n, k in retried.items())
+                     + "; those steps' times are the allocator's, not the schedule's (run "
+                       "fewer schedules at once)")
     for pair, v in result["summary"].items():
         a, b = pair.split("_vs_")
         notes.append(f"{a} vs {b}: {v['ratio']:.3f}x, saves {v['saving_ms']:.2f} ms per step "

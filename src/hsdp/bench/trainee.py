@@ -82,6 +82,7 @@ class Trainee:
     free_ms: list[float] = field(default_factory=list)
     resident_bytes: int = 0
     peak_bytes: int = 0
+    alloc_retries: list[int] = field(default_factory=list)  # per timed step (GPU)
     phase_peak_bytes: dict[str, int] = field(default_factory=dict)
     # per recorded step (unprofiled, tracer on): ``trace.host_marks``, ``Tracer.side_ms``
     host_marks: list[list[list]] = field(default_factory=list)

@@ -160,13 +160,16 @@ def synchronize(model: nn.Module) -> None:
 
 def _sharded_grads(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The local pieces of (grads replicated over outer, grads sharded over outer), each
-    element once (``parameters()`` yields a shared parameter once)."""
+    element once (``parameters()`` yields a shared parameter once; an empty piece's
+    placeholder not at all, whatever in-place ops wrote into it)."""
     rep, sharded = [], []
     for p in model.parameters():
         managed = owner(p)
         if managed is None or p.grad is None:
             continue
-        (sharded if managed[0].shard_outer else rep).append(p.grad._local_tensor)
+        local = p.grad._local_tensor
+        held = getattr(p.grad, "_hsdp_range", (0, local.numel()))[1]
+        (sharded if managed[0].shard_outer else rep).append(local.reshape(-1)[:held])
     return rep, sharded
 
 

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from hsdp.group import owner
 from hsdp.mesh import host_group
-from hsdp.pieces import adopt_state, attach_chunks
+from hsdp.pieces import Piece, adopt_state, attach_chunks
 from hsdp.state import clean_key, clean_keys, model_keys, quiesce
 
 ModelState = dict[str, Any]
@@ -78,6 +78,8 @@ def _piece_of(key: str, p: nn.Parameter, value: Any) -> torch.Tensor:
     start, length = group.shard_starts[idx], group.local(idx).numel()
     if isinstance(value, DTensor):
         piece = getattr(value._local_tensor, "_hsdp_piece", None)
+        if piece is None and isinstance(value, Piece):  # e.g. a clone: where it lies
+            piece = (value.shape, *value._hsdp_range)
         if (piece != (p.shape, start, length) or value.device_mesh != p.device_mesh
                 or value.placements != p.placements):
             raise ValueError(

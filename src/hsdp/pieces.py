@@ -183,6 +183,147 @@ def _by_runs(func, args: list, kwargs: dict) -> list[torch.Tensor] | torch.Tenso
     return out
 
 
+# Reductions over every element, computed here on the pieces: torch's DTensor would reduce
+# the local tensors as if they were ``torch.chunk`` rows, counting the placeholders of
+# empty pieces (a max of negative values gave 0) and averaging uneven pieces as even ones
+# (a mean gave half the value). name -> how the ranks' partial results combine.
+_REDUCTIONS = {"sum": "sum", "nansum": "sum", "mean": "sum", "nanmean": "sum",
+               "prod": "prod", "max": "max", "amax": "max", "min": "min", "amin": "min",
+               "all": "min", "any": "max", "count_nonzero": "sum", "norm": "norm",
+               "vector_norm": "norm"}
+# Ops whose result depends on where each element lies, which a Piece does not tell
+# DTensor: refused rather than computed from the wrong elements (or, where DTensor
+# redistributes, from local tensors of different sizes on different ranks: a collective
+# mismatch that aborts the process).
+_REFUSED = ("std", "var", "std_mean", "var_mean", "median", "nanmedian", "mode", "quantile",
+            "nanquantile", "kthvalue", "topk", "sort", "argsort", "msort", "argmax", "argmin",
+            "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "logsumexp", "aminmax",
+            "unique", "unique_consecutive", "histc", "bincount")
+
+
+def _functions(names) -> dict:
+    """torch function and Tensor method objects of ``names`` -> name."""
+    out = {}
+    for n in names:
+        for ns in (torch, torch.Tensor, torch.linalg):
+            f = getattr(ns, n, None)
+            if f is not None:
+                out[f] = n
+    return out
+
+
+_REDUCTION_FUNCS = _functions(_REDUCTIONS)
+_REFUSED_FUNCS = _functions(_REFUSED)
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
+               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _refuse(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"hsdp: {name}() of a sharded parameter, gradient or optimizer state (or of a "
+        f"tensor computed elementwise from one) is not supported: its local tensor is a "
+        f"flat range of the tensor (a one-element placeholder where this rank holds none "
+        f"of it), not torch.chunk rows, so torch's DTensor would compute it from the wrong "
+        f"elements. Reductions over all elements (sum, mean, max, min, prod, norm, all, "
+        f"any, count_nonzero) are supported; for anything else use t.full_tensor() (under "
+        f"torch.no_grad()), which gathers the whole tensor on every rank.")
+
+
+def _torch_fn(name: str):
+    return torch.linalg.vector_norm if name == "vector_norm" else getattr(torch, name)
+
+
+def _whole(name: str, rest: tuple, kwargs: dict) -> tuple[float, torch.dtype | None] | None:
+    """``(norm order, dtype)`` when a call of reduction ``name`` (``rest``, ``kwargs``: its
+    arguments after the tensor) reduces over every element into one value; None when it
+    has another form (a ``dim``, ``keepdim``, ``out``; ``max(a, b)`` is not a reduction)."""
+    norm = _REDUCTIONS[name] == "norm"
+    names = ("p", "dim", "keepdim", "dtype") if norm else ("dim", "keepdim", "dtype")
+    if len(rest) > len(names) or any(isinstance(a, torch.Tensor) for a in rest):
+        return None
+    call = dict(zip(names, rest))
+    for k, v in kwargs.items():
+        call["p" if k == "ord" else k] = v
+    if isinstance(call.get("dim"), torch.dtype):  # sum(torch.float64): the dtype overload
+        call["dtype"] = call.pop("dim")
+    if (call.pop("dim", None) is not None or call.pop("keepdim", False)
+            or call.pop("out", None) is not None or set(call) - {"p", "dtype"}):
+        return None
+    order = call.get("p", 2.0)
+    return (2.0 if order in (None, "fro") else float(order)), call.get("dtype")
+
+
+def _reduce(piece: Piece, name: str, order: float, dtype: torch.dtype | None) -> DTensor:
+    """Reduction ``name`` (a key of ``_REDUCTIONS``; ``order``: a norm's) over every element
+    of ``piece``: each rank reduces the elements it holds, then the ranks that hold the
+    tensor's elements combine (``Piece._hsdp_groups``). The result is a replicated DTensor,
+    as torch's is once reduced."""
+    if torch.is_grad_enabled() and piece.requires_grad:
+        raise RuntimeError(
+            f"hsdp: {name}() of a sharded parameter is not differentiable (its gradient "
+            f"would miss hsdp's reduction). Call it under torch.no_grad() or on p.detach().")
+    length = piece._hsdp_range[1]
+    held = piece._local_tensor.reshape(-1)[:length]
+    kw = {} if dtype is None else {"dtype": dtype}
+    combine = _REDUCTIONS[name]
+    if piece.numel() == 0 or (name in ("mean", "norm", "vector_norm") and not (
+            held.is_floating_point() or held.is_complex()) and dtype is None):
+        # torch's own result (or error: an integer mean or norm) on the whole, empty, tensor
+        whole = (torch.linalg.vector_norm(held, order, **kw) if combine == "norm"
+                 else _torch_fn(name)(held, **kw))
+        return _replicated(whole, piece)
+    if combine == "norm":
+        magnitude = held.abs() if dtype is None else held.to(dtype).abs()
+        if order in (float("inf"), float("-inf")):
+            combine = "max" if order > 0 else "min"
+            part = (magnitude.amax() if order > 0 else magnitude.amin()) if length else (
+                _identity(magnitude, combine))
+            return _replicated(_combine(part, combine, piece), piece)
+        if order == 0:
+            return _replicated(_combine((magnitude != 0).sum().to(magnitude.dtype), "sum",
+                                        piece), piece)
+        total = _combine(magnitude.pow(order).sum(), "sum", piece)
+        return _replicated(total.pow(1.0 / order), piece)
+    if name in ("mean", "nanmean"):
+        total = _combine((torch.nansum if name == "nanmean" else torch.sum)(held, **kw), "sum",
+                         piece)
+        count = (piece.numel() if name == "mean"
+                 else _combine((~held.isnan()).sum(), "sum", piece))
+        return _replicated(total / count, piece)
+    if combine in ("max", "min") and name not in ("all", "any"):
+        part = _torch_fn(name)(held) if length else _identity(held, combine)
+    else:
+        part = _torch_fn(name)(held, **kw)
+    total = _combine(part, combine, piece)
+    return _replicated(total.bool() if part.dtype == torch.bool else total, piece)
+
+
+def _identity(like: torch.Tensor, combine: str) -> torch.Tensor:
+    """The value a rank that holds no element contributes to a max / min."""
+    if like.is_floating_point():
+        value = float("-inf") if combine == "max" else float("inf")
+    elif like.dtype == torch.bool:
+        value = combine == "min"
+    else:
+        info = torch.iinfo(like.dtype)
+        value = info.min if combine == "max" else info.max
+    return torch.tensor(value, dtype=like.dtype, device=like.device)
+
+
+def _combine(part: torch.Tensor, combine: str, piece: Piece) -> torch.Tensor:
+    """``part`` combined over the ranks that hold ``piece``'s elements."""
+    total = part.clone()
+    wire = total.to(torch.int32) if total.dtype == torch.bool else total
+    for group in piece._hsdp_groups:
+        dist.all_reduce(wire, op=_REDUCE_OPS[combine], group=group)
+    return wire
+
+
+def _replicated(total: torch.Tensor, piece: Piece) -> DTensor:
+    mesh = piece.device_mesh
+    return DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
 class Piece(DTensor):
     """A DTensor over one of hsdp's flat pieces: what parameters, their ``.grad`` and
     state-dict views are. ``full_tensor()`` assembles the pieces (a collective over the
@@ -210,7 +351,34 @@ class Piece(DTensor):
             out = _on_locals(func, args, kwargs or {})
             if out is not _DECLINED:
                 return out
-        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+        first = args[0] if args and isinstance(args[0], Piece) else None
+        if first is not None and func in _REDUCTION_FUNCS:
+            name = _REDUCTION_FUNCS[func]
+            whole = _whole(name, args[1:], kwargs or {})
+            if whole is not None:
+                return _reduce(first, name, *whole)
+            if not any(isinstance(a, torch.Tensor) for a in args[1:]):  # max(a, b): elementwise
+                raise _refuse(f"{name}(dim=...)")
+        if first is not None and func in _REFUSED_FUNCS:
+            raise _refuse(_REFUSED_FUNCS[func])
+        if func is torch._foreach_norm and args and isinstance(args[0], (list, tuple)):
+            # DTensor's norms count every local element: the placeholders must be zero
+            # (clip_grad_norm_), whatever in-place ops wrote into them.
+            empty = [t._local_tensor for t in args[0]
+                     if isinstance(t, Piece) and not t._hsdp_range[1]]
+            if empty:
+                with torch.no_grad():
+                    torch._foreach_zero_(empty)
+        out = torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+        if first is not None and type(out) is DTensor and not out.requires_grad and (
+                out._spec.placements == first._spec.placements
+                and out._spec.shape == first._spec.shape
+                and out._local_tensor.numel() == first._local_tensor.numel()):
+            # Computed elementwise from a Piece (a clone, p - 1, p.abs(), p == 0): a Piece
+            # too, so that what is computed from it next knows where its elements lie.
+            out = as_dtensor(out._local_tensor, out._spec, *first._hsdp_range,
+                             first._hsdp_groups)
+        return out
 
     def detach(self) -> Piece:  # nn.Parameter requires detach() to keep the type
         return piece_like(self, self._local_tensor.detach())

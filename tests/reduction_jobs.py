@@ -40,23 +40,29 @@ def _model() -> nn.Module:
     return model
 
 
-def _backward(model: nn.Module) -> None:
-    tokens = torch.arange(22).remainder(11).view(2, 11)  # every rank: the same batch
+def _backward(model: nn.Module, device: torch.device) -> None:
+    tokens = torch.arange(22, device=device).remainder(11).view(2, 11)  # same on every rank
     model(tokens).square().mean().backward()
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a = a.full_tensor() if hasattr(a, "full_tensor") else a
-    return a.shape == b.shape and torch.allclose(a.double(), b.double(), rtol=1e-5,
-                                                 atol=1e-6)
+def reductions_job(rank: int, world: int, strategy: str,
+                   device_type: str = "cpu") -> dict[str, bool]:
+    """Each check's outcome on this rank (True: the unsharded model's value, or an hsdp
+    error where one is expected)."""
+    device = torch.device(device_type, torch.cuda.current_device() if device_type == "cuda"
+                          else None)
+    # GPU: the sharded and unsharded gradients differ in summation order (1e-6 relative)
+    tol = dict(rtol=1e-5, atol=1e-6) if device_type == "cpu" else dict(rtol=1e-4, atol=1e-5)
 
+    def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        a = a.full_tensor() if hasattr(a, "full_tensor") else a
+        return a.shape == b.shape and torch.allclose(a.double(), b.double(), **tol)
 
-def reductions_job(rank: int, world: int, strategy: str) -> dict[str, bool]:
-    mesh = hsdp.init_mesh(2, 2, "cpu")
-    model, ref = _model(), _model()
+    mesh = hsdp.init_mesh(2, 2, device_type)
+    model, ref = _model().to(device), _model().to(device)
     hsdp.fully_shard(model, mesh=mesh, strategy=strategy)
-    _backward(model)
-    _backward(ref)
+    _backward(model, device)
+    _backward(ref, device)
     named = list(zip(model.parameters(), ref.parameters()))
     out: dict[str, bool] = {}
     with torch.no_grad():
@@ -78,7 +84,7 @@ def reductions_job(rank: int, world: int, strategy: str) -> dict[str, bool]:
         for p, _ in named:
             nn.init.ones_(p)  # writes every local element, placeholders included
         out["sum after ones_"] = all(
-            _close(p.sum(), torch.tensor(float(q.numel()))) for p, q in named)
+            _close(p.sum(), torch.tensor(float(q.numel()), device=device)) for p, q in named)
         for p, q in named:  # an in-place op on the gradients, placeholders included
             p.grad.add_(1.0)
             q.grad.add_(1.0)

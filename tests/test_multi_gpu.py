@@ -21,6 +21,7 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from parity_jobs import Case, lagging_outer_job, parity_job
+from reduction_jobs import reductions_job
 from soak_job import soak_job
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -49,6 +50,14 @@ def check_parity(results: list[dict], cases: list[Case]) -> None:
         e = results[0][case]
         assert all(r[case] == e for r in results), case
         assert all(v < TOL for v in e.values()), (case, e)
+
+
+@needs(2)
+@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
+def test_reductions_on_nccl_2x2_two_ranks_per_gpu(strategy: str) -> None:
+    per_rank = run_ranks(reductions_job, 4, strategy, "cuda", backend="nccl", shared_inner=2)
+    assert all(r == per_rank[0] for r in per_rank), per_rank
+    assert all(per_rank[0].values()), sorted(k for k, ok in per_rank[0].items() if not ok)
 
 
 @needs(2)

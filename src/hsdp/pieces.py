@@ -212,8 +212,10 @@ def _functions(names) -> dict:
     return out
 
 
-_REDUCTION_FUNCS = _functions(_REDUCTIONS)
-_REFUSED_FUNCS = _functions(_REFUSED)
+# One lookup per op on the hot path (most ops are none of these): func -> (kind, name).
+_SPECIAL = {**{f: ("reduce", n) for f, n in _functions(_REDUCTIONS).items()},
+            **{f: ("refuse", n) for f, n in _functions(_REFUSED).items()},
+            torch._foreach_norm: ("norms", "_foreach_norm")}
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
                "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -227,6 +229,14 @@ def _refuse(name: str) -> RuntimeError:
         f"elements. Reductions over all elements (sum, mean, max, min, prod, norm, all, "
         f"any, count_nonzero) are supported; for anything else use t.full_tensor() (under "
         f"torch.no_grad()), which gathers the whole tensor on every rank.")
+
+
+def _computed_from(out: DTensor, piece: Piece) -> bool:
+    """Whether ``out`` (a plain DTensor an op on ``piece`` returned, outside autograd) has
+    its layout: same placements, global shape and local size."""
+    return (not out.requires_grad and out._spec.placements == piece._spec.placements
+            and out._spec.shape == piece._spec.shape
+            and out._local_tensor.numel() == piece._local_tensor.numel())
 
 
 def _torch_fn(name: str):
@@ -298,6 +308,31 @@ def _reduce(piece: Piece, name: str, order: float, dtype: torch.dtype | None) ->
     return _replicated(total.bool() if part.dtype == torch.bool else total, piece)
 
 
+def _special(special: tuple[str, str], args: tuple, kwargs: dict):
+    """An op of ``_SPECIAL``: on a Piece, a reduction computed here (its result) or an op
+    refused; ``_foreach_norm``'s placeholders zeroed. ``_DECLINED``: the op goes on as
+    usual."""
+    kind, name = special
+    first = args[0] if args else None
+    if kind == "norms" and isinstance(first, (list, tuple)):
+        # DTensor's norms count every local element: the placeholders must be zero
+        # (clip_grad_norm_), whatever in-place ops wrote into them.
+        empty = [t._local_tensor for t in first if isinstance(t, Piece) and not t._hsdp_range[1]]
+        if empty:
+            with torch.no_grad():
+                torch._foreach_zero_(empty)
+    if not isinstance(first, Piece) or kind == "norms":
+        return _DECLINED
+    if kind == "refuse":
+        raise _refuse(name)
+    whole = _whole(name, args[1:], kwargs)
+    if whole is not None:
+        return _reduce(first, name, *whole)
+    if any(isinstance(a, torch.Tensor) for a in args[1:]):  # max(a, b): elementwise
+        return _DECLINED
+    raise _refuse(f"{name}(dim=...)")
+
+
 def _identity(like: torch.Tensor, combine: str) -> torch.Tensor:
     """The value a rank that holds no element contributes to a max / min."""
     if like.is_floating_point():
@@ -351,33 +386,18 @@ class Piece(DTensor):
             out = _on_locals(func, args, kwargs or {})
             if out is not _DECLINED:
                 return out
-        first = args[0] if args and isinstance(args[0], Piece) else None
-        if first is not None and func in _REDUCTION_FUNCS:
-            name = _REDUCTION_FUNCS[func]
-            whole = _whole(name, args[1:], kwargs or {})
-            if whole is not None:
-                return _reduce(first, name, *whole)
-            if not any(isinstance(a, torch.Tensor) for a in args[1:]):  # max(a, b): elementwise
-                raise _refuse(f"{name}(dim=...)")
-        if first is not None and func in _REFUSED_FUNCS:
-            raise _refuse(_REFUSED_FUNCS[func])
-        if func is torch._foreach_norm and args and isinstance(args[0], (list, tuple)):
-            # DTensor's norms count every local element: the placeholders must be zero
-            # (clip_grad_norm_), whatever in-place ops wrote into them.
-            empty = [t._local_tensor for t in args[0]
-                     if isinstance(t, Piece) and not t._hsdp_range[1]]
-            if empty:
-                with torch.no_grad():
-                    torch._foreach_zero_(empty)
+        special = _SPECIAL.get(func)
+        if special is not None:
+            out = _special(special, args, kwargs or {})
+            if out is not _DECLINED:
+                return out
         out = torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
-        if first is not None and type(out) is DTensor and not out.requires_grad and (
-                out._spec.placements == first._spec.placements
-                and out._spec.shape == first._spec.shape
-                and out._local_tensor.numel() == first._local_tensor.numel()):
+        if type(out) is DTensor and args and isinstance(args[0], Piece) and _computed_from(
+                out, args[0]):
             # Computed elementwise from a Piece (a clone, p - 1, p.abs(), p == 0): a Piece
             # too, so that what is computed from it next knows where its elements lie.
-            out = as_dtensor(out._local_tensor, out._spec, *first._hsdp_range,
-                             first._hsdp_groups)
+            out = as_dtensor(out._local_tensor, out._spec, *args[0]._hsdp_range,
+                             args[0]._hsdp_groups)
         return out
 
     def detach(self) -> Piece:  # nn.Parameter requires detach() to keep the type

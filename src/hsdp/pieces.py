@@ -8,8 +8,11 @@ rank's contiguous range of the flattened parameter inside the flat buffer. Place
 ``clip_grad_norm_``, the optimizers and DCP then see sharded tensors (norms reduce over
 the shard dims, elementwise optimizer math runs on the local views). Why "uneven": the
 piece is a flat range, not ``torch.chunk`` rows, so the local tensor does not have the
-shape DTensor's placements would imply. Elementwise ops and reductions do not care; DCP
-gets the true layout from the chunk hooks attached to the local tensor (a flat range of an
+shape DTensor's placements would imply. Elementwise ops do not care (their results stay
+Pieces); reductions over every element are computed here from the elements each rank
+holds (DTensor's own would count the placeholders of empty pieces and weigh uneven pieces
+as even ones), and ops that depend on where elements lie are refused. DCP gets the true
+layout from the chunk hooks attached to the local tensor (a flat range of an
 N-D tensor is a union of row-major boxes, see ``layout.boxes``), so its default planners
 save and reshard it. Redistributing such a tensor the way torch does would misread the
 pieces: they are ``Piece``s, whose ``full_tensor()`` assembles them and whose
@@ -276,7 +279,7 @@ def _reduce(piece: Piece, name: str, order: float, dtype: torch.dtype | None) ->
     held = piece._local_tensor.reshape(-1)[:length]
     kw = {} if dtype is None else {"dtype": dtype}
     combine = _REDUCTIONS[name]
-    if piece.numel() == 0 or (name in ("mean", "norm", "vector_norm") and not (
+    if piece.numel() == 0 or (name in ("mean", "nanmean", "norm", "vector_norm") and not (
             held.is_floating_point() or held.is_complex()) and dtype is None):
         # torch's own result (or error: an integer mean or norm) on the whole, empty, tensor
         whole = (torch.linalg.vector_norm(held, order, **kw) if combine == "norm"
@@ -347,8 +350,7 @@ def _identity(like: torch.Tensor, combine: str) -> torch.Tensor:
 
 def _combine(part: torch.Tensor, combine: str, piece: Piece) -> torch.Tensor:
     """``part`` combined over the ranks that hold ``piece``'s elements."""
-    total = part.clone()
-    wire = total.to(torch.int32) if total.dtype == torch.bool else total
+    wire = part.to(torch.int32) if part.dtype == torch.bool else part  # a new tensor
     for group in piece._hsdp_groups:
         dist.all_reduce(wire, op=_REDUCE_OPS[combine], group=group)
     return wire

@@ -1,5 +1,6 @@
 """Multi-rank job for tests/test_reductions.py: torch reductions on an hsdp model's
-parameters, gradients and tensors computed from them, against the same model unsharded.
+parameters, gradients and tensors computed from them, against the same model unsharded;
+ops that depend on where elements lie (views, indexing, joins) refused on every rank.
 
 The model's sizes leave some ranks without any element of some parameters (their local
 tensor is a one-element placeholder), and a bias is all negative: the cases where reducing
@@ -27,7 +28,9 @@ REDUCTIONS = {
 REFUSED = {
     "std": lambda t: t.std(), "argmax": lambda t: t.argmax(),
     "max(dim)": lambda t: t.max(dim=0), "sum(dim)": lambda t: t.sum(dim=0),
-    "median": lambda t: torch.median(t),
+    "median": lambda t: torch.median(t), "index": lambda t: t[0], "slice": lambda t: t[1:],
+    "view": lambda t: t.view(-1), "cat": lambda t: torch.cat([t, t]),
+    "stack": lambda t: torch.stack([t, t]), "softmax": lambda t: torch.softmax(t, 0),
 }
 
 

@@ -195,13 +195,29 @@ _REDUCTIONS = {"sum": "sum", "nansum": "sum", "mean": "sum", "nanmean": "sum",
                "all": "min", "any": "max", "count_nonzero": "sum", "norm": "norm",
                "vector_norm": "norm"}
 # Ops whose result depends on where each element lies, which a Piece does not tell
-# DTensor: refused rather than computed from the wrong elements (or, where DTensor
-# redistributes, from local tensors of different sizes on different ranks: a collective
-# mismatch that aborts the process).
+# DTensor: refused on every rank rather than computed from the wrong elements, raised on
+# some ranks only, or (where DTensor redistributes) run on local tensors of different sizes
+# on different ranks: a collective mismatch that aborts the process.
 _REFUSED = ("std", "var", "std_mean", "var_mean", "median", "nanmedian", "mode", "quantile",
             "nanquantile", "kthvalue", "topk", "sort", "argsort", "msort", "argmax", "argmin",
             "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "logsumexp", "aminmax",
-            "unique", "unique_consecutive", "histc", "bincount")
+            "unique", "unique_consecutive", "histc", "bincount",
+            # views, indexing, joins and linear algebra: the local tensor is not the rows
+            # DTensor would index, join or multiply
+            "__getitem__", "__setitem__", "view", "view_as", "reshape", "reshape_as",
+            "flatten", "unflatten", "ravel", "squeeze", "unsqueeze", "t", "transpose",
+            "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "expand", "expand_as",
+            "broadcast_to", "repeat", "repeat_interleave", "tile", "narrow", "select",
+            "index_select", "masked_select", "take", "take_along_dim", "gather", "scatter",
+            "scatter_add", "index_add", "index_copy", "index_fill", "index_put",
+            "masked_scatter", "split", "chunk", "unbind", "tensor_split", "hsplit", "vsplit",
+            "cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack", "matmul",
+            "mm", "mv", "bmm", "dot", "vdot", "inner", "outer", "kron", "tensordot", "einsum",
+            "__matmul__", "__rmatmul__", "softmax", "log_softmax", "roll", "flip", "fliplr",
+            "flipud", "rot90", "tril", "triu", "diag", "diagonal", "trace", "nonzero",
+            "argwhere", "unfold", "as_strided", "diff", "cross", "index_put_", "scatter_",
+            "scatter_add_", "index_add_", "index_copy_", "index_fill_", "masked_scatter_",
+            "put_", "tril_", "triu_", "squeeze_", "unsqueeze_", "t_", "transpose_")
 
 
 def _functions(names) -> dict:
@@ -229,9 +245,10 @@ def _refuse(name: str) -> RuntimeError:
         f"tensor computed elementwise from one) is not supported: its local tensor is a "
         f"flat range of the tensor (a one-element placeholder where this rank holds none "
         f"of it), not torch.chunk rows, so torch's DTensor would compute it from the wrong "
-        f"elements. Reductions over all elements (sum, mean, max, min, prod, norm, all, "
-        f"any, count_nonzero) are supported; for anything else use t.full_tensor() (under "
-        f"torch.no_grad()), which gathers the whole tensor on every rank.")
+        f"elements. Elementwise ops and reductions over all elements (sum, mean, max, min, "
+        f"prod, norm, all, any, count_nonzero) are supported; for anything else use "
+        f"t.full_tensor() (under torch.no_grad()), which gathers the whole tensor on every "
+        f"rank, or use the parameter inside its unit's forward, where it is whole.")
 
 
 def _computed_from(out: DTensor, piece: Piece) -> bool:
@@ -317,6 +334,9 @@ def _special(special: tuple[str, str], args: tuple, kwargs: dict):
     usual."""
     kind, name = special
     first = args[0] if args else None
+    if kind == "refuse" and isinstance(first, (list, tuple)) and any(
+            isinstance(t, Piece) for t in first):  # cat([p, q]), stack(...)
+        raise _refuse(name)
     if kind == "norms" and isinstance(first, (list, tuple)):
         # DTensor's norms count every local element: the placeholders must be zero
         # (clip_grad_norm_), whatever in-place ops wrote into them.

@@ -251,14 +251,6 @@ def _refuse(name: str) -> RuntimeError:
         f"rank, or use the parameter inside its unit's forward, where it is whole.")
 
 
-def _computed_from(out: DTensor, piece: Piece) -> bool:
-    """Whether ``out`` (a plain DTensor an op on ``piece`` returned, outside autograd) has
-    its layout: same placements, global shape and local size."""
-    return (not out.requires_grad and out._spec.placements == piece._spec.placements
-            and out._spec.shape == piece._spec.shape
-            and out._local_tensor.numel() == piece._local_tensor.numel())
-
-
 def _torch_fn(name: str):
     return torch.linalg.vector_norm if name == "vector_norm" else getattr(torch, name)
 
@@ -414,8 +406,8 @@ class Piece(DTensor):
             if out is not _DECLINED:
                 return out
         out = torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
-        if type(out) is DTensor and args and isinstance(args[0], Piece) and _computed_from(
-                out, args[0]):
+        if (type(out) is DTensor and args and isinstance(args[0], Piece)
+                and not out.requires_grad and same_layout(out, args[0])):
             # Computed elementwise from a Piece (a clone, p - 1, p.abs(), p == 0): a Piece
             # too, so that what is computed from it next knows where its elements lie.
             out = as_dtensor(out._local_tensor, out._spec, *args[0]._hsdp_range,
@@ -530,11 +522,12 @@ def checkpoint_view(like: Piece, local: torch.Tensor) -> Piece:
 
 
 def same_layout(state: torch.Tensor, param: DTensor) -> bool:
-    """Whether ``state`` (optimizer state of ``param``) is laid out like ``param``'s piece:
-    a DTensor on the same mesh with the same placements, shape and local size."""
-    return (isinstance(state, DTensor) and state.shape == param.shape
-            and state.placements == param.placements
-            and state.device_mesh == param.device_mesh
+    """Whether ``state`` (optimizer state of ``param``, or what an elementwise op on it
+    returned) is laid out like ``param``'s piece: a DTensor on the same mesh with the same
+    placements, shape and local size (read from the specs: no op on a Piece)."""
+    return (isinstance(state, DTensor) and state._spec.shape == param._spec.shape
+            and state._spec.placements == param._spec.placements
+            and state._spec.mesh == param._spec.mesh
             and state._local_tensor.numel() == param._local_tensor.numel())
 
 

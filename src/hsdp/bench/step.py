@@ -508,7 +508,9 @@ def _alloc_retries(device: torch.device) -> int:
     """How often the caching allocator has failed an allocation, freed its cache and
     tried again: each time it synchronizes the device and stalls the host, so a timed step
     with one measures memory pressure (e.g. from the other schedules' models beside it)
-    rather than its schedule."""
+    rather than its schedule. 0 off CUDA (as ``_allocated``)."""
+    if device.type != "cuda":
+        return 0
     return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
 
 

@@ -74,6 +74,17 @@ def check_result(path: Path, out_dir: Path, schedules: list[str], recorded: int 
             assert s["side_ms_steps"] == [[]] * recorded  # timing events on GPU only
         else:
             assert s["host_marks_steps"] is None and s["side_ms_steps"] is None
+        world = meta["mesh"]["outer"] * meta["mesh"]["inner"]
+        others = s["other_ranks"]  # ranks 1..: their own host times and recorded steps
+        assert len(others) == (0 if meta["emulate"] else world - 1)
+        for other in others:
+            assert len(other["t_host_samples_ms"]) == 2 and min(other["t_host_samples_ms"]) > 0
+            if s["library"] == "hsdp":
+                assert len(other["host_marks_steps"]) == recorded
+                assert [[n for _, n, _, _ in m] for m in other["host_marks_steps"]] == [
+                    [n for _, n, _, _ in m] for m in s["host_marks_steps"]]  # same program
+            else:
+                assert other["host_marks_steps"] is None
         by_kind = s["metrics"]["busy_ms"]["by_kind"]
         assert by_kind["compute"] > 0 and by_kind["inner"] > 0 and by_kind["outer"] > 0
     assert (out_dir / "timeline.png").stat().st_size > 0

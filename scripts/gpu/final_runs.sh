@@ -7,6 +7,8 @@
 #                                           # 2x4 at 12.5 GB/s, 16x8 with 4 microbatches, the
 #                                           # two-GPU tests
 #   bash scripts/gpu/final_runs.sh cuda     # tests/test_cuda.py
+#   bash scripts/gpu/final_runs.sh sim      # the twins call without the tests (the rows of
+#                                           # docs/sim_vs_measured.md only)
 #   bash scripts/gpu/final_runs.sh emulated # after a change to emulation only: the emulated
 #                                           # rows of both calls again (no real rows, no tests)
 #   bash scripts/gpu/final_runs.sh emu16x8  # the emulated 16x8 rows of the tables alone
@@ -48,6 +50,8 @@ elif [ "$1" = twins ]; then
   timeout 150 python3 -m pytest -q tests/test_multi_gpu.py -k "parity or killed" > $R/pytest_two_gpus.log 2>&1; echo "pytest two GPUs rc $?"; tail -2 $R/pytest_two_gpus.log
   # the lagging-outer job without SideStream.hold: does it see the reuse? (expect False)
   timeout 60 python3 -c "from dist_utils import run_ranks; from parity_jobs import lagging_outer_job; print('without hold:', run_ranks(lagging_outer_job, 2, True, backend='nccl'))" 2>&1 | tail -1
+elif [ "$1" = sim ]; then
+  twins
 elif [ "$1" = cuda ]; then
   timeout 200 python3 -m pytest -q tests/test_cuda.py > $R/pytest_cuda.log 2>&1; echo "pytest cuda rc $?"; tail -2 $R/pytest_cuda.log
 elif [ "$1" = emulated ]; then

@@ -633,6 +633,18 @@ def _worst(rows: list[list[float]], device: torch.device) -> list[list[float]]:
     return t.tolist()
 
 
+def _other_ranks(trainees: list[Trainee]) -> list[list[dict]]:
+    """Per trainee, what ranks 1.. measured of their own (rank 0's is the entry itself):
+    host time per timed step, and the recorded steps' host marks and side-op stream
+    times. The simulator runs the ranks together from them (a rank behind on the host
+    holds up the collectives of the others). Not under ``--emulate``: one process."""
+    mine = [{"t_host_samples_ms": t.host_ms, "host_marks_steps": t.host_marks or None,
+             "side_ms_steps": t.side_ms or None} for t in trainees]
+    everyone: list[list[dict] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [[rank[i] for rank in everyone[1:]] for i in range(len(trainees))]
+
+
 def _spread(samples: list[float], key: str) -> dict:
     """``{key}_ms``: median, ``{key}_min_ms``, ``{key}_max_ms`` (None when not measured)."""
     if not samples:
@@ -652,6 +664,7 @@ def _results(cfg: Config, device: torch.device, trainees: list[Trainee],
     peaks = _worst([[t.peak_bytes, *(t.phase_peak_bytes.get(p, 0) for p in PHASES)]
                     for t in trainees], device)
     retries = _worst([t.alloc_retries for t in trainees], device) if cuda else None
+    others = _other_ranks(trainees) if not cfg.emulate else [[] for _ in trainees]
     ref = None
     if reference is not None:
         ref_free, ref_host = _worst([reference.free_ms, reference.host_ms], device)
@@ -680,6 +693,7 @@ def _results(cfg: Config, device: torch.device, trainees: list[Trainee],
             "traces": trace_paths,
             "host_marks_steps": t.host_marks or None,
             "side_ms_steps": t.side_ms or None,
+            "other_ranks": others[i],
         }
         entry["free_over_unsharded"] = (entry["t_free_ms"] / ref["t_step_ms"]
                                         if ref and entry["t_free_ms"] else None)

@@ -23,6 +23,7 @@ from hsdp.sim.calibrate import (
     _host_between_phases,
     calibrate,
     fit_tflops,
+    least_over_ranks,
     least_device_time,
     peer_wait_ms,
     phases_from_trace,
@@ -190,6 +191,29 @@ def test_host_bound_step_follows_the_host(fake_world_8):
     assert r.t_step_ms >= r.metrics["host_busy_ms"]
     fast = evaluate(rec, CostModel(tflops=FREE, mem_gbps=FREE))
     assert r.t_step_ms > fast.t_step_ms + 0.5 * r.metrics["host_busy_ms"]
+
+
+def test_ranks_run_together_when_every_rank_has_its_costs(fake_world_8):
+    """``CostModel.peers``: a rank slow on the host holds up the collectives of its
+    groups, and through them every rank (rank 5 is in rank 1's outer group, rank 1 in
+    rank 0's inner group); alike ranks change nothing."""
+    rec = record(Setup(TINY_LLAMA, 2, 4))
+    costs = CostModel(tflops=1e-3, host_us_per_op=10.0, host_us_per_side_op=5.0)
+    slow = dataclasses.replace(costs, host_us_per_op=40.0)
+    alone, slow_alone = evaluate(rec, costs), evaluate(rec, slow)
+    alike = evaluate(rec, dataclasses.replace(costs, peers=(costs,) * 7))
+    assert alike.t_step_ms == pytest.approx(alone.t_step_ms)
+    assert alike.intervals == pytest.approx(alone.intervals)
+    together = evaluate(rec, dataclasses.replace(
+        costs, peers=tuple(slow if r == 5 else costs for r in range(1, 8))))
+    assert together.t_step_ms >= slow_alone.t_step_ms - 1e-9
+    assert together.t_step_ms > 1.5 * alone.t_step_ms
+    assert together.metrics["host_busy_ms"] == pytest.approx(alone.metrics["host_busy_ms"])
+    waited = together.metrics["busy_ms"]["by_kind"]  # rank 0's ops span their waits
+    assert waited["inner_ag"] > alone.metrics["busy_ms"]["by_kind"]["inner_ag"]
+    # peers of another mesh's calibration: every rank as rank 0
+    other = evaluate(rec, dataclasses.replace(costs, peers=(slow,)))
+    assert other.t_step_ms == pytest.approx(alone.t_step_ms)
 
 
 def test_optimizer_and_copy_in_follow_the_shard_and_the_microbatches(fake_world_8):
@@ -486,6 +510,50 @@ def test_calibrate_from_several_steps(fake_world_8, tmp_path):
     costs = calibrate(path, CostModel(mem_gbps=100.0))
     block = costs.phases["FWD:LlamaBlock"]
     assert block.device_ms == 4.0 and block.host_ms == pytest.approx(7 / 9 * 2.5 / 3)
+
+
+def test_calibrate_every_rank(fake_world_8, tmp_path):
+    """A real run with every rank's host marks (``other_ranks``): each rank gets its own
+    host costs (``CostModel.peers``), all scaled by the timed host time over the slowest
+    rank's span; the ranks then run together, and a slow one holds up rank 0."""
+    setup = Setup(TINY_LLAMA, 2, 4, microbatches=1)
+    _write_trace(tmp_path / "trace_overlap.json.gz", _llama_step())
+
+    def marks(host_us: tuple[float, ...]) -> list[list]:
+        return [[e["tid"], e["name"], e["ts"], e["dur"]] for e in _llama_step(3000, host_us)
+                if e["cat"] == "user_annotation"]
+
+    steady, slow = marks((1000,) * 3), marks((1000, 5000, 1000))  # spans 5 and 9 ms
+    others = [{"host_marks_steps": [slow if r == 4 else steady] * 3} for r in range(1, 8)]
+    path = _bench_json(tmp_path, setup, 50.0, trace="trace_overlap.json.gz", t_host_ms=2.5,
+                       host_marks_steps=[steady] * 3, other_ranks=others)
+    costs = calibrate(path, CostModel(mem_gbps=100.0))
+    assert len(costs.peers) == 7
+    scale = 2.5 / 9  # the timed host time over the slowest rank's span
+    assert costs.phases["FWD:LlamaBlock"].host_ms == pytest.approx(1.0 * scale)
+    assert costs.peers[3].phases["FWD:LlamaBlock"].host_ms == pytest.approx(7 / 3 * scale)
+    assert costs.peers[0].phases == costs.phases
+    rec = record(setup)
+    together, rank0 = evaluate(rec, costs), evaluate(rec, dataclasses.replace(costs, peers=()))
+    assert together.t_step_ms > rank0.t_step_ms
+    # an older JSON (rank 0's marks alone): one model, scaled to rank 0's span
+    data = json.loads(path.read_text())
+    del data["schedules"]["overlap"]["other_ranks"]
+    path.write_text(json.dumps(data))
+    alone = calibrate(path, CostModel(mem_gbps=100.0))
+    assert alone.peers == () and alone.phases["FWD:LlamaBlock"].host_ms == pytest.approx(0.5)
+
+
+def test_collective_times_are_the_least_over_the_ranks():
+    """On real NCCL an op's stream time holds its wait for the last rank to arrive."""
+    rank0 = [[["outer", "OUTER_AR:u", 5.0], ["ag", "AG:u", 1.0]]] * 2
+    rank1 = [[["outer", "OUTER_AR:u", 2.0], ["ag", "AG:u", 3.0]],
+             [["outer", "OUTER_AR:u", 6.0], ["ag", "AG:u", 0.5]]]
+    assert least_over_ranks([rank0, rank1]) == [
+        [["outer", "OUTER_AR:u", 2.0], ["ag", "AG:u", 1.0]],
+        [["outer", "OUTER_AR:u", 5.0], ["ag", "AG:u", 0.5]]]
+    with pytest.raises(ValueError, match="different side ops"):
+        least_over_ranks([rank0, [[["ag", "AG:u", 1.0], ["outer", "OUTER_AR:u", 5.0]]] * 2])
 
 
 def test_phase_class_drops_unit_numbers():

@@ -125,3 +125,43 @@ def test_virtual_collectives_and_events():
         ev.query()
     with pytest.raises(TypeError, match="virtual streams"):
         s.rs.submit(lambda: None, [Streams.create(torch.device("cpu")).compute.record()])
+
+
+def test_ranks_together_start_a_collective_when_its_whole_group_is_ready():
+    """Three ranks run one program, each at its own host cost. Outer groups [0, 1] and
+    [2]: rank 0's all-reduce waits on its stream for rank 1 (slow host), not for rank 2;
+    the barrier before op ``barrier`` lets every host start the next part together."""
+    from hsdp.comm import Collectives
+
+    s = Streams.virtual()
+    p = s.program
+    coll = Collectives(record=p.collective)
+    p.compute("A")
+    s.outer.submit(lambda: coll._delay("all_reduce", "outer", 64, 2), label="OUTER_AR:u")
+    s.compute.wait(s.outer.submit(lambda: None, label="X"))  # a side op without peers
+    s.compute.record().synchronize()
+    barrier = len(p.ops)
+    p.compute("B")
+
+    def price(host_s):  # compute: host_s to issue, 5 s on the device; side ops 3 s
+        return lambda op: {"compute": (host_s, 5.0), "side": (0.0, 3.0)}.get(
+            op.kind, (0.0, 0.0))
+
+    groups = {"outer": [[0, 1], [2]], "inner": [[0], [1], [2]]}
+    fast, slow, alone = p.evaluate_ranks([price(1.0), price(4.0), price(1.0)], groups,
+                                         barrier=barrier)
+    ar = [next((r.start_s, r.end_s) for r in t.records if r.label == "OUTER_AR:u")
+          for t in (fast, slow, alone)]
+    # rank 1 issues the all-reduce at 4, rank 0 at 1: both run it 4-7 (rank 0's record
+    # spans its wait); rank 2's group has no one else: 1-4.
+    assert ar == [(1, 7), (4, 7), (1, 4)]
+    # X follows the all-reduce (7-10; rank 2: 4-7); the hosts sync at 10 / 10 / 7 and
+    # meet at 10: B is issued at 11 (host 1 s) / 14 (host 4 s)
+    b = [[(r.start_s, r.end_s) for r in t.records if r.label == "compute"][-1]
+         for t in (fast, slow, alone)]
+    assert b == [(11, 16), (14, 19), (11, 16)]
+    assert fast.end_s[barrier - 1] == 10 and alone.end_s[barrier - 1] == 7
+    # identical costs: every rank as the program alone
+    same = p.evaluate_ranks([price(1.0)] * 2, {"outer": [[0, 1]], "inner": [[0], [1]]})
+    one = p.evaluate(price(1.0))
+    assert all(t.end_s == one.end_s for t in same)

@@ -25,6 +25,13 @@ DIM_NAMES = ("outer", "inner")
 COMMUNICATORS = ("inner_ag", "inner_rs", "outer")
 
 
+def axis_groups(outer: int, inner: int) -> dict[str, list[list[int]]]:
+    """The ranks of each axis's groups on ``init_mesh``'s layout (rank ``o * inner +
+    i``): ``"outer"``, one group per inner index; ``"inner"``, one per outer index."""
+    return {"outer": [[o * inner + i for o in range(outer)] for i in range(inner)],
+            "inner": [[o * inner + i for i in range(inner)] for o in range(outer)]}
+
+
 @dataclass(frozen=True)
 class NcclConfig:
     """Per-communicator NCCL settings, to budget SMs between concurrent collectives."""

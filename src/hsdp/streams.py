@@ -494,6 +494,42 @@ class Program:
         themselves run beside compute."""
         return _Clock(self.ops, cost, start, host_blocks, shared_sms).run()
 
+    def evaluate_ranks(self, costs: Sequence[Callable[[ProgramOp], tuple[float, ...]]],
+                       groups: dict[str, list[list[int]]], start: int = 0,
+                       host_blocks: bool = False, shared_sms: bool = False,
+                       barrier: int | None = None) -> list[Timing]:
+        """The program run by several ranks at once, each at its own ``costs[rank]`` (as
+        ``evaluate``): every rank issues the same ops (SPMD), and a side op's collective
+        on axis ``a`` starts on the ranks of its group (the one of ``groups[a]`` holding
+        the rank; groups of one rank wait for nobody) once every one of them is ready for
+        it. A rank that is early waits on its stream, as a collective kernel spins until
+        its peers arrive; so a rank behind on the host holds up the others. Solved by
+        running the ranks' clocks again with each collective's start held back to its
+        group's latest readiness, until no start moves (only ever later: a fixed point).
+        ``barrier``: the op before which the hosts of all ranks meet (a host barrier
+        between steps, as ``bench step``'s)."""
+        not_before: list[dict[int, float]] = [{} for _ in costs]
+        host_from = 0.0
+        while True:
+            clocks = [_Clock(self.ops, c, start, host_blocks, shared_sms, nb, barrier,
+                             host_from) for c, nb in zip(costs, not_before, strict=True)]
+            timings = [c.run() for c in clocks]
+            moved = False
+            if barrier is not None and max(c.reached for c in clocks) > host_from + 1e-12:
+                host_from, moved = max(c.reached for c in clocks), True
+            for i, op in enumerate(self.ops):
+                if op.kind != "side":
+                    continue
+                for axis in {a for _, a, _, size in op.payload if size > 1}:
+                    for group in groups[axis]:
+                        t = max(clocks[r].ready[i] for r in group)
+                        for r in group:
+                            if t > not_before[r].get(i, 0.0) + 1e-12:
+                                not_before[r][i] = t
+                                moved = True
+            if not moved:
+                return timings
+
 
 class _Clock:
     """``Program.evaluate``: a discrete-event run. The host issues ops in program order
@@ -506,8 +542,14 @@ class _Clock:
     ready meanwhile waits for it (a GPU dispatches the blocks of the kernel queued first)."""
 
     def __init__(self, ops: list[ProgramOp], cost: Callable[[ProgramOp], tuple[float, ...]],
-                 start: int, host_blocks: bool, shared_sms: bool) -> None:
+                 start: int, host_blocks: bool, shared_sms: bool,
+                 not_before: dict[int, float] | None = None, barrier: int | None = None,
+                 host_from: float = 0.0) -> None:
         self.ops, self.start = ops, start
+        self.barrier, self.host_from = barrier, host_from  # the host issues op ``barrier``
+        self.reached = 0.0  # no earlier than ``host_from``; when it reached it
+        self.not_before = not_before or {}  # side op -> its collective starts no earlier
+        self.ready: dict[int, float] = {}  # side op -> when its collective could start
         self.host_blocks, self.shared_sms = host_blocks, shared_sms
         self.prices = [cost(op) for op in ops]
         self.ends: list[float | None] = [None] * len(ops)
@@ -524,6 +566,9 @@ class _Clock:
         host, i, n = 0.0, 0, len(self.ops)
         while True:
             while i < n:  # issue
+                if i == self.barrier:
+                    self.reached, host = host, max(host, self.host_from)
+                    self.barrier = None  # met (the loop may come back to op i)
                 op, host_s = self.ops[i], self.prices[i][0]
                 if op.kind == "sync":
                     end = self.ends[op.deps[0]]
@@ -597,15 +642,18 @@ class _Clock:
     def _side(self, i: int, t: float) -> None:
         op, busy = self.ops[i], self.prices[i][1]
         half = (self.prices[i][2] / 2 if len(self.prices[i]) > 2 else 0.0) * self.shared_sms
-        if half <= 0:
-            begin, end = t, t + busy
-        elif i not in self.second:  # first step: half the tensor work, then the collective
-            self._take_sms(t, half)
-            self.second[i] = (t, t + busy - half)
-            return
-        else:
+        if i in self.second:  # second step: the other half of the tensor work
             self._take_sms(t, half)
             begin, end = self.second.pop(i)[0], t + half
+        else:  # first step: half the tensor work, then the collective (after its peers)
+            if half > 0:
+                self._take_sms(t, half)
+            self.ready[i] = t + half
+            wait = max(0.0, self.not_before.get(i, 0.0) - self.ready[i])
+            if half > 0:
+                self.second[i] = (t, t + wait + busy - half)
+                return
+            begin, end = t, t + wait + busy
         self.queues[op.stream].popleft()
         self.free[op.stream] = self.ends[i] = end
         self.records.append((i, OpRecord(op.stream, op.label, begin, end)))

@@ -28,15 +28,22 @@ steps), host times are scaled by it over their step's host span (from the first 
 mark to the end of the optimizer on the main thread). Without phase marks, ``t_host_ms``
 alone gives an even host cost per compute op.
 
+Every rank: a real run's JSON also holds ranks 1..'s host marks and side-op times
+(``other_ranks``). Each rank then gets its own host costs (``CostModel.peers``; device
+times are rank 0's trace's), all scaled alike (``t_host_ms``, the slowest rank's, over the
+slowest rank's span), and a collective's busy time is the least over the ranks (the last
+to arrive waited for nobody): the simulator runs the ranks together, and the skew of
+their hosts makes the waits.
+
 Communication: per kind (inner AG, inner RS, outer), the measured busy time of the
 traced step over the one simulated on the run's own fabric (the emulated one it names,
 else the base cost model's) scales the fabric's times (``comm_scale``); the base cost
 model's fabric stays the one simulated with. Busy times come from the JSON's
 side-op stream times (timing events around each side op in steps without the profiler:
 ``side_ms_steps``, one list per recorded step, each op the median over the steps; older
-JSONs: one step's ``side_ms``) when it has them, else from the first trace, where on
-real NCCL the time the kernels spent waiting for the other ranks is taken out
-(``peer_wait_ms``). The share of each kind's own casts and copies that held compute up
+JSONs: one step's ``side_ms``) when it has them (with every rank's, each op's the least
+over the ranks), else from the first trace, where on real NCCL the time the kernels spent
+waiting for the other ranks is taken out (``peer_wait_ms``). The share of each kind's own casts and copies that held compute up
 (compute stood still, its next kernel launched) is ``CostModel.exclusive``.
 
 These give: the achieved TFLOP/s (the simulator's FLOPs of the measured model phases
@@ -128,27 +135,34 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
     traces = [t for t in (find_trace(path, p) for p in trace_paths(entry)) if t is not None]
     measured = (least_device_time([phases_from_trace(load_trace(t)) for t in traces])
                 if traces else None)
-    marks = recorded_steps(entry, "host_marks")
-    if measured is not None and marks:
-        measured = with_host_marks(measured, marks)
     host_ms = (data["schedules"].get(times_from) or {} if times_from else entry).get(
         "t_host_ms")
-    if measured is None or not measured.phases:
+    ranks = _every_rank(measured, entry)
+    if not ranks or not ranks[0].phases:
         costs = dataclasses.replace(base, tflops=fit_tflops(rec, busy, base.mem_gbps))
         if host_ms:
             costs = dataclasses.replace(costs, host_us_per_op=host_ms * 1e3 / len(
                 _measured_step(rec)), host_us_per_side_op=0.0)
     else:
         # Launch calls that waited for the GPU are in the host time of the step too.
-        blocked = sum(measured.blocked_ms.values())
+        blocked = sum(ranks[0].blocked_ms.values())
         if host_ms:
             host_ms = max(host_ms - blocked, 1e-3)
-        measured = dataclasses.replace(measured, span_ms=max(measured.span_ms - blocked, 0.0))
-        costs = dataclasses.replace(_with_trace(base, rec, measured, host_ms),
-                                    phases_key=setup.phase_key())
-        if host_ms:
-            costs = _host_between_phases(costs, rec, host_ms)
-    own = dataclasses.replace(costs, comm_scale={},
+        ranks = [dataclasses.replace(m, span_ms=max(m.span_ms - blocked, 0.0)) for m in ranks]
+        slowest = max(m.span_ms for m in ranks)
+        models = []
+        for m in ranks:
+            # Every rank's marks scale alike (the tracer's cost): the timed steps' host
+            # time (the slowest rank's) over the slowest rank's recorded span.
+            own_ms = host_ms * m.span_ms / slowest if host_ms and slowest > 0 else None
+            model = dataclasses.replace(_with_trace(base, rec, m, own_ms),
+                                        phases_key=setup.phase_key())
+            models.append(_host_between_phases(model, rec, own_ms) if own_ms else model)
+        costs = dataclasses.replace(models[0], peers=tuple(models[1:]))
+        measured = ranks[0]
+    # the collectives' busy times of rank 0 alone (those of the run are without the
+    # waits for other ranks when the run has every rank's times: _busy_ms)
+    own = dataclasses.replace(costs, comm_scale={}, peers=(),
                               fabric=fabric_of(data["meta"], base.fabric))
     if times_from not in (None, schedule):
         rec = record(setup_from_results(data, times_from))
@@ -160,8 +174,22 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
         busy_ms = {k: min(r[k] for r in runs if k in r) for k in runs[0]}
     else:  # emulated: no peers to wait for; the schedule's unprofiled steps if it has them
         busy_ms = _busy_ms(path, data, times_from or schedule, emulated=True)
-    return dataclasses.replace(costs, comm_scale=_comm_scale(evaluate(rec, own).metrics,
-                                                             busy_ms))
+    scale = _comm_scale(evaluate(rec, own).metrics, busy_ms)
+    return dataclasses.replace(costs, comm_scale=scale, peers=tuple(
+        dataclasses.replace(p, comm_scale=scale) for p in costs.peers))
+
+
+def _every_rank(traced: TracePhases | None, entry: dict) -> list[TracePhases]:
+    """The profiled phases with each rank's host times: rank 0's from the entry's host
+    marks, ranks 1.. from theirs (``other_ranks``; only when every rank has them); [] if
+    there is no trace."""
+    if traced is None:
+        return []
+    marks = [recorded_steps(entry, "host_marks")] + [
+        recorded_steps(o, "host_marks") for o in entry.get("other_ranks") or []]
+    if not marks[0]:
+        return [traced]
+    return [with_host_marks(traced, m) for m in (marks if all(marks) else marks[:1])]
 
 
 def _busy_ms(path: str | Path, data: dict, name: str, emulated: bool = False,
@@ -170,15 +198,21 @@ def _busy_ms(path: str | Path, data: dict, name: str, emulated: bool = False,
     (``unprofiled_busy_ms``, each op the median over them) where the JSON has them, else
     its first traced step's; on real NCCL that one less its waits for the other ranks
     (``peer_wait_ms``; ``traced``: its traces, already read), which the profiler
-    exaggerates. The unprofiled steps' waits stay in: every step of a real run has some
-    (ranks drift apart by host jitter), and the simulator has no model of that skew, so
-    the measured waits stand for it (taking the lesser, as before, left the real rows'
+    exaggerates. With every rank's unprofiled steps (``other_ranks``), each op's time is
+    the least over the ranks (the last to arrive waited for nobody): the simulator then
+    runs the ranks together, and their skew makes the waits. With rank 0's alone, its
+    waits stay in: every step of a real run has some (ranks drift apart by host jitter),
+    and they stand for that skew (taking the lesser, as before, left the real rows'
     exposed communication at half the measured one)."""
     entry = data["schedules"].get(name) or {}
     busy = (entry.get("metrics") or {}).get("busy_ms", {}).get("by_kind")
     if busy is None:
         raise ValueError(f"{path}: schedule {name!r} has no measured busy times")
-    unprofiled = unprofiled_busy_ms(recorded_steps(entry, "side_ms"))
+    steps = recorded_steps(entry, "side_ms")
+    others = [recorded_steps(o, "side_ms") for o in entry.get("other_ranks") or []]
+    if not emulated and others and all(others):
+        steps = least_over_ranks([steps, *others])
+    unprofiled = unprofiled_busy_ms(steps)
     if emulated:
         return dict(busy) | unprofiled
     if traced is None:
@@ -341,6 +375,19 @@ def unprofiled_busy_ms(steps: list[list[list]]) -> dict[str, float]:
         if kind != "other":
             out[kind] += statistics.median(times)
     return dict(out)
+
+
+def least_over_ranks(ranks: list[list[list[list]]]) -> list[list[list]]:
+    """Per recorded step, each side op's stream time (``side_ms``: ``[stream, label,
+    ms]``) the least over the ranks (``ranks[r]``: rank r's steps; every rank issues the
+    same ops). On real NCCL a collective's time holds its wait for the last rank to
+    arrive, who waited for nobody."""
+    out = []
+    for steps in zip(*ranks, strict=True):
+        if any([op[:2] for op in s] != [op[:2] for op in steps[0]] for s in steps):
+            raise ValueError("side_ms: the ranks recorded different side ops")
+        out.append([[*ops[0][:2], min(op[2] for op in ops)] for ops in zip(*steps)])
+    return out
 
 
 def peer_wait_ms(measured: TracePhases) -> dict[str, float]:

@@ -24,6 +24,11 @@
   (share 0.1-0.3); a calibration measures the share per kind.
 - Host: ``host_us_per_op`` to issue each compute op, ``host_us_per_side_op`` per
   side-stream op; everything else is free.
+- ``peers``: the cost models of ranks 1, 2, ... where they differ from this one (rank
+  0's): a calibration on a real run gives each rank its own host costs. A setup of that
+  many ranks is then simulated with every rank at once (``Program.evaluate_ranks``: a
+  collective starts when the last rank of its group is ready for it); others with this
+  model alone, as every rank alike.
 - ``phases``: measured costs per phase class (``phase_class``: "BWD:LlamaBlock", ...)
   and instance, e.g. from a traced ``bench step`` (``hsdp.sim.calibrate``), valid for
   the setup they were measured on (``phases_key``). They replace the above for those
@@ -76,6 +81,7 @@ class CostModel:
     comm_scale: dict[str, float] = field(default_factory=dict)
     # Per side-op kind: the share of its own tensor work that holds the SMs (module doc).
     exclusive: dict[str, float] = field(default_factory=dict)
+    peers: tuple[CostModel, ...] = ()  # ranks 1, 2, ... (module doc)
 
     def __post_init__(self) -> None:
         if self.tflops <= 0 or self.mem_gbps <= 0:

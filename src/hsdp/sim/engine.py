@@ -6,8 +6,9 @@ root last; AdamW; ``hsdp.microbatch`` over the microbatches), but on the meta de
 The root unit gets virtual streams (``hsdp.streams.Streams.virtual``) and collectives
 that only report their sizes, and every op issued on compute is added to the program
 with its FLOPs and bytes (a dispatch mode). One warm-up step (it records the unit order
-and creates the optimizer state), then the measured step; ``Recording.evaluate`` prices
-and times it (``hsdp.sim.costs``).
+and creates the optimizer state), then the measured step; ``evaluate`` prices and times
+it (``hsdp.sim.costs``): as every rank alike, or, with a cost model per rank (a
+calibration on a real run), every rank at once on the same program.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch.utils.flop_counter import flop_registry
 
 import hsdp
 from hsdp.comm import Collectives
+from hsdp.mesh import axis_groups
 from hsdp.models import ModelConfig, build_model, lm_loss, shard_units
 from hsdp.policy import check_strategy
 from hsdp.report.args import DTYPES
@@ -307,12 +309,23 @@ class SimResult:
 
 def evaluate(rec: Recording, costs: CostModel) -> SimResult:
     """Price and time ``rec``'s measured step (measured phase costs only if they were
-    measured on this setup's model)."""
-    if costs.phases and costs.phases_key != rec.setup.phase_key():
-        costs = dataclasses.replace(costs, phases={}, phases_key="")
-    timing = rec.program.evaluate(costs.pricer(rec.program), rec.start,
-                                  shared_sms=True)
-    t0, t1 = timing.end_s[rec.start - 1], timing.end_s[-1]  # after each step's synchronize
+    measured on this setup's model). With ``costs.peers`` for every other rank of the
+    setup's mesh, the ranks run together, meeting at a host barrier before the step (as
+    ``bench step``'s); the intervals and host time are rank 0's, the step lasts until the
+    last rank's streams are idle."""
+    setup = rec.setup
+    world = setup.outer * setup.inner
+    ranks = [costs, *costs.peers] if len(costs.peers) == world - 1 else [costs]
+    prices = [_for_setup(c, setup).pricer(rec.program) for c in ranks]
+    if len(prices) == 1:
+        timings = [rec.program.evaluate(prices[0], rec.start, shared_sms=True)]
+    else:
+        timings = rec.program.evaluate_ranks(prices, axis_groups(setup.outer, setup.inner),
+                                             rec.start, shared_sms=True, barrier=rec.start)
+    timing = timings[0]
+    # from the host barrier (else rank 0's synchronize) to every rank's streams idle
+    t0 = max(t.end_s[rec.start - 1] for t in timings)
+    t1 = max(t.end_s[-1] for t in timings)
     units = "|".join(re.escape(k) for k in sorted(rec.names, key=len, reverse=True))
     pattern = re.compile(f"(?<=:)({units})(?=/|$)")
 
@@ -326,6 +339,14 @@ def evaluate(rec: Recording, costs: CostModel) -> SimResult:
     metrics = step_metrics(intervals, (0.0, (t1 - t0) * 1e6))
     metrics["host_busy_ms"] = timing.host_busy_s * 1e3
     return SimResult(intervals, metrics, (t1 - t0) * 1e3)
+
+
+def _for_setup(costs: CostModel, setup: Setup) -> CostModel:
+    """``costs`` without measured phase costs unless they were measured on ``setup``'s
+    model."""
+    if costs.phases and costs.phases_key != setup.phase_key():
+        return dataclasses.replace(costs, phases={}, phases_key="")
+    return costs
 
 
 def simulate(setup: Setup, costs: CostModel) -> SimResult:

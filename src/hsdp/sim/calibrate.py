@@ -43,8 +43,9 @@ side-op stream times (timing events around each side op in steps without the pro
 ``side_ms_steps``, one list per recorded step, each op the median over the steps; older
 JSONs: one step's ``side_ms``) when it has them (with every rank's, each op's the least
 over the ranks), else from the first trace, where on real NCCL the time the kernels spent
-waiting for the other ranks is taken out (``peer_wait_ms``). The share of each kind's own casts and copies that held compute up
-(compute stood still, its next kernel launched) is ``CostModel.exclusive``.
+waiting for the other ranks is taken out (``peer_wait_ms``). The share of each kind's
+own casts and copies that held compute up (compute stood still, its next kernel
+launched) is ``CostModel.exclusive``.
 
 These give: the achieved TFLOP/s (the simulator's FLOPs of the measured model phases
 over their device time), the memory bandwidth (device time of ``OPTIMIZER`` and

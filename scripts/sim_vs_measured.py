@@ -92,12 +92,14 @@ def compare(path: Path, calibration: str, base: CostModel) -> list[dict]:
         setup = setup_from_results(data, name)
         r = simulate(setup, cal)
         cross = simulate(setup, calibrate(source, costs, lead)) if own else None
+        alone = simulate(setup, dataclasses.replace(cal, peers=())) if cal.peers else None
         rows.append({"json": path.name, "row": row_name(path, meta), "schedule": name,
                      "run": {"date": meta.get("date"), "torch": meta.get("torch"),
                              "gpu": (meta.get("hardware") or {}).get("gpu"),
                              "emulate": meta.get("emulate")},
                      "sim_ms": r.t_step_ms, "measured": measured, "metrics": r.metrics,
                      "lead": lead, "sim_from_lead_ms": cross and cross.t_step_ms,
+                     "sim_rank0_alone_ms": alone and alone.t_step_ms,
                      "calibration": {"tflops": cal.tflops, "mem_gbps": cal.mem_gbps,
                                      "host_us_per_op": cal.host_us_per_op,
                                      "phases": len(cal.phases),
@@ -130,7 +132,12 @@ def render(rows: list[dict], command: str, calibration: str, host_us: float,
         "steps recorded without the profiler when the JSON has them (the median over "
         "them; the profiler slows the host unevenly), else from the trace, scaled to "
         "the unprofiled host time `t_host_ms`; without a trace, only the achieved "
-        "TFLOP/s, fitted to the run's compute busy time" if calibration == "self" else
+        "TFLOP/s, fitted to the run's compute busy time. A run that recorded every rank "
+        "(real NCCL, `other_ranks`) gives each rank its own host times (device times are "
+        "rank 0's), and each collective's busy time is the least over the ranks; the "
+        "ranks are then simulated together, a collective starting when the last rank of "
+        "its group is ready for it, so that the skew of their hosts makes the waits "
+        "(column \"rank 0 alone\": every rank as rank 0)" if calibration == "self" else
         f"every row is fitted to one run, `{calibration}` (its trace's per-phase table "
         f"applies to rows of the same model, sequence and micro-batch size; the others "
         f"use the fitted TFLOP/s, memory bandwidth and host cost per op)")
@@ -177,19 +184,19 @@ def render(rows: list[dict], command: str, calibration: str, host_us: float,
            f"{rows[worst]['schedule']})." if rows else "."),
         "",
         "| row | schedule | sim ms | measured ms | error | from the overlapped run: sim ms "
-        "(error) | sim host ms | measured host ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "(error) | rank 0 alone: sim ms (error) | sim host ms | measured host ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r, e in zip(rows, errors):
         m = r["measured"]
         host = m.get("t_host_ms")
         flag = " **!**" if abs(e) > WITHIN_PCT else ""
-        cross = r["sim_from_lead_ms"]
-        cross_cell = ("-" if cross is None else
-                      f"{cross:.1f} ({_pct(cross, m['t_step_ms'])})")
+        cells = [("-" if v is None else f"{v:.1f} ({_pct(v, m['t_step_ms'])})")
+                 for v in (r["sim_from_lead_ms"], r["sim_rank0_alone_ms"])]
         out.append(f"| {r['row']} | {r['schedule']} | {r['sim_ms']:.1f} | "
                    f"{m['t_step_ms']:.1f} [{m['t_step_min_ms']:.1f}-{m['t_step_max_ms']:.1f}] "
-                   f"| {e:+.1f} %{flag} | {cross_cell} | {r['metrics']['host_busy_ms']:.1f} | "
+                   f"| {e:+.1f} %{flag} | {' | '.join(cells)} | "
+                   f"{r['metrics']['host_busy_ms']:.1f} | "
                    f"{'-' if host is None else f'{host:.1f}'} |")
     no_host = sorted({r["row"] for r, e in zip(rows, errors) if abs(e) > WITHIN_PCT
                       and r["measured"].get("t_host_ms") is None

@@ -1,6 +1,6 @@
 """Build docs/sim_vs_measured.md: `hsdp sim` next to measured `bench step` runs.
 
-    python scripts/sim_vs_measured.py          # every docs/results/2026-11-30-s6/*/*.json
+    python scripts/sim_vs_measured.py          # every docs/results/2026-11-30-s8/*/*.json
     python scripts/sim_vs_measured.py runs/*/*.json --calibrate-from self
     python scripts/sim_vs_measured.py runs/*/*.json --calibrate-from runs/a/a.json
 
@@ -44,9 +44,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "docs" / "results" / "2026-11-30-s6"  # the runs of the current runtime
+RESULTS = ROOT / "docs" / "results" / "2026-11-30-s8"  # the runs of the current runtime
 sys.path.insert(0, str(ROOT / "src"))
 
+from hsdp.fabric import Fabric, Link  # noqa: E402
 from hsdp.sim.calibrate import (  # noqa: E402
     SCHEDULES,
     calibrate,
@@ -60,6 +61,9 @@ PAIRS = (("overlap", "serial"), ("hfsdp", "hfsdp-serial"))
 BUSY = (("compute", "compute"), ("inner_ag", "inner AG"), ("inner_rs", "inner RS"),
         ("outer", "outer"))
 WITHIN_PCT = 5.0
+# collectives that take no time (their own casts and copies still do): an emulated run's
+# collective-free steps (``t_free_ms``)
+INSTANT = Fabric(Link(1e15, 0.0), Link(1e15, 0.0))
 
 
 def row_name(path: Path, meta: dict) -> str:
@@ -93,6 +97,8 @@ def compare(path: Path, calibration: str, base: CostModel) -> list[dict]:
         r = simulate(setup, cal)
         cross = simulate(setup, calibrate(source, costs, lead)) if own else None
         alone = simulate(setup, dataclasses.replace(cal, peers=())) if cal.peers else None
+        free = (simulate(setup, dataclasses.replace(cal, fabric=INSTANT))
+                if measured.get("t_free_ms") else None)
         rows.append({"json": path.name, "row": row_name(path, meta), "schedule": name,
                      "run": {"date": meta.get("date"), "torch": meta.get("torch"),
                              "gpu": (meta.get("hardware") or {}).get("gpu"),
@@ -100,6 +106,7 @@ def compare(path: Path, calibration: str, base: CostModel) -> list[dict]:
                      "sim_ms": r.t_step_ms, "measured": measured, "metrics": r.metrics,
                      "lead": lead, "sim_from_lead_ms": cross and cross.t_step_ms,
                      "sim_rank0_alone_ms": alone and alone.t_step_ms,
+                     "sim_free_ms": free and free.t_step_ms,
                      "calibration": {"tflops": cal.tflops, "mem_gbps": cal.mem_gbps,
                                      "host_us_per_op": cal.host_us_per_op,
                                      "phases": len(cal.phases),
@@ -169,7 +176,10 @@ def render(rows: list[dict], command: str, calibration: str, host_us: float,
         "schedule itself. The column \"from the overlapped run\" also takes the host time "
         "and the collectives' busy times from the overlapped schedule (the what-if use); "
         "emulated collectives of the same modelled time ran a few % apart between the "
-        "schedules of one run, host times up to 5 %.",
+        "schedules of one run, host times up to 5 %. The column \"collective-free\" "
+        "sets the same calibration with collectives that take no time next to an "
+        "emulated run's steps without its delays (`t_free_ms`): it separates the model "
+        "of compute and host from the one of communication.",
         "",
         "Regenerate:",
         "",
@@ -184,8 +194,9 @@ def render(rows: list[dict], command: str, calibration: str, host_us: float,
            f"{rows[worst]['schedule']})." if rows else "."),
         "",
         "| row | schedule | sim ms | measured ms | error | from the overlapped run: sim ms "
-        "(error) | rank 0 alone: sim ms (error) | sim host ms | measured host ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "(error) | rank 0 alone: sim ms (error) | collective-free: sim / measured ms | "
+        "sim host ms | measured host ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r, e in zip(rows, errors):
         m = r["measured"]
@@ -193,6 +204,8 @@ def render(rows: list[dict], command: str, calibration: str, host_us: float,
         flag = " **!**" if abs(e) > WITHIN_PCT else ""
         cells = [("-" if v is None else f"{v:.1f} ({_pct(v, m['t_step_ms'])})")
                  for v in (r["sim_from_lead_ms"], r["sim_rank0_alone_ms"])]
+        free = r["sim_free_ms"]
+        cells.append("-" if free is None else f"{free:.1f} / {m['t_free_ms']:.1f}")
         out.append(f"| {r['row']} | {r['schedule']} | {r['sim_ms']:.1f} | "
                    f"{m['t_step_ms']:.1f} [{m['t_step_min_ms']:.1f}-{m['t_step_max_ms']:.1f}] "
                    f"| {e:+.1f} %{flag} | {' | '.join(cells)} | "

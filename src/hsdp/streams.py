@@ -510,7 +510,7 @@ class Program:
         between steps, as ``bench step``'s)."""
         not_before: list[dict[int, float]] = [{} for _ in costs]
         host_from = 0.0
-        while True:
+        for _ in range(len(self.ops) + 2):  # a round settles at least the earliest open collective
             clocks = [_Clock(self.ops, c, start, host_blocks, shared_sms, nb, barrier,
                              host_from) for c, nb in zip(costs, not_before, strict=True)]
             timings = [c.run() for c in clocks]
@@ -529,6 +529,7 @@ class Program:
                                 moved = True
             if not moved:
                 return timings
+        raise RuntimeError("hsdp: virtual clock: the ranks' collectives did not settle")
 
 
 class _Clock:
@@ -546,8 +547,9 @@ class _Clock:
                  not_before: dict[int, float] | None = None, barrier: int | None = None,
                  host_from: float = 0.0) -> None:
         self.ops, self.start = ops, start
-        self.barrier, self.host_from = barrier, host_from  # the host issues op ``barrier``
-        self.reached = 0.0  # no earlier than ``host_from``; when it reached it
+        # the host issues op ``barrier`` no earlier than ``host_from``; ``reached``: when
+        # it got there
+        self.barrier, self.host_from, self.reached = barrier, host_from, 0.0
         self.not_before = not_before or {}  # side op -> its collective starts no earlier
         self.ready: dict[int, float] = {}  # side op -> when its collective could start
         self.host_blocks, self.shared_sms = host_blocks, shared_sms

@@ -514,9 +514,9 @@ class Program:
             clocks = [_Clock(self.ops, c, start, host_blocks, shared_sms, nb, barrier,
                              host_from) for c, nb in zip(costs, not_before, strict=True)]
             timings = [c.run() for c in clocks]
-            moved = False
-            if barrier is not None and max(c.reached for c in clocks) > host_from + 1e-12:
-                host_from, moved = max(c.reached for c in clocks), True
+            reached = max(c.reached for c in clocks)
+            moved = barrier is not None and reached > host_from + 1e-12
+            host_from = max(host_from, reached)
             for i, op in enumerate(self.ops):
                 if op.kind != "side":
                     continue

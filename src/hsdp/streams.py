@@ -510,6 +510,10 @@ class Program:
         between steps, as ``bench step``'s)."""
         not_before: list[dict[int, float]] = [{} for _ in costs]
         host_from = 0.0
+        # each side op and the rank groups of its collectives (none: it waits for nobody)
+        synced = [(i, [g for a in {a for _, a, _, size in op.payload if size > 1}
+                       for g in groups[a]])
+                  for i, op in enumerate(self.ops) if op.kind == "side"]
         for _ in range(len(self.ops) + 2):  # a round settles at least the earliest open collective
             clocks = [_Clock(self.ops, c, start, host_blocks, shared_sms, nb, barrier,
                              host_from) for c, nb in zip(costs, not_before, strict=True)]
@@ -517,16 +521,13 @@ class Program:
             reached = max(c.reached for c in clocks)
             moved = barrier is not None and reached > host_from + 1e-12
             host_from = max(host_from, reached)
-            for i, op in enumerate(self.ops):
-                if op.kind != "side":
-                    continue
-                for axis in {a for _, a, _, size in op.payload if size > 1}:
-                    for group in groups[axis]:
-                        t = max(clocks[r].ready[i] for r in group)
-                        for r in group:
-                            if t > not_before[r].get(i, 0.0) + 1e-12:
-                                not_before[r][i] = t
-                                moved = True
+            for i, op_groups in synced:
+                for group in op_groups:
+                    t = max(clocks[r].ready[i] for r in group)
+                    for r in group:
+                        if t > not_before[r].get(i, 0.0) + 1e-12:
+                            not_before[r][i] = t
+                            moved = True
             if not moved:
                 return timings
         raise RuntimeError("hsdp: virtual clock: the ranks' collectives did not settle")

@@ -100,6 +100,27 @@ def test_traced_side_ops_report_their_stream_time_and_host_span():
     assert [m[1] for m in marks] == ["hsdp:ag:AG:x/0"] and marks[0][3] > 0
 
 
+def test_phase_marks_report_when_the_compute_stream_reached_them():
+    """With the tracer on, each compute phase mark also records when the device got there:
+    behind a 20 ms kernel, the device reaches the end mark 20 ms after the begin mark,
+    while the host had passed both at once."""
+    from hsdp.comm import SleepClock
+    from hsdp.streams import Streams
+
+    clock = SleepClock.calibrate(torch.device("cuda", 0))
+    s = Streams.create(torch.device("cuda", 0))
+    s.tracer.enabled = True
+    s.compute.begin("FWD:x")
+    clock(0.02)
+    s.compute.end("FWD:x")
+    torch.cuda.synchronize()
+    s.tracer.enabled = False
+    (begin, zero), (end, ms) = s.tracer.device_marks()
+    assert (begin, end, zero) == ("hsdp.begin:FWD:x", "hsdp.end:FWD:x", 0.0)
+    assert 19.0 <= ms < 40.0
+    assert s.tracer.device_marks() == []  # read once
+
+
 def test_side_stream_submit_runs_there_and_restores_the_callers_stream_and_device():
     """A side op runs on its stream; the caller's current stream (any, not only the
     default) and current device are as they were afterwards, also when the caller's

@@ -216,6 +216,23 @@ def test_ranks_run_together_when_every_rank_has_its_costs(fake_world_8):
     assert other.t_step_ms == pytest.approx(alone.t_step_ms)
 
 
+def test_ops_outside_every_unit_are_memory_bound(fake_world_8):
+    """The loss (softmax over the logits, and its backward) runs outside every unit's
+    phases, so no phase's calibrated TFLOP/s absorbs it: its bytes at ``mem_gbps``, once
+    per microbatch."""
+    costs = CostModel(tflops=1e-3, mem_gbps=1.0)
+    seconds = {}
+    for m in (1, 3):
+        rec = record(Setup(TINY_GPT, 2, 4, microbatches=m))
+        ops = [op for op in rec.program.ops[rec.start:] if op.kind == "compute" and op.phase < 0]
+        assert {"aten::_log_softmax", "aten::_log_softmax_backward_data"} <= {
+            op.payload.name for op in ops}
+        price = costs.pricer(rec.program)
+        seconds[m] = sum(price(op)[1] for op in ops)
+        assert seconds[m] == pytest.approx(sum(op.payload.nbytes for op in ops) / 1e9)
+    assert seconds[1] > 0 and seconds[3] == pytest.approx(3 * seconds[1], rel=0.1)
+
+
 def test_optimizer_and_copy_in_follow_the_shard_and_the_microbatches(fake_world_8):
     """Memory-bound phases: hfsdp's optimizer works on 1/outer of hsdp's shard; the
     optimizer runs once per step, the copy-in once per unit and microbatch. (Side ops'

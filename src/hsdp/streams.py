@@ -65,11 +65,13 @@ class Tracer:
     (``timed``; ``side_ms`` reads them once the stream is idle), and device-side waits are
     recorded as zero-length ``wait:<label>`` records in host issue order. Both: compute
     phase marks as zero-length ``begin:<label>`` / ``end:<label>`` records (and, under the
-    profiler, ``hsdp.begin:<label>`` / ``hsdp.end:<label>`` ranges)."""
+    profiler, ``hsdp.begin:<label>`` / ``hsdp.end:<label>`` ranges; on CUDA also a timing
+    event on the compute stream, ``device_marks``)."""
 
     enabled: bool = False
     records: list[OpRecord] = field(default_factory=list)
     timed: list[tuple[str, str, Any, Any]] = field(default_factory=list)
+    marked: list[tuple[str, Any]] = field(default_factory=list)  # (mark, timing event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, rec: OpRecord) -> None:
@@ -86,9 +88,15 @@ class Tracer:
         with self._lock:
             self.timed.append((stream, label, start, end))
 
+    def add_marked(self, name: str, event: Any) -> None:
+        """A phase mark's timing event on the compute stream (CUDA), read by
+        ``device_marks``."""
+        with self._lock:
+            self.marked.append((name, event))
+
     def clear(self) -> None:
         with self._lock:
-            self.records, self.timed = [], []
+            self.records, self.timed, self.marked = [], [], []
 
     def side_ms(self) -> list[list]:
         """``[stream, label, ms]`` of each timed side op (CUDA), in issue order; clears
@@ -96,6 +104,15 @@ class Tracer:
         with self._lock:
             timed, self.timed = self.timed, []
         return [[name, label, start.elapsed_time(end)] for name, label, start, end in timed]
+
+    def device_marks(self) -> list[list]:
+        """``[name, ms]`` of each phase mark (CUDA), named as its host mark: when the
+        compute stream reached it, from when it reached the first; clears them. Call once
+        the streams are idle. Set against the host marks, they show how far the device ran
+        behind the host during an unprofiled step."""
+        with self._lock:
+            marked, self.marked = self.marked, []
+        return [[name, marked[0][1].elapsed_time(event)] for name, event in marked]
 
 
 class Event(ABC):
@@ -222,6 +239,19 @@ class CudaCompute(_TracedMarks, ComputeStream):
 
     def record(self) -> Event:
         return CudaEvent(_current_stream(self.index))
+
+    def begin(self, label: str) -> None:
+        self._mark("begin", label)
+
+    def end(self, label: str) -> None:
+        self._mark("end", label)
+
+    def _mark(self, kind: str, label: str) -> None:
+        _trace_mark(self.tracer, kind, label)
+        if self.tracer.enabled:  # when the device gets there (``Tracer.device_marks``)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(_current_stream(self.index))
+            self.tracer.add_marked(f"hsdp.{kind}:{label}", event)
 
     def wait(self, event: Event) -> None:
         assert isinstance(event, CudaEvent)

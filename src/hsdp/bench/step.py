@@ -25,8 +25,10 @@ Phases (one progress line each on rank 0):
    Each hsdp schedule keeps, per step, its host marks (phase marks and side-op submits,
    ``hsdp.bench.trace.host_marks``) and, on GPU, each side op's time on its stream
    (timing events, ``Tracer.side_ms``): the simulator's calibration combines them over the
-   steps (``hsdp.sim.calibrate``). CPU: the first step's stream records also give the
-   traced step's intervals (the profiler's per-op cost is large next to small CPU ops);
+   steps (``hsdp.sim.calibrate``); on GPU also when the compute stream reached each phase
+   mark (``Tracer.device_marks``: how far the device ran behind the host). CPU: the first
+   step's stream records also give the traced step's intervals (the profiler's per-op
+   cost is large next to small CPU ops);
 6. collective-free (``--emulate`` only): ``--steps`` more interleaved steps with the
    emulated delays off, so collectives take no time at all (torch's fake process group
    launches nothing), next to the ``unsharded`` reference: the same layers unsharded plus
@@ -482,6 +484,7 @@ def _record(cfg: Config, trainees: list[Trainee], batches: list[torch.Tensor],
             if hsdp_schedule:
                 t.host_marks.append(host_marks(records, t0))
                 t.side_ms.append(t.tracer.side_ms())
+                t.device_marks.append(t.tracer.device_marks())
             if not cuda:
                 first.setdefault(t.name, (records, t0, t1))
     return first
@@ -693,6 +696,7 @@ def _results(cfg: Config, device: torch.device, trainees: list[Trainee],
             "traces": trace_paths,
             "host_marks_steps": t.host_marks or None,
             "side_ms_steps": t.side_ms or None,
+            "device_marks_steps": t.device_marks if any(t.device_marks) else None,
             "other_ranks": others[i],
         }
         entry["free_over_unsharded"] = (entry["t_free_ms"] / ref["t_step_ms"]

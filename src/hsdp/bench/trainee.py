@@ -84,9 +84,11 @@ class Trainee:
     peak_bytes: int = 0
     alloc_retries: list[int] = field(default_factory=list)  # per timed step (GPU)
     phase_peak_bytes: dict[str, int] = field(default_factory=dict)
-    # per recorded step (unprofiled, tracer on): ``trace.host_marks``, ``Tracer.side_ms``
+    # per recorded step (unprofiled, tracer on): ``trace.host_marks``, ``Tracer.side_ms``,
+    # ``Tracer.device_marks``
     host_marks: list[list[list]] = field(default_factory=list)
     side_ms: list[list[list]] = field(default_factory=list)
+    device_marks: list[list[list]] = field(default_factory=list)
 
     def step(self, batches: list[torch.Tensor], delays: bool = True,
              mark: Callable[[str], None] = _no_mark) -> float:

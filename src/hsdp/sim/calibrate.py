@@ -69,7 +69,14 @@ from pathlib import Path
 from hsdp.fabric import Fabric, Link
 from hsdp.models import config_from_dict
 from hsdp.report.metrics import Interval, op_kind
-from hsdp.sim.costs import MEMORY_PHASES, CostModel, PhaseCost, phase_class, phase_kind
+from hsdp.sim.costs import (
+    MEMORY_PHASES,
+    CostModel,
+    PhaseCost,
+    memory_bound,
+    phase_class,
+    phase_kind,
+)
 from hsdp.sim.engine import Recording, Setup, evaluate, record
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -108,9 +115,8 @@ def _measured_step(rec: Recording):
 def fit_tflops(rec: Recording, busy_ms: float, mem_gbps: float) -> float:
     """TFLOP/s at which ``rec``'s simulated compute busy time is ``busy_ms``."""
     ops = _measured_step(rec)
-    mem_s = sum(op.payload.nbytes for op in ops
-                if phase_kind(op.label) in MEMORY_PHASES) / (mem_gbps * 1e9)
-    flops = sum(op.payload.flops for op in ops if phase_kind(op.label) not in MEMORY_PHASES)
+    mem_s = sum(op.payload.nbytes for op in ops if memory_bound(op)) / (mem_gbps * 1e9)
+    flops = sum(op.payload.flops for op in ops if not memory_bound(op))
     left = busy_ms * 1e-3 - mem_s
     if flops <= 0 or left <= 0:
         raise ValueError(f"cannot fit TFLOP/s: {flops:.3g} FLOPs in {busy_ms:.3f} ms of "

@@ -72,8 +72,10 @@ def check_result(path: Path, out_dir: Path, schedules: list[str], recorded: int 
                 assert begins.count("hsdp.begin:FWD:LlamaBlock") == 2 * meta["model"][
                     "microbatches"]  # 2 layers
             assert s["side_ms_steps"] == [[]] * recorded  # timing events on GPU only
+            assert s["device_marks_steps"] is None
         else:
             assert s["host_marks_steps"] is None and s["side_ms_steps"] is None
+            assert s["device_marks_steps"] is None
         world = meta["mesh"]["outer"] * meta["mesh"]["inner"]
         others = s["other_ranks"]  # ranks 1..: their own host times and recorded steps
         assert len(others) == (0 if meta["emulate"] else world - 1)

@@ -191,6 +191,17 @@ def test_host_bound_step_follows_the_host(fake_world_8):
     assert r.t_step_ms >= r.metrics["host_busy_ms"]
     fast = evaluate(rec, CostModel(tflops=FREE, mem_gbps=FREE))
     assert r.t_step_ms > fast.t_step_ms + 0.5 * r.metrics["host_busy_ms"]
+    # per side-op class, its own where measured (else their mean), plus the per-op cost
+    ops = rec.program.ops[rec.start:]
+    n_free = sum(op.kind == "side" and op.label.startswith("FREE_GRAD:") for op in ops)
+    n_ag = sum(op.kind == "side" and op.stream == "ag" and op.label.startswith("AG:")
+               for op in ops)
+    assert n_free > 0 and n_ag > 0
+    classed = evaluate(rec, CostModel(tflops=FREE, mem_gbps=FREE, host_us_per_op=100.0,
+                                      host_us_per_side_op=10.0,
+                                      side_host_us={"rs:FREE_GRAD": 30.0, "ag:AG": 50.0}))
+    assert classed.metrics["host_busy_ms"] == pytest.approx(
+        0.1 * n_ops + 0.04 * n_free + 0.06 * n_ag + 0.05 * (n_side - n_free - n_ag))
 
 
 def test_ranks_run_together_when_every_rank_has_its_costs(fake_world_8):
@@ -373,7 +384,7 @@ def test_phases_from_a_trace():
     ph = {k: [v[0], round(v[1] * 1e3, 6), round(v[2] * 1e3, 6)] for k, v in m.phases.items()}
     assert ph == {"FWD:Llama": [1, 20.0, 2.0], "FWD:LlamaBlock": [2, 36.0, 10.0],
                   "BWD:LlamaBlock": [1, 20.0, 11.0], "OPTIMIZER:Llama": [1, 20.0, 0.0]}
-    assert m.side_host_ms == [0.004]
+    assert m.side_host_ms == {"ag:AG": [0.004]}
     assert m.span_ms == pytest.approx(0.12)
     assert m.exclusive == {"inner_ag": pytest.approx(0.6)}
     assert m.collectives == {"AG:LlamaBlock/0": [0.009]}
@@ -386,7 +397,7 @@ def test_phases_from_a_trace():
     assert {k: [v[0], round(v[1] * 1e3, 6), round(v[2] * 1e3, 6)]
             for k, v in fast.phases.items()} == {
         k: [v[0], v[1] / 2, v[2]] for k, v in ph.items()}
-    assert fast.side_host_ms == [0.002] and fast.span_ms == pytest.approx(0.06)
+    assert fast.side_host_ms == {"ag:AG": [0.002]} and fast.span_ms == pytest.approx(0.06)
 
     # Several steps: per phase class, side op and span, the median over the steps; a
     # step three times as slow (a hiccup) and one twice as fast move nothing.
@@ -394,7 +405,7 @@ def test_phases_from_a_trace():
     faster = [[tid, name, ts / 2, dur / 2] for tid, name, ts, dur in marks]
     steady = with_host_marks(m, [slow, marks, faster])
     assert steady.phases == fast.phases
-    assert steady.side_host_ms == [0.002] and steady.span_ms == pytest.approx(0.06)
+    assert steady.side_host_ms == {"ag:AG": [0.002]} and steady.span_ms == pytest.approx(0.06)
     assert with_host_marks(m, [marks, slow, marks]).phases == fast.phases
 
 
@@ -416,13 +427,14 @@ def test_per_step_records_combine_by_the_median_per_op():
 def test_least_device_time_over_profiled_steps():
     """Per phase class, the least device time of the profiled steps that ran it as many
     times; everything else is the first step's."""
-    first = TracePhases({"FWD:Block": [2, 1.0, 9.0], "BWD:Block": [2, 2.0, 8.0]}, [0.1], 5.0,
-                        collectives={"AG:Block/0": [1.0]})
-    second = TracePhases({"FWD:Block": [2, 3.0, 7.0], "BWD:Block": [2, 4.0, 9.0]}, [0.2], 6.0)
-    partial = TracePhases({"FWD:Block": [1, 0.5, 1.0]}, [], 1.0)
+    first = TracePhases({"FWD:Block": [2, 1.0, 9.0], "BWD:Block": [2, 2.0, 8.0]},
+                        {"ag:AG": [0.1]}, 5.0, collectives={"AG:Block/0": [1.0]})
+    second = TracePhases({"FWD:Block": [2, 3.0, 7.0], "BWD:Block": [2, 4.0, 9.0]},
+                         {"ag:AG": [0.2]}, 6.0)
+    partial = TracePhases({"FWD:Block": [1, 0.5, 1.0]}, {}, 1.0)
     least = least_device_time([first, second, partial])
     assert least.phases == {"FWD:Block": [2, 1.0, 7.0], "BWD:Block": [2, 2.0, 8.0]}
-    assert least.side_host_ms == [0.1] and least.span_ms == 5.0
+    assert least.side_host_ms == {"ag:AG": [0.1]} and least.span_ms == 5.0
     assert least.collectives == first.collectives
     assert first.phases["FWD:Block"] == [2, 1.0, 9.0]  # not modified in place
 
@@ -486,8 +498,8 @@ def test_calibrate_from_json_and_trace(fake_world_8, tmp_path):
     r = evaluate(rec, costs)
     fwd = [iv for iv in r.intervals if iv.label == "FWD:Block2"]
     assert sum(iv.end_us - iv.start_us for iv in fwd) == pytest.approx(3000.0)
-    # Host time that the traced phases do not cover (here: 3 ms more) goes to the
-    # side-stream ops, which the runtime's hooks between units issue.
+    # Host time that the traced phases and side ops do not cover (here: 3 ms more) goes
+    # to the side-stream ops, which the runtime's hooks between units issue.
     host = r.metrics["host_busy_ms"]
     more = _host_between_phases(costs, rec, host + 3.0)
     n_side = sum(op.kind == "side" for op in rec.program.ops[rec.start:])

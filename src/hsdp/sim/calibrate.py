@@ -76,6 +76,7 @@ from hsdp.sim.costs import (
     memory_bound,
     phase_class,
     phase_kind,
+    side_class,
 )
 from hsdp.sim.engine import Recording, Setup, evaluate, record
 
@@ -230,9 +231,9 @@ def _busy_ms(path: str | Path, data: dict, name: str, emulated: bool = False,
 
 
 def _host_between_phases(costs: CostModel, rec: Recording, host_ms: float) -> CostModel:
-    """The host time the phases of the trace do not cover (the runtime's hooks between
-    units, issuing side-stream work): the measured host time per step less the simulated
-    one, spread over the step's side-stream ops, which those hooks issue."""
+    """The host time neither the phases of the trace nor its side ops cover (the runtime's
+    hooks between units, issuing side-stream work): the measured host time per step less
+    the simulated one, spread over the step's side-stream ops, which those hooks issue."""
     n_side = sum(op.kind == "side" for op in rec.program.ops[rec.start:])
     missing_ms = host_ms - evaluate(rec, costs).metrics["host_busy_ms"]
     if n_side == 0 or missing_ms <= 0:
@@ -292,14 +293,15 @@ def load_trace(path: str | Path) -> dict:
 
 @dataclasses.dataclass
 class TracePhases:
-    """Per phase class: instances, host ms and device ms in total; side ops' host ms; the
+    """Per phase class: instances, host ms and device ms in total; per side-op class
+    (``side_class``), its ops' host ms; the
     main thread's host span of the step (first mark to the optimizer's end), ms; per side
     op kind, the share of its own kernels' time alone on the GPU (``CostModel.exclusive``);
     per side-op class ("AG:LlamaBlock/0"), its ops' collective kernel time, ms; per phase
     class, the host time blocked in launch calls (already taken out of its host ms)."""
 
     phases: dict[str, list[float]]  # class -> [instances, host_ms, device_ms]
-    side_host_ms: list[float]
+    side_host_ms: dict[str, list[float]]  # ``side_class`` -> each op's host ms
     span_ms: float
     exclusive: dict[str, float] = dataclasses.field(default_factory=dict)  # CostModel's
     collectives: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # ms per op
@@ -322,7 +324,7 @@ def phases_from_trace(trace: dict) -> TracePhases:
         elif cat in GPU_CATS and "correlation" in args:
             kernels.append(e)
     phases: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-    side_host: list[float] = []
+    side_host: dict[str, list[float]] = defaultdict(list)
     owner: dict[tuple, list[tuple[float, float, str | None]]] = {}  # thread -> spans
     span = 0.0
     for thread, events in threads.items():
@@ -359,7 +361,7 @@ def phases_from_trace(trace: dict) -> TracePhases:
                 blocked[phase_class(label)] += launch["dur"] / 1e3
     for cls, ms in blocked.items():
         phases[cls][1] = max(0.0, phases[cls][1] - ms)
-    return TracePhases(dict(phases), side_host, span, _exclusive(side, compute),
+    return TracePhases(dict(phases), dict(side_host), span, _exclusive(side, compute),
                        dict(per_class), dict(blocked))
 
 
@@ -439,8 +441,8 @@ def with_host_marks(measured: TracePhases, steps: list[list[list]]) -> TracePhas
         for thread, name, ts, dur in marks:
             threads[thread].append({"name": name, "ts": ts, "dur": dur})
         host: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-        spans.append(max((_thread_spans(events, host, [])[1] for events in threads.values()),
-                         default=0.0))
+        spans.append(max((_thread_spans(events, host, defaultdict(list))[1]
+                          for events in threads.values()), default=0.0))
         hosts.append(host)
         seen: Counter[str] = Counter()
         for e in (e for events in threads.values() for e in events):
@@ -451,8 +453,10 @@ def with_host_marks(measured: TracePhases, steps: list[list[list]]) -> TracePhas
               for c, v in measured.phases.items()}
     for c in measured.blocked_ms:  # no more than the trace's host time outside those calls
         phases[c][1] = min(phases[c][1], measured.phases[c][1])
-    return dataclasses.replace(measured, phases=phases,
-                               side_host_ms=[statistics.median(v) for v in side.values()],
+    side_host: dict[str, list[float]] = defaultdict(list)
+    for (name, _), times in side.items():
+        side_host[_side_class(name)].append(statistics.median(times))
+    return dataclasses.replace(measured, phases=phases, side_host_ms=dict(side_host),
                                span_ms=statistics.median(spans))
 
 
@@ -479,7 +483,7 @@ def _exclusive(side: list[tuple[str, float, float]],
 
 
 def _thread_spans(events: list[dict], phases: dict[str, list[float]],
-                  side_host: list[float]) -> tuple[list[tuple[float, float, str | None]],
+                  side_host: dict[str, list[float]]) -> tuple[list[tuple[float, float, str | None]],
                                                    float]:
     """Walk one thread's marks and side ops in time order: add host ms per phase class,
     count instances, collect side-op host times; return the spans (start, end, and the
@@ -491,7 +495,7 @@ def _thread_spans(events: list[dict], phases: dict[str, list[float]],
         if name.startswith(SIDE_OP):  # one op per annotation (labels repeat per microbatch)
             key = f"{name}#{ts}"
             points += [(ts, 1, "side+", key), (ts + dur, 0, "side-", key)]
-            side_host.append(dur / 1e3)
+            side_host[_side_class(name)].append(dur / 1e3)
         else:
             kind, _, label = name[len(MARK):].partition(":")
             points.append((ts, 2, kind, label))
@@ -528,6 +532,12 @@ def _thread_spans(events: list[dict], phases: dict[str, list[float]],
     return spans, span
 
 
+def _side_class(name: str) -> str:
+    """``side_class`` of a side op's annotation, "hsdp:<stream>:<label>"."""
+    stream, _, label = name[len(SIDE_OP):].partition(":")
+    return side_class(stream, label)
+
+
 def _owner_at(spans: list[tuple[float, float, str | None]], ts: float) -> str | None:
     i = bisect.bisect_right(spans, (ts, float("inf"))) - 1
     return spans[i][2] if i >= 0 and spans[i][0] <= ts < spans[i][1] else None
@@ -562,6 +572,6 @@ def _with_trace(base: CostModel, rec: Recording, measured: TracePhases,
         tflops=model_flops / (model_ms * 1e9) if model_ms > 0 and model_flops else base.tflops,
         mem_gbps=mem_bytes / (mem_ms * 1e6) if mem_ms > 0 and mem_bytes else base.mem_gbps,
         host_us_per_op=host_total / ops_total * 1e3 if ops_total else base.host_us_per_op,
-        host_us_per_side_op=(sum(side) / len(side) * scale * 1e3 if side
-                             else base.host_us_per_side_op),
+        host_us_per_side_op=0.0 if side else base.host_us_per_side_op,
+        side_host_us={c: sum(t) / len(t) * scale * 1e3 for c, t in side.items()},
         phases=table, exclusive=base.exclusive | measured.exclusive)

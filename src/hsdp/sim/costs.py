@@ -25,8 +25,11 @@
   rank of an axis) runs alone and leaves a 0.7 ms gap on compute (share 0.7-1 at seq
   4096), while the small casts of a 1/8 shard mostly fit beside a running matmul
   (share 0.1-0.3); a calibration measures the share per kind.
-- Host: ``host_us_per_op`` to issue each compute op, ``host_us_per_side_op`` per
-  side-stream op; everything else is free.
+- Host: ``host_us_per_op`` to issue each compute op; per side-stream op its class's
+  ``side_host_us`` (``side_class``: "rs:FREE_GRAD", "ag:AG", ...: the eleven gradient
+  releases at a step's start take 40 us each, a fifth of an all-gather's submit; a class
+  without one: their mean) plus ``host_us_per_side_op`` (e.g. a calibration's host time
+  of the hooks that issue them); everything else is free.
 - ``peers``: the cost models of ranks 1, 2, ... where they differ from this one (rank
   0's): a calibration on a real run gives each rank its own host costs. A setup of that
   many ranks is then simulated with every rank at once (``Program.evaluate_ranks``: a
@@ -64,6 +67,12 @@ def phase_class(label: str) -> str:
     return re.sub(r"(?<=[A-Za-z_])\d+(?=/|$)", "", label)
 
 
+def side_class(stream: str, label: str) -> str:
+    """A side op's class, for its host cost: ("rs", "FREE_GRAD:LlamaBlock3/0") ->
+    "rs:FREE_GRAD"."""
+    return f"{stream}:{label.split(':', 1)[0]}"
+
+
 def memory_bound(op: ProgramOp) -> bool:
     """A compute op priced by its bytes (module doc): the runtime's own compute, the
     optimizer, and an op without FLOPs outside every phase."""
@@ -86,6 +95,7 @@ class CostModel:
     mem_gbps: float = 3000.0
     host_us_per_op: float = 0.0
     host_us_per_side_op: float = 0.0
+    side_host_us: dict[str, float] = field(default_factory=dict)  # per ``side_class``
     phases: dict[str, PhaseCost] = field(default_factory=dict)
     phases_key: str = ""  # the setup they were measured on (``Setup.phase_key``)
     comm_scale: dict[str, float] = field(default_factory=dict)
@@ -98,7 +108,7 @@ class CostModel:
             raise ValueError("sim: tflops and mem_gbps must be > 0")
         if any(v <= 0 for v in self.comm_scale.values()):
             raise ValueError("sim: comm_scale factors must be > 0")
-        if self.host_us_per_op < 0 or self.host_us_per_side_op < 0:
+        if min(self.host_us_per_op, self.host_us_per_side_op, *self.side_host_us.values()) < 0:
             raise ValueError("sim: host costs must be >= 0")
         if any(not 0 <= v <= 1 for v in self.exclusive.values()):
             raise ValueError("sim: exclusive shares must be within [0, 1]")
@@ -114,6 +124,8 @@ class CostModel:
         ``program``'s ops (``Program.evaluate``)."""
         shares = _Shares(program, self.phases) if self.phases else None
         host_op, host_side = self.host_us_per_op * 1e-6, self.host_us_per_side_op * 1e-6
+        by_class = {c: us * 1e-6 for c, us in self.side_host_us.items()}
+        unknown = sum(by_class.values()) / len(by_class) if by_class else 0.0
 
         def price(op: ProgramOp) -> tuple[float, float]:
             if op.kind == "compute":
@@ -127,7 +139,8 @@ class CostModel:
                 kind = op_kind(Interval(op.stream, op.label, 0, 0))
                 scale = self.comm_scale.get(kind, 1.0)
                 local = scale * op.local_bytes / (self.mem_gbps * 1e9)
-                return (host_side, scale * sum(self.fabric.seconds(*c) for c in op.payload)
+                host = host_side + by_class.get(side_class(op.stream, op.label), unknown)
+                return (host, scale * sum(self.fabric.seconds(*c) for c in op.payload)
                         + local, local * self.exclusive.get(kind, 1.0))
             return 0.0, 0.0
 

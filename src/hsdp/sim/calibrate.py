@@ -293,12 +293,12 @@ def load_trace(path: str | Path) -> dict:
 
 @dataclasses.dataclass
 class TracePhases:
-    """Per phase class: instances, host ms and device ms in total; per side-op class
-    (``side_class``), its ops' host ms; the
-    main thread's host span of the step (first mark to the optimizer's end), ms; per side
-    op kind, the share of its own kernels' time alone on the GPU (``CostModel.exclusive``);
-    per side-op class ("AG:LlamaBlock/0"), its ops' collective kernel time, ms; per phase
-    class, the host time blocked in launch calls (already taken out of its host ms)."""
+    """Per phase class: instances, host ms and device ms in total; per ``side_class``
+    ("rs:FREE_GRAD"), its ops' host ms; the main thread's host span of the step (first
+    mark to the optimizer's end), ms; per side op kind, the share of its own kernels' time
+    alone on the GPU (``CostModel.exclusive``); per side op's phase class
+    ("AG:LlamaBlock/0"), its ops' collective kernel time, ms; per phase class, the host
+    time blocked in launch calls (already taken out of its host ms)."""
 
     phases: dict[str, list[float]]  # class -> [instances, host_ms, device_ms]
     side_host_ms: dict[str, list[float]]  # ``side_class`` -> each op's host ms

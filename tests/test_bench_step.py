@@ -81,6 +81,7 @@ def check_result(path: Path, out_dir: Path, schedules: list[str], recorded: int 
         assert len(others) == (0 if meta["emulate"] else world - 1)
         for other in others:
             assert len(other["t_host_samples_ms"]) == 2 and min(other["t_host_samples_ms"]) > 0
+            assert other["device_marks_steps"] is None  # timing events on GPU only
             if s["library"] == "hsdp":
                 assert len(other["host_marks_steps"]) == recorded
                 assert [[n for _, n, _, _ in m] for m in other["host_marks_steps"]] == [

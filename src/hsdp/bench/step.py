@@ -638,14 +638,21 @@ def _worst(rows: list[list[float]], device: torch.device) -> list[list[float]]:
 
 def _other_ranks(trainees: list[Trainee]) -> list[list[dict]]:
     """Per trainee, what ranks 1.. measured of their own (rank 0's is the entry itself):
-    host time per timed step, and the recorded steps' host marks and side-op stream
-    times. The simulator runs the ranks together from them (a rank behind on the host
-    holds up the collectives of the others). Not under ``--emulate``: one process."""
+    host time per timed step, and the recorded steps' host marks, side-op stream times
+    and device marks. The simulator runs the ranks together from them (a rank behind on
+    the host holds up the collectives of the others). Not under ``--emulate``: one
+    process."""
     mine = [{"t_host_samples_ms": t.host_ms, "host_marks_steps": t.host_marks or None,
-             "side_ms_steps": t.side_ms or None} for t in trainees]
+             "side_ms_steps": t.side_ms or None, "device_marks_steps": _device_marks(t)}
+            for t in trainees]
     everyone: list[list[dict] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return [[rank[i] for rank in everyone[1:]] for i in range(len(trainees))]
+
+
+def _device_marks(t: Trainee) -> list[list[list]] | None:
+    """The recorded steps' device marks (``Tracer.device_marks``; None off CUDA)."""
+    return t.device_marks if any(t.device_marks) else None
 
 
 def _spread(samples: list[float], key: str) -> dict:
@@ -696,7 +703,7 @@ def _results(cfg: Config, device: torch.device, trainees: list[Trainee],
             "traces": trace_paths,
             "host_marks_steps": t.host_marks or None,
             "side_ms_steps": t.side_ms or None,
-            "device_marks_steps": t.device_marks if any(t.device_marks) else None,
+            "device_marks_steps": _device_marks(t),
             "other_ranks": others[i],
         }
         entry["free_over_unsharded"] = (entry["t_free_ms"] / ref["t_step_ms"]

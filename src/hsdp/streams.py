@@ -515,13 +515,14 @@ class Program:
                  host_blocks: bool = False, shared_sms: bool = False) -> Timing:
         """Run the program on a virtual clock. ``cost(op)`` gives (seconds the host takes to
         issue it, seconds it occupies its stream[, seconds of a side op's own tensor work,
-        e.g. its casts]). An op starts once it is issued, its stream is free and its
-        dependencies have finished; the host runs ahead of the streams except at a
-        ``sync`` (and, with ``host_blocks``, after every op on compute: compute on the host
-        thread, as on CPU). With ``shared_sms``, the side ops' own tensor work (half before
-        the collective, half after) holds up compute for as long as it runs, as a GPU runs
-        a large copy kernel of a side stream between two compute kernels; collectives
-        themselves run beside compute."""
+        e.g. its casts; for a compute op, the share of its speed it loses while a
+        collective kernel runs beside it, which stretches it]). An op starts once it is
+        issued, its stream is free and its dependencies have finished; the host runs ahead
+        of the streams except at a ``sync`` (and, with ``host_blocks``, after every op on
+        compute: compute on the host thread, as on CPU). With ``shared_sms``, the side
+        ops' own tensor work (half before the collective, half after) holds up compute for
+        as long as it runs, as a GPU runs a large copy kernel of a side stream between two
+        compute kernels; collectives themselves run beside compute."""
         return _Clock(self.ops, cost, start, host_blocks, shared_sms).run()
 
     def evaluate_ranks(self, costs: Sequence[Callable[[ProgramOp], tuple[float, ...]]],
@@ -563,6 +564,18 @@ class Program:
         raise RuntimeError("hsdp: virtual clock: the ranks' collectives did not settle")
 
 
+@dataclass
+class _Running:
+    """The compute op on the virtual GPU: when it started, its device time at full speed
+    (``work``), the share of speed it loses beside a collective kernel, its last record."""
+
+    index: int
+    start: float
+    work: float
+    drag: float
+    record: OpRecord
+
+
 class _Clock:
     """``Program.evaluate``: a discrete-event run. The host issues ops in program order
     as far as it can (up to a ``sync``, or with ``host_blocks`` an op on compute, whose end
@@ -590,7 +603,9 @@ class _Clock:
         self.queues: dict[str, deque[int]] = {s: deque() for s in STREAM_NAMES}
         self.free = dict.fromkeys(STREAM_NAMES, 0.0)
         self.sms_free = 0.0  # compute ops start no earlier (a side op's tensor work)
-        self.running: tuple[int, float, OpRecord] | None = None  # last compute op, its end
+        self.running: _Running | None = None  # the compute op on the GPU
+        self.paused: list[tuple[float, float]] = []  # side ops' tensor work holding the SMs
+        self.beside: list[tuple[float, float]] = []  # collective kernels on the GPU
         self.second: dict[int, tuple[float, float]] = {}  # side op -> (begin, 2nd step)
         self.records: list[tuple[int, OpRecord]] = []
         self.last_compute: tuple[int, OpRecord] | None = None
@@ -663,8 +678,12 @@ class _Clock:
         self.queues["compute"].popleft()
         end = t
         if op.kind == "compute":
-            end = t + self.prices[i][1]
-            self.running = (i, end, self._compute_record(i, op, t, end)) if end > t else None
+            self.paused = [s for s in self.paused if s[1] > t]
+            self.beside = [s for s in self.beside if s[1] > t]
+            work, drag = self.prices[i][1], (self.prices[i][2:] or (0.0,))[0]
+            end = self._finish(t, work, drag)
+            self.running = (_Running(i, t, work, drag, self._compute_record(i, op, t, end))
+                            if end > t else None)
         elif op.kind == "wait":  # ``t`` already waited for the dependency
             self.records.append((i, OpRecord("compute", op.label, self.free["compute"], t)))
         elif op.kind != "record":  # begin / end: zero-length, where the compute stream stands
@@ -683,6 +702,8 @@ class _Clock:
                 self._take_sms(t, half)
             self.ready[i] = t + half
             wait = max(0.0, self.not_before.get(i, 0.0) - self.ready[i])
+            # its kernel is on the GPU from then on, waiting for its peers included
+            self._slow_compute(t + half, t + wait + busy - half)
             if half > 0:
                 self.second[i] = (t, t + wait + busy - half)
                 return
@@ -694,14 +715,46 @@ class _Clock:
     def _take_sms(self, t: float, seconds: float) -> None:
         """A side op's tensor work from ``t`` on: the compute op running then pauses for
         ``seconds`` (its record is split); later compute ops start after it."""
-        if self.running is not None and self.running[1] > t:  # it stands still meanwhile
-            i, end, rec = self.running
-            rec.end_s, end = t, end + seconds
-            rest = OpRecord("compute", rec.label, t + seconds, end)
-            self.records.append((i, rest))
-            self.last_compute, self.running = (i, rest), (i, end, rest)
-            self.ends[i] = self.free["compute"] = end
-        self.sms_free = max(self.sms_free, t) + seconds
+        begin = max(self.sms_free, t)
+        self.sms_free = begin + seconds
+        self.paused.append((begin, self.sms_free))
+        run = self.running
+        if run is not None and self.ends[run.index] > t:  # it stands still meanwhile
+            end = self._finish(run.start, run.work, run.drag)
+            run.record.end_s = max(run.record.start_s, t)
+            run.record = OpRecord("compute", run.record.label, self.sms_free, end)
+            self.records.append((run.index, run.record))
+            self.last_compute = (run.index, run.record)
+            self.ends[run.index] = self.free["compute"] = end
+
+    def _slow_compute(self, begin: float, end: float) -> None:
+        """A collective kernel on the GPU over [begin, end): the compute op running
+        meanwhile goes at ``1 - drag`` of its speed (its SMs are shared)."""
+        if end <= begin:
+            return
+        self.beside.append((begin, end))
+        run = self.running
+        if run is not None and run.drag > 0 and self.ends[run.index] > begin:
+            run.record.end_s = self.ends[run.index] = self.free["compute"] = self._finish(
+                run.start, run.work, run.drag)
+
+    def _finish(self, start: float, work: float, drag: float) -> float:
+        """When compute of ``work`` seconds at full speed, started at ``start``, ends:
+        stopped while a side op's tensor work holds the SMs (``paused``), at ``1 - drag``
+        of its speed while a collective kernel runs (``beside``)."""
+        spans = [(a, b, 0.0) for a, b in self.paused if b > start]
+        if drag > 0:
+            spans += [(a, b, 1.0 - drag) for a, b in self.beside if b > start]
+        if not spans or work <= 0:
+            return start + work
+        points = sorted({start, *(p for a, b, _ in spans for p in (a, b) if p > start)})
+        left = work
+        for a, b in zip(points, points[1:]):
+            rate = min((r for s, e, r in spans if s <= a < e), default=1.0)
+            if rate * (b - a) >= left:
+                return a + left / rate
+            left -= rate * (b - a)
+        return points[-1] + left
 
     def _compute_record(self, i: int, op: ProgramOp, begin: float, end: float) -> OpRecord:
         """Compute ops of one phase merge into one record while back to back; the

@@ -14,9 +14,11 @@ ranges, recorded while the step's tracer is on), per phase class ("FWD:LlamaBloc
   mean is the host cost of a side op) and inside launch calls that waited for room in the
   GPU's launch queue (``BLOCKED_US``);
 - device ms: the GPU time of the kernels launched meanwhile (through the launch's
-  correlation id), side-stream ops' excepted; per phase class, the least over the
-  profiled steps (a kernel slowed down, e.g. beside NCCL kernels that wait for a peer
-  and keep SMs busy, is only ever slower).
+  correlation id), side-stream ops' excepted, less what collective kernels running
+  beside them cost them (``collective_drag``: the class's drag times the time its
+  kernels overlapped one); per phase class, the least over the profiled steps (a kernel
+  slowed down otherwise, e.g. by the profiler, is only ever slower). The drag itself
+  goes to the cost model, which slows compute wherever the simulated collectives run.
 
 The profiler slows the host down, and unevenly (it costs per op it records): when the
 JSON has host marks (the phase marks and side-op submits of steps without the profiler:
@@ -87,6 +89,12 @@ SIDE_OP = "hsdp:"  # hsdp:<stream>:<label>
 # Kernels of a collective (NCCL's; the emulation's sleep): they run beside compute. A side
 # op's other kernels (its casts and copies) compete with compute for the SMs.
 COLLECTIVE_KERNELS = ("nccl", "spin_kernel")
+# ``collective_drag``: with fewer instances of a phase class, or less overlap between
+# them (ms, over the profiled steps), its drag is not measured (0); above MAX_DRAG compute
+# beside a collective would barely move, which no trace showed (at most 0.6).
+MIN_INSTANCES = 4
+MIN_BESIDE_MS = 0.5
+MAX_DRAG = 0.9
 # A launch call this long waited for room in the GPU's launch queue: the host was ahead of
 # the GPU, and that wait is the GPU's time, not the host's (AdamW's foreach kernels over a
 # whole unsharded model: 35 ms of a 49 ms optimizer host span).
@@ -298,7 +306,8 @@ class TracePhases:
     mark to the optimizer's end), ms; per side op kind, the share of its own kernels' time
     alone on the GPU (``CostModel.exclusive``); per side op's phase class
     ("AG:LlamaBlock/0"), its ops' collective kernel time, ms; per phase class, the host
-    time blocked in launch calls (already taken out of its host ms)."""
+    time blocked in launch calls (already taken out of its host ms); per phase instance,
+    its device time beside collective kernels, and per class the drag measured on them."""
 
     phases: dict[str, list[float]]  # class -> [instances, host_ms, device_ms]
     side_host_ms: dict[str, list[float]]  # ``side_class`` -> each op's host ms
@@ -306,6 +315,11 @@ class TracePhases:
     exclusive: dict[str, float] = dataclasses.field(default_factory=dict)  # CostModel's
     collectives: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # ms per op
     blocked_ms: dict[str, float] = dataclasses.field(default_factory=dict)  # per class
+    # per phase instance (its label; a unit's microbatches together): class, device ms,
+    # ms of it beside a collective kernel; per class, the drag measured on them
+    # (``least_device_time``)
+    instances: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)
+    drag: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def phases_from_trace(trace: dict) -> TracePhases:
@@ -334,6 +348,9 @@ def phases_from_trace(trace: dict) -> TracePhases:
     compute: list[tuple[float, float, float]] = []  # (start, end, launch) of compute kernels
     side: list[tuple[str, float, float]] = []  # (kind, start, end) of side ops' own kernels
     collectives: dict[str, float] = defaultdict(float)  # side op -> its collective kernels
+    on_gpu = _union([(k["ts"], k["ts"] + k.get("dur", 0)) for k in kernels
+                     if any(c in k["name"] for c in COLLECTIVE_KERNELS)])
+    instances: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # label -> ms, beside
     for k in kernels:
         launch = launches.get(k["args"]["correlation"])
         if launch is None:
@@ -347,8 +364,11 @@ def phases_from_trace(trace: dict) -> TracePhases:
                 side.append((op_kind(Interval(stream, op.rpartition("#")[0], 0, 0)), k["ts"],
                              k["ts"] + k.get("dur", 0)))
         elif label:
-            phases[phase_class(label)][2] += k.get("dur", 0) / 1e3
-            compute.append((k["ts"], k["ts"] + k.get("dur", 0), launch["ts"]))
+            start, end = k["ts"], k["ts"] + k.get("dur", 0)
+            phases[phase_class(label)][2] += (end - start) / 1e3
+            compute.append((start, end, launch["ts"]))
+            instances[label][0] += (end - start) / 1e3
+            instances[label][1] += _overlap(on_gpu, start, end) / 1e3
     per_class: dict[str, list[float]] = defaultdict(list)
     for key, ms in collectives.items():
         per_class[phase_class(key.rpartition("#")[0].split(":", 2)[2])].append(ms)
@@ -362,7 +382,52 @@ def phases_from_trace(trace: dict) -> TracePhases:
     for cls, ms in blocked.items():
         phases[cls][1] = max(0.0, phases[cls][1] - ms)
     return TracePhases(dict(phases), dict(side_host), span, _exclusive(side, compute),
-                       dict(per_class), dict(blocked))
+                       dict(per_class), dict(blocked),
+                       [(phase_class(label), *v) for label, v in instances.items()])
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint cover of ``spans``."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _overlap(union: list[tuple[float, float]], start: float, end: float) -> float:
+    """Time of [start, end) within ``union`` (``_union``'s)."""
+    i = max(0, bisect.bisect_right(union, (start, float("inf"))) - 1)
+    total = 0.0
+    while i < len(union) and union[i][0] < end:
+        total += max(0.0, min(end, union[i][1]) - max(start, union[i][0]))
+        i += 1
+    return total
+
+
+def collective_drag(steps: list[TracePhases]) -> dict[str, float]:
+    """Per phase class, the share of its compute's speed lost while a collective kernel
+    runs beside it (``CostModel.drag``): over its instances in ``steps`` (the blocks of a
+    model: the same kernels), the least-squares slope of an instance's device ms over its
+    ms beside collective kernels (at speed ``1 - d`` for ``o`` of its ms, an instance
+    takes ``d * o`` ms longer). A class needs ``MIN_INSTANCES`` instances and
+    ``MIN_BESIDE_MS`` of overlap between them, else it gets none."""
+    points: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for step in steps:
+        for cls, ms, beside in step.instances:
+            points[cls].append((beside, ms))
+    drag = {}
+    for cls, xy in points.items():
+        mean_x = statistics.fmean(x for x, _ in xy)
+        sxx = sum((x - mean_x) ** 2 for x, _ in xy)
+        if len(xy) < MIN_INSTANCES or sum(x for x, _ in xy) < MIN_BESIDE_MS or sxx <= 0:
+            continue
+        mean_y = statistics.fmean(y for _, y in xy)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in xy) / sxx
+        drag[cls] = min(MAX_DRAG, max(0.0, slope))
+    return drag
 
 
 def unprofiled_busy_ms(steps: list[list[list]]) -> dict[str, float]:
@@ -413,17 +478,28 @@ def peer_wait_ms(measured: TracePhases) -> dict[str, float]:
 
 
 def least_device_time(steps: list[TracePhases]) -> TracePhases:
-    """The first profiled step's phases, each class's device ms the least over ``steps``
-    that ran it as many times: a kernel slowed down (beside NCCL kernels that wait for a
-    peer and keep SMs busy, or by the profiler) is only ever slower. The rest is the first
-    step's, whose metrics the JSON holds."""
+    """The first profiled step's phases, each class's device ms without what the
+    collective kernels beside it cost it (``collective_drag`` over ``steps``: the drag
+    times its kernels' overlap with them), the least over ``steps`` that ran it as many
+    times: a kernel slowed down otherwise (by the profiler) is only ever slower. The rest
+    is the first step's, whose metrics the JSON holds; ``drag`` is the steps' own."""
+    drag = collective_drag(steps)
+
+    def own_ms(step: TracePhases) -> dict[str, float]:
+        beside: dict[str, float] = defaultdict(float)
+        for cls, _, ms in step.instances:
+            beside[cls] += ms
+        return {c: v[2] - drag.get(c, 0.0) * beside[c] for c, v in step.phases.items()}
+
     first = steps[0]
     phases = {c: list(v) for c, v in first.phases.items()}
+    for c, ms in own_ms(first).items():
+        phases[c][2] = ms
     for step in steps[1:]:
-        for c, (n, _, device) in step.phases.items():
-            if c in phases and phases[c][0] == n:
-                phases[c][2] = min(phases[c][2], device)
-    return dataclasses.replace(first, phases=phases)
+        for c, ms in own_ms(step).items():
+            if c in phases and phases[c][0] == step.phases[c][0]:
+                phases[c][2] = min(phases[c][2], ms)
+    return dataclasses.replace(first, phases=phases, drag=drag)
 
 
 def with_host_marks(measured: TracePhases, steps: list[list[list]]) -> TracePhases:
@@ -574,4 +650,5 @@ def _with_trace(base: CostModel, rec: Recording, measured: TracePhases,
         host_us_per_op=host_total / ops_total * 1e3 if ops_total else base.host_us_per_op,
         host_us_per_side_op=0.0 if side else base.host_us_per_side_op,
         side_host_us={c: sum(t) / len(t) * scale * 1e3 for c, t in side.items()},
-        phases=table, exclusive=base.exclusive | measured.exclusive)
+        phases=table, exclusive=base.exclusive | measured.exclusive,
+        drag=base.drag | measured.drag)

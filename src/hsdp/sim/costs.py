@@ -25,6 +25,11 @@
   rank of an axis) runs alone and leaves a 0.7 ms gap on compute (share 0.7-1 at seq
   4096), while the small casts of a 1/8 shard mostly fit beside a running matmul
   (share 0.1-0.3); a calibration measures the share per kind.
+- Compute beside a collective kernel: a phase class's ``drag`` is the share of its
+  compute's speed lost while one runs (NCCL's kernels hold SMs; an H200's persistent
+  GEMMs, sized to every SM, then run in two waves: 44 us alone, 200-280 us beside an
+  NCCL all-reduce in one 2x1 trace; a calibration measures it per class). The compute
+  op is stretched for as long as they overlap.
 - Host: ``host_us_per_op`` to issue each compute op; per side-stream op its class's
   ``side_host_us`` (``side_class``: "rs:FREE_GRAD", "ag:AG", ...: the eleven gradient
   releases at a step's start take 40 us each, a fifth of an all-gather's submit; a class
@@ -101,6 +106,8 @@ class CostModel:
     comm_scale: dict[str, float] = field(default_factory=dict)
     # Per side-op kind: the share of its own tensor work that holds the SMs (module doc).
     exclusive: dict[str, float] = field(default_factory=dict)
+    # Per phase class: the share of its compute's speed lost beside a collective kernel.
+    drag: dict[str, float] = field(default_factory=dict)
     peers: tuple[CostModel, ...] = ()  # ranks 1, 2, ... (module doc)
 
     def __post_init__(self) -> None:
@@ -112,6 +119,8 @@ class CostModel:
             raise ValueError("sim: host costs must be >= 0")
         if any(not 0 <= v <= 1 for v in self.exclusive.values()):
             raise ValueError("sim: exclusive shares must be within [0, 1]")
+        if any(not 0 <= v < 1 for v in self.drag.values()):
+            raise ValueError("sim: drag shares must be within [0, 1)")
 
     def compute_seconds(self, op: ProgramOp) -> float:
         """An op's device time by the FLOP / bandwidth model."""
@@ -120,21 +129,22 @@ class CostModel:
         return op.payload.flops / (self.tflops * 1e12)
 
     def pricer(self, program: Program) -> Price:
-        """``price(op) -> (host s, device s[, a side op's own tensor work s])`` for
-        ``program``'s ops (``Program.evaluate``)."""
+        """``price(op) -> (host s, device s[, a side op's own tensor work s; a compute
+        op's drag])`` for ``program``'s ops (``Program.evaluate``)."""
         shares = _Shares(program, self.phases) if self.phases else None
         host_op, host_side = self.host_us_per_op * 1e-6, self.host_us_per_side_op * 1e-6
         by_class = {c: us * 1e-6 for c, us in self.side_host_us.items()}
         unknown = sum(by_class.values()) / len(by_class) if by_class else 0.0
 
-        def price(op: ProgramOp) -> tuple[float, float]:
+        def price(op: ProgramOp) -> tuple[float, ...]:
             if op.kind == "compute":
-                measured = self.phases.get(phase_class(op.label)) if shares else None
+                cls = phase_class(op.label)
+                measured = self.phases.get(cls) if shares else None
                 if measured is None:
-                    return host_op, self.compute_seconds(op)
+                    return host_op, self.compute_seconds(op), self.drag.get(cls, 0.0)
                 host_share, device_share = shares.of(op)
                 return (measured.host_ms * 1e-3 * host_share,
-                        measured.device_ms * 1e-3 * device_share)
+                        measured.device_ms * 1e-3 * device_share, self.drag.get(cls, 0.0))
             if op.kind == "side":
                 kind = op_kind(Interval(op.stream, op.label, 0, 0))
                 scale = self.comm_scale.get(kind, 1.0)

@@ -22,6 +22,7 @@ from hsdp.sim.calibrate import (
     _exclusive,
     _host_between_phases,
     calibrate,
+    collective_drag,
     fit_tflops,
     least_device_time,
     least_over_ranks,
@@ -179,6 +180,31 @@ def test_compute_is_the_models_flops_at_the_given_throughput(fake_world_8):
     attention_extra = 0.5 * cfg.layers * 4 * mbs * cfg.seq ** 2 * h
     expected_ms = (3 * forward + attention_extra) / (tflops * 1e12) * 1e3
     assert r.metrics["busy_ms"]["by_kind"]["compute"] == pytest.approx(expected_ms, rel=1e-9)
+
+
+def test_backward_drag_stretches_compute_beside_collectives(fake_world_8):
+    """``CostModel.drag`` of a phase class slows its compute only while a collective
+    runs: the backward's compute busy time grows by drag x its time beside collectives;
+    with collectives that take no time, nothing changes; other classes keep their time."""
+    rec = record(Setup(TINY_LLAMA, 2, 4))
+    costs = CostModel(tflops=1e-3, mem_gbps=1.0, fabric=Fabric(Link(1e-3, 0.0),
+                                                                Link(1e-3, 0.0)))
+    dragged = dataclasses.replace(costs, drag={"BWD:LlamaBlock": 0.5})
+    base, slow = evaluate(rec, costs), evaluate(rec, dragged)
+
+    def busy(r, kind):
+        return sum(iv.end_us - iv.start_us for iv in r.intervals
+                   if iv.stream == "compute" and iv.label.startswith(kind))
+
+    assert busy(slow, "BWD:") > busy(base, "BWD:") * 1.05
+    assert busy(slow, "FWD:") == pytest.approx(busy(base, "FWD:"))
+    assert slow.t_step_ms > base.t_step_ms
+    free = dataclasses.replace(costs, fabric=Fabric(Link(FREE, 0.0), Link(FREE, 0.0)),
+                               mem_gbps=FREE)
+    free_dragged = evaluate(rec, dataclasses.replace(free, drag=dragged.drag))
+    assert busy(free_dragged, "BWD:") == pytest.approx(busy(evaluate(rec, free), "BWD:"))
+    with pytest.raises(ValueError, match="drag"):
+        CostModel(drag={"BWD:LlamaBlock": 1.0})
 
 
 def test_host_bound_step_follows_the_host(fake_world_8):
@@ -388,6 +414,10 @@ def test_phases_from_a_trace():
     assert m.span_ms == pytest.approx(0.12)
     assert m.exclusive == {"inner_ag": pytest.approx(0.6)}
     assert m.collectives == {"AG:LlamaBlock/0": [0.009]}
+    # per phase instance, its device ms and those beside a collective kernel (none here)
+    assert sorted(m.instances) == [("BWD:LlamaBlock", 0.011, 0.0), ("FWD:Llama", 0.002, 0.0),
+                                   ("FWD:LlamaBlock", 0.003, 0.0),
+                                   ("FWD:LlamaBlock", 0.007, 0.0)]
 
     # Host times from a step without the profiler (every host time halved): device times
     # and instances stay the trace's.
@@ -437,6 +467,50 @@ def test_least_device_time_over_profiled_steps():
     assert least.side_host_ms == {"ag:AG": [0.1]} and least.span_ms == 5.0
     assert least.collectives == first.collectives
     assert first.phases["FWD:Block"] == [2, 1.0, 9.0]  # not modified in place
+
+
+def test_drag_beside_collective_kernels():
+    """A phase instance's time beside collective kernels (any stream's, overlapping ones
+    counted once); per class, the drag is the slope of the instances' device time over
+    it, and each step's device time is taken without it before the least over steps."""
+    events = [
+        _ev("hsdp.begin:BWD:Block0", 0, 0), _ev("hsdp.end:BWD:Block0", 10, 0),
+        _ev("hsdp.begin:BWD:Block1", 10, 0), _ev("hsdp.end:BWD:Block1", 20, 0),
+        _ev("hsdp:outer:OUTER_AR:Block0/0", 16, 3),
+        *_kernel(1, 100, 10, 5), *_kernel(2, 110, 10, 15),
+        *_kernel(3, 105, 10, 17, name="ncclDevKernel_AllReduce"),
+        *_kernel(4, 108, 4, 18, name="ncclDevKernel_AllReduce"),
+        *_kernel(5, 118, 4, 18, name="ncclDevKernel_AllReduce"),
+    ]
+    m = phases_from_trace({"traceEvents": events})
+    assert sorted(m.instances) == [("BWD:Block", 0.01, 0.005), ("BWD:Block", 0.01, 0.007)]
+
+    # device ms = 10 + 0.5 * beside, over two steps; FWD: too little overlap; COPY_IN: too
+    # few instances; OPTIMIZER: slower alone than beside (clamped to 0)
+    def step(bwd, fwd=((0.0, 1.0),) * 4, other=()):  # (ms beside, ms) per instance
+        inst = ([("BWD:Block", ms, o) for o, ms in bwd] + [("FWD:Block", ms, o) for o, ms in fwd]
+                + list(other))
+        phases = {}
+        for cls, ms, _ in inst:
+            phases.setdefault(cls, [0, 1.0, 0.0])
+            phases[cls][0] += 1
+            phases[cls][2] += ms
+        return TracePhases(phases, {}, 1.0, instances=inst)
+
+    little = ((0.0, 1.0), (0.2, 1.1), (0.0, 1.0), (0.0, 1.0))
+    first = step([(0, 10), (2, 11), (4, 12), (0, 10)], little,
+                 [("COPY_IN:Block/0", 2.0, 1.0), ("COPY_IN:Block/0", 1.0, 0.0)]
+                 + [("OPTIMIZER:M", 5.0 - o, o) for o in (0, 1, 2, 3)])
+    second = step([(8, 14), (0, 10), (0, 10), (0, 10)])
+    assert collective_drag([first, second]) == {"BWD:Block": pytest.approx(0.5),
+                                                "OPTIMIZER:M": 0.0}
+    least = least_device_time([first, second])
+    assert least.drag == collective_drag([first, second])
+    # each step's BWD without its drag: 43 - 0.5 * 6 = 40 and 44 - 0.5 * 8 = 40
+    assert least.phases["BWD:Block"][2] == pytest.approx(40.0)
+    assert least.phases["FWD:Block"][2] == pytest.approx(4.0)  # the least, as before
+    alone = least_device_time([step([(0, 10)] * 4)])  # nothing beside: nothing to measure
+    assert alone.drag == {} and alone.phases["BWD:Block"][2] == pytest.approx(40.0)
 
 
 def test_exclusive_share_counts_compute_held_up_not_idle():

@@ -28,7 +28,8 @@ mesh, microbatches, dtypes; the JSON's emulated fabric, else ``--fabric-json`` /
 the defaults) and its step time, saving and busy times are set next to the measured
 ones. Calibration (``hsdp.sim.calibrate``): ``self`` (default) fits each row to its own
 run (when its Chrome traces are found next to the JSON or at the paths it names, the
-per-phase times: device time per phase class the least over the profiled steps, host time
+per-phase times: device time per phase class the least over the profiled steps, without
+what the collective kernels beside it cost it (its drag, also measured there), host time
 per phase and side op the median over the unprofiled recorded steps; else its compute
 busy time); a path fits every row to that one run. JSONs of older runs hold one profiled
 and one recorded step.
@@ -131,7 +132,11 @@ def render(rows: list[dict], command: str, calibration: str, host_us: float,
         "hfsdp's `hfsdp`), except for the host time per step and the collectives' busy "
         "times, which are the row's own schedule's: with the Chrome traces, the "
         "measured device time per phase (forward / backward / copy-in of each unit "
-        "class; the least over the profiled steps, a run of older code has one), the "
+        "class; the least over the profiled steps, a run of older code has one, each "
+        "without what the collective kernels beside it cost it) and the drag of each "
+        "class (the share of its compute's speed lost beside a collective kernel: the "
+        "slope of its instances' device time over their time beside one; the simulator "
+        "slows compute by it wherever its collectives run), the "
         "memory bandwidth of the optimizer and copy-in, per collective kind the busy "
         "time (each op's median over the steps recorded without the profiler when the "
         "JSON has them) and the share of its own casts and copies that held compute up; "

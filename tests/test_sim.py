@@ -456,14 +456,18 @@ def test_per_step_records_combine_by_the_median_per_op():
 
 def test_least_device_time_over_profiled_steps():
     """Per phase class, the least device time of the profiled steps that ran it as many
-    times; everything else is the first step's."""
+    times; per side-op kind, the largest share held up; everything else is the first
+    step's."""
     first = TracePhases({"FWD:Block": [2, 1.0, 9.0], "BWD:Block": [2, 2.0, 8.0]},
                         {"ag:AG": [0.1]}, 5.0, collectives={"AG:Block/0": [1.0]})
     second = TracePhases({"FWD:Block": [2, 3.0, 7.0], "BWD:Block": [2, 4.0, 9.0]},
                          {"ag:AG": [0.2]}, 6.0)
     partial = TracePhases({"FWD:Block": [1, 0.5, 1.0]}, {}, 1.0)
+    second.exclusive, partial.exclusive = {"outer": 0.5, "inner_ag": 0.1}, {"outer": 0.7}
     least = least_device_time([first, second, partial])
     assert least.phases == {"FWD:Block": [2, 1.0, 7.0], "BWD:Block": [2, 2.0, 8.0]}
+    # held up only where the GPU ran behind the host: the largest share over the steps
+    assert least.exclusive == {"outer": 0.7, "inner_ag": 0.1}
     assert least.side_host_ms == {"ag:AG": [0.1]} and least.span_ms == 5.0
     assert least.collectives == first.collectives
     assert first.phases["FWD:Block"] == [2, 1.0, 9.0]  # not modified in place
@@ -535,6 +539,14 @@ def test_blocked_launches_and_peer_waits_are_not_host_or_transfer_time():
     assert m.phases["OPTIMIZER:Llama"][1] == pytest.approx(0.2)  # 0.5 ms less 0.3 blocked
     assert m.blocked_ms == {"OPTIMIZER:Llama": pytest.approx(0.3)}
     assert peer_wait_ms(m) == {"inner_rs": pytest.approx(0.032)}  # (40 - 10) + (12 - 10) us
+    # without the profiler the host ran further ahead and its launches waited longer: the
+    # optimizer's 0.9 ms are the trace's 0.2 ms of host and 0.7 blocked (0.5: 0.3 + 0.2)
+    marks = [[1, "hsdp.begin:OPTIMIZER:Llama3", 0, 0], [1, "hsdp.end:OPTIMIZER:Llama3", 900, 0]]
+    for end, blocked in ((900, 0.7), (500, 0.3), (100, 0.0)):
+        marks[1][2] = end
+        steady = with_host_marks(m, [marks])
+        assert steady.phases["OPTIMIZER:Llama"][1] == pytest.approx(min(0.2, end / 1e3))
+        assert steady.blocked_ms == {"OPTIMIZER:Llama": pytest.approx(blocked)}
 
 
 def _llama_step(kernel_us: float = 3000, host_us: tuple[float, ...] = (1000,) * 3

@@ -47,7 +47,8 @@ JSONs: one step's ``side_ms``) when it has them (with every rank's, each op's th
 over the ranks), else from the first trace, where on real NCCL the time the kernels spent
 waiting for the other ranks is taken out (``peer_wait_ms``). The share of each kind's
 own casts and copies that held compute up (compute stood still, its next kernel
-launched) is ``CostModel.exclusive``.
+launched) is ``CostModel.exclusive``, the largest over the profiled steps (held up shows
+only where the GPU ran behind the host).
 
 These give: the achieved TFLOP/s (the simulator's FLOPs of the measured model phases
 over their device time), the memory bandwidth (device time of ``OPTIMIZER`` and
@@ -164,7 +165,8 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
         blocked = sum(ranks[0].blocked_ms.values())
         if host_ms:
             host_ms = max(host_ms - blocked, 1e-3)
-        ranks = [dataclasses.replace(m, span_ms=max(m.span_ms - blocked, 0.0)) for m in ranks]
+        ranks = [dataclasses.replace(m, span_ms=max(m.span_ms - sum(m.blocked_ms.values()), 0.0))
+                 for m in ranks]
         slowest = max(m.span_ms for m in ranks)
         models = []
         for m in ranks:
@@ -481,8 +483,11 @@ def least_device_time(steps: list[TracePhases]) -> TracePhases:
     """The first profiled step's phases, each class's device ms without what the
     collective kernels beside it cost it (``collective_drag`` over ``steps``: the drag
     times its kernels' overlap with them), the least over ``steps`` that ran it as many
-    times: a kernel slowed down otherwise (by the profiler) is only ever slower. The rest
-    is the first step's, whose metrics the JSON holds; ``drag`` is the steps' own."""
+    times: a kernel slowed down otherwise (by the profiler) is only ever slower. Per side
+    op kind, the largest share held up over ``steps`` (``exclusive``: a profiled step
+    whose host fell behind the GPU hides it; in one emulated 2x1 run the reduce-scatter's
+    casts held compute up for 0.0, 0.0 and 0.63 of their time). The rest is the first
+    step's, whose metrics the JSON holds; ``drag`` is the steps' own."""
     drag = collective_drag(steps)
 
     def own_ms(step: TracePhases) -> dict[str, float]:
@@ -499,7 +504,9 @@ def least_device_time(steps: list[TracePhases]) -> TracePhases:
         for c, ms in own_ms(step).items():
             if c in phases and phases[c][0] == step.phases[c][0]:
                 phases[c][2] = min(phases[c][2], ms)
-    return dataclasses.replace(first, phases=phases, drag=drag)
+    exclusive = {k: max(s.exclusive.get(k, 0.0) for s in steps)
+                 for k in {k for s in steps for k in s.exclusive}}
+    return dataclasses.replace(first, phases=phases, drag=drag, exclusive=exclusive)
 
 
 def with_host_marks(measured: TracePhases, steps: list[list[list]]) -> TracePhases:
@@ -508,7 +515,9 @@ def with_host_marks(measured: TracePhases, steps: list[list[list]]) -> TracePhas
     name, start us, duration us]``, named as the trace's annotations): the profiler slows
     the host down unevenly (per op it records), so no single scale maps one onto the
     other. Each phase class's host ms, each side op's (by name and occurrence) and the
-    step's host span are the median over the steps: one step's hiccup moves none."""
+    step's host span are the median over the steps: one step's hiccup moves none. A class
+    whose launch calls waited for the GPU keeps no more host ms than the trace's outside
+    them; the rest of its median is its time blocked in them (``blocked_ms``)."""
     hosts: list[dict[str, list[float]]] = []
     side: dict[tuple[str, int], list[float]] = defaultdict(list)
     spans: list[float] = []
@@ -527,13 +536,18 @@ def with_host_marks(measured: TracePhases, steps: list[list[list]]) -> TracePhas
                 seen[e["name"]] += 1
     phases = {c: [v[0], statistics.median(h[c][1] if c in h else 0.0 for h in hosts), v[2]]
               for c, v in measured.phases.items()}
-    for c in measured.blocked_ms:  # no more than the trace's host time outside those calls
-        phases[c][1] = min(phases[c][1], measured.phases[c][1])
+    blocked = {}
+    for c in measured.blocked_ms:
+        # no more than the trace's host time outside those calls; the rest waited for the
+        # GPU here too (the unprofiled host runs further ahead of it: one emulated 2x1
+        # optimizer spent 46 ms so, against 21 ms in the profiled steps)
+        phases[c][1], blocked[c] = (min(phases[c][1], measured.phases[c][1]),
+                                    max(0.0, phases[c][1] - measured.phases[c][1]))
     side_host: dict[str, list[float]] = defaultdict(list)
     for (name, _), times in side.items():
         side_host[_side_class(name)].append(statistics.median(times))
     return dataclasses.replace(measured, phases=phases, side_host_ms=dict(side_host),
-                               span_ms=statistics.median(spans))
+                               span_ms=statistics.median(spans), blocked_ms=blocked)
 
 
 def _exclusive(side: list[tuple[str, float, float]],

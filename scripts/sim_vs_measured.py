@@ -1,6 +1,6 @@
 """Build docs/sim_vs_measured.md: `hsdp sim` next to measured `bench step` runs.
 
-    python scripts/sim_vs_measured.py          # every docs/results/2026-11-30-s9/*/*.json
+    python scripts/sim_vs_measured.py          # every docs/results/2026-11-30-s10/*/*.json
     python scripts/sim_vs_measured.py runs/*/*.json --calibrate-from self
     python scripts/sim_vs_measured.py runs/*/*.json --calibrate-from runs/a/a.json
 
@@ -45,7 +45,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "docs" / "results" / "2026-11-30-s9"  # the runs of the current runtime
+RESULTS = ROOT / "docs" / "results" / "2026-11-30-s10"  # the runs of the current runtime
 sys.path.insert(0, str(ROOT / "src"))
 
 from hsdp.fabric import Fabric, Link  # noqa: E402

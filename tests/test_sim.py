@@ -474,9 +474,10 @@ def test_least_device_time_over_profiled_steps():
 
 
 def test_drag_beside_collective_kernels():
-    """A phase instance's time beside collective kernels (any stream's, overlapping ones
-    counted once); per class, the drag is the slope of the instances' device time over
-    it, and each step's device time is taken without it before the least over steps."""
+    """A phase instance's time beside NCCL kernels (any stream's, overlapping ones counted
+    once; the emulation's sleep kernel is none); per class, the drag is the slope of the
+    instances' device time over it, and each step's device time is taken without it
+    before the least over steps."""
     events = [
         _ev("hsdp.begin:BWD:Block0", 0, 0), _ev("hsdp.end:BWD:Block0", 10, 0),
         _ev("hsdp.begin:BWD:Block1", 10, 0), _ev("hsdp.end:BWD:Block1", 20, 0),
@@ -485,6 +486,7 @@ def test_drag_beside_collective_kernels():
         *_kernel(3, 105, 10, 17, name="ncclDevKernel_AllReduce"),
         *_kernel(4, 108, 4, 18, name="ncclDevKernel_AllReduce"),
         *_kernel(5, 118, 4, 18, name="ncclDevKernel_AllReduce"),
+        *_kernel(6, 100, 5, 18, name="at::cuda::spin_kernel(long)"),  # emulation: no drag
     ]
     m = phases_from_trace({"traceEvents": events})
     assert sorted(m.instances) == [("BWD:Block", 0.01, 0.005), ("BWD:Block", 0.01, 0.007)]

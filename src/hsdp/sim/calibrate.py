@@ -92,8 +92,9 @@ SIDE_OP = "hsdp:"  # hsdp:<stream>:<label>
 COLLECTIVE_KERNELS = ("nccl", "spin_kernel")
 # Collective kernels that slow compute down beside them (``collective_drag``): NCCL's. The
 # emulation's one-SM sleep kernel gave the blocks' backward slopes of 0.05-0.5 too, but
-# compute without it was no faster: priced so, the emulated rows' collective-free steps
-# came out 3-13 % below their measured ones (which run no sleep kernels at all).
+# compute without it was not that much faster: priced so, the collective-free steps of
+# emulated seq-4096 rows came out 3-11 % lower, away from their measured ones (which run
+# no sleep kernels at all) in four of five (docs/benchmarks.md, section 18).
 DRAG_KERNELS = ("nccl",)
 # ``collective_drag``: with fewer instances of a phase class, or less overlap between
 # them (ms, over the profiled steps), its drag is not measured (0); above MAX_DRAG compute

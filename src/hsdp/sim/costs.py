@@ -28,8 +28,8 @@
 - Compute beside a collective kernel: a phase class's ``drag`` is the share of its
   compute's speed lost while one runs (NCCL's kernels hold SMs: in one real 2x1 trace a
   backward GEMM took 44 us alone and 200-280 us beside an all-reduce; a calibration
-  measures it per class, 0.3-0.5 for the blocks' backward and forward on two H200s).
-  The compute op is stretched for as long as they overlap.
+  measures it per class: 0.3-0.6 for the blocks' backward, 0.3 for their forward, on
+  two H200s). The compute op is stretched for as long as they overlap.
 - Host: ``host_us_per_op`` to issue each compute op; per side-stream op its class's
   ``side_host_us`` (``side_class``: "rs:FREE_GRAD", "ag:AG", ...: the eleven gradient
   releases at a step's start take 40 us each, a fifth of an all-gather's submit; a class

@@ -114,7 +114,8 @@ def test_side_ops_tensor_work_holds_up_compute():
 def test_compute_slows_beside_a_collective():
     """A compute op's drag: while a collective runs on a side stream (its kernel on the
     GPU, from its start to its end), the compute op beside it goes at ``1 - drag`` of its
-    speed, also when the collective starts after it; ops without drag do not slow."""
+    speed, also when the collective starts after it; ops without drag do not slow, nor
+    does a side op without a collective of several ranks (its casts alone)."""
 
     def price(drag):
         def cost(op):
@@ -122,15 +123,22 @@ def test_compute_slows_beside_a_collective():
                 op.kind, (0.0, 0.0))
         return cost
 
-    s = Streams.virtual()
-    s.program.compute("A")  # issued at 1: 1-5 alone
-    s.ag.submit(lambda: None, [], "AG")  # issued at 2: 2-4, beside A
-    s.program.compute("B")  # issued at 3, after A
+    def program(group_size):
+        s = Streams.virtual()
+        s.program.compute("A")  # issued at 1: 1-5 alone
+        s.ag.submit(lambda: s.program.collective("all_gather", "inner", 1 << 20, group_size),
+                    [], "AG")  # issued at 2: 2-4, beside A
+        s.program.compute("B")  # issued at 3, after A
+        return s
+
+    s = program(2)
     got = [[(r.label, r.start_s, r.end_s) for r in s.program.evaluate(price(d)).records]
            for d in (0.0, 0.5)]
     assert got[0] == [("compute", 1, 9), ("AG", 2, 4)]  # A 1-5, B 5-9, merged
     # drag 0.5: A does 1 s of work in 1-2, 1 s in 2-4 (half speed), 2 s in 4-6; B 6-10
     assert got[1] == [("compute", 1, 10), ("AG", 2, 4)]
+    alone = program(1).program.evaluate(price(0.5))
+    assert [(r.label, r.start_s, r.end_s) for r in alone.records] == got[0]
     # a side op's tensor work still stops compute outright, beside the collective too
     with_casts = s.program.evaluate(
         lambda op: (1.0, 2.0, 1.0) if op.kind == "side" else price(0.5)(op),

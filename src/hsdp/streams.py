@@ -702,8 +702,9 @@ class _Clock:
                 self._take_sms(t, half)
             self.ready[i] = t + half
             wait = max(0.0, self.not_before.get(i, 0.0) - self.ready[i])
-            # its kernel is on the GPU from then on, waiting for its peers included
-            self._slow_compute(t + half, t + wait + busy - half)
+            if any(size > 1 for *_, size in op.payload):
+                # its kernel is on the GPU from then on, waiting for its peers included
+                self._slow_compute(t + half, t + wait + busy - half)
             if half > 0:
                 self.second[i] = (t, t + wait + busy - half)
                 return

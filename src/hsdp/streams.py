@@ -542,8 +542,7 @@ class Program:
         not_before: list[dict[int, float]] = [{} for _ in costs]
         host_from = 0.0
         # each side op and the rank groups of its collectives (none: it waits for nobody)
-        synced = [(i, [g for a in {a for _, a, _, size in op.payload if size > 1}
-                       for g in groups[a]])
+        synced = [(i, [g for a in _peer_axes(op) for g in groups[a]])
                   for i, op in enumerate(self.ops) if op.kind == "side"]
         for _ in range(len(self.ops) + 2):  # a round settles at least the earliest open collective
             clocks = [_Clock(self.ops, c, start, host_blocks, shared_sms, nb, barrier,
@@ -562,6 +561,12 @@ class Program:
             if not moved:
                 return timings
         raise RuntimeError("hsdp: virtual clock: the ranks' collectives did not settle")
+
+
+def _peer_axes(op: ProgramOp) -> set[str]:
+    """The axes on which a side op's collectives have other ranks (a group of one runs
+    no collective kernel and waits for nobody)."""
+    return {axis for _, axis, _, size in op.payload if size > 1}
 
 
 @dataclass
@@ -680,7 +685,8 @@ class _Clock:
         if op.kind == "compute":
             self.paused = [s for s in self.paused if s[1] > t]
             self.beside = [s for s in self.beside if s[1] > t]
-            work, drag = self.prices[i][1], (self.prices[i][2:] or (0.0,))[0]
+            work, drag = self.prices[i][1], (self.prices[i][2] if len(self.prices[i]) > 2
+                                             else 0.0)
             end = self._finish(t, work, drag)
             self.running = (_Running(i, t, work, drag, self._compute_record(i, op, t, end))
                             if end > t else None)
@@ -702,7 +708,7 @@ class _Clock:
                 self._take_sms(t, half)
             self.ready[i] = t + half
             wait = max(0.0, self.not_before.get(i, 0.0) - self.ready[i])
-            if any(size > 1 for *_, size in op.payload):
+            if _peer_axes(op):
                 # its kernel is on the GPU from then on, waiting for its peers included
                 self._slow_compute(t + half, t + wait + busy - half)
             if half > 0:

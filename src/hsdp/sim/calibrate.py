@@ -14,9 +14,9 @@ ranges, recorded while the step's tracer is on), per phase class ("FWD:LlamaBloc
   mean is the host cost of a side op) and inside launch calls that waited for room in the
   GPU's launch queue (``BLOCKED_US``);
 - device ms: the GPU time of the kernels launched meanwhile (through the launch's
-  correlation id), side-stream ops' excepted, less what collective kernels running
-  beside them cost them (``collective_drag``: the class's drag times the time its
-  kernels overlapped one); per phase class, the least over the profiled steps (a kernel
+  correlation id), side-stream ops' excepted, less what NCCL kernels running beside
+  them cost them (``collective_drag``: the class's drag times the time its kernels
+  overlapped one); per phase class, the least over the profiled steps (a kernel
   slowed down otherwise, e.g. by the profiler, is only ever slower). The drag itself
   goes to the cost model, which slows compute wherever the simulated collectives run.
 
@@ -419,9 +419,9 @@ def collective_drag(steps: list[TracePhases]) -> dict[str, float]:
     """Per phase class, the share of its compute's speed lost while a collective kernel
     runs beside it (``CostModel.drag``): over its instances in ``steps`` (the blocks of a
     model: the same kernels), the least-squares slope of an instance's device ms over its
-    ms beside collective kernels (at speed ``1 - d`` for ``o`` of its ms, an instance
-    takes ``d * o`` ms longer). A class needs ``MIN_INSTANCES`` instances and
-    ``MIN_BESIDE_MS`` of overlap between them, else it gets none."""
+    ms beside collective kernels (``DRAG_KERNELS``; at speed ``1 - d`` for ``o`` of its
+    ms, an instance takes ``d * o`` ms longer). A class needs ``MIN_INSTANCES``
+    instances and ``MIN_BESIDE_MS`` of overlap between them, else it gets none."""
     points: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for step in steps:
         for cls, ms, beside in step.instances:

@@ -139,12 +139,13 @@ class CostModel:
         def price(op: ProgramOp) -> tuple[float, ...]:
             if op.kind == "compute":
                 cls = phase_class(op.label)
+                drag = self.drag.get(cls, 0.0)
                 measured = self.phases.get(cls) if shares else None
                 if measured is None:
-                    return host_op, self.compute_seconds(op), self.drag.get(cls, 0.0)
+                    return host_op, self.compute_seconds(op), drag
                 host_share, device_share = shares.of(op)
                 return (measured.host_ms * 1e-3 * host_share,
-                        measured.device_ms * 1e-3 * device_share, self.drag.get(cls, 0.0))
+                        measured.device_ms * 1e-3 * device_share, drag)
             if op.kind == "side":
                 kind = op_kind(Interval(op.stream, op.label, 0, 0))
                 scale = self.comm_scale.get(kind, 1.0)

@@ -35,6 +35,7 @@ from hsdp.pieces import (
     Piece,
     as_dtensor,
     attach_chunks,
+    before_write,
     checkpoint_view,
     direct,
     piece_like,
@@ -127,6 +128,7 @@ class ParamGroup:
         # Sharded parameters: DTensors over views of ``main``; registered on the modules.
         self.sharded: list[nn.Parameter] = []
         self._slices: list[tuple[int, int]] = []  # (offset in main, length) per parameter
+        self._guard_hooks: list[int | None] = []  # id of _grad_on_shard's hook per parameter
         self.shard_starts: list[int] = []  # first element of each parameter held here
         self.specs = [spec(comms.mesh, self.shard_outer, shape, self.orig_dtype)
                       for shape in lay.shapes]
@@ -141,8 +143,9 @@ class ParamGroup:
             attach_chunks(sp._local_tensor, shape, start, n)  # state_dict(keep_vars=True)
             sp._hsdp_group = self  # marks the parameter as managed by hsdp (see owner())
             sp._hsdp_index = len(self.sharded)
-            if self.requires_grad:
-                sp.register_post_accumulate_grad_hook(self._grad_on_shard)
+            guard = (sp.register_post_accumulate_grad_hook(self._grad_on_shard)
+                     if self.requires_grad else None)
+            self._guard_hooks.append(None if guard is None else guard.id)
             self.sharded.append(sp)
             self._slices.append((a, n))
             self.shard_starts.append(start)
@@ -425,6 +428,19 @@ class ParamGroup:
         with direct():
             return any(p.grad is not None for p in self.sharded)
 
+    def run_grad_hooks(self) -> None:
+        """The users' post-accumulate-grad hooks of the sharded parameters that have a
+        ``.grad`` (set by ``expose_grads``, final), in parameter order, as FSDP2 runs
+        them after its reduction; not hsdp's own guard (``_grad_on_shard``)."""
+        for p, guard in zip(self.sharded, self._guard_hooks):
+            with direct():
+                hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+                if not hooks or p.grad is None:
+                    continue
+            for hook_id, hook in list(hooks.items()):
+                if hook_id != guard:
+                    hook(p)
+
     def reset_backward(self) -> None:
         self.received.clear()
         self.reduced = False
@@ -517,6 +533,7 @@ class ParamGroup:
         """Take this rank's shards from ``flat``, the whole group in the original dtype
         (identical on every rank; no communication)."""
         lo, hi = self.layout.owned_range(self.comms.outer_rank, self.comms.inner_rank)
+        before_write(self.sharded)
         self.main.copy_(flat[lo:hi])
         if self.shard_outer:
             self.inner_shard.copy_(flat[self.inner_lo:self.inner_lo + self.layout.shard_numel])

@@ -63,6 +63,40 @@ _ELEMENTWISE_NAMES = (
 _ELEMENTWISE = frozenset(f for f in (getattr(torch, n, None) or getattr(torch.Tensor, n, None)
                                      for n in _ELEMENTWISE_NAMES) if f is not None)
 _DECLINED = object()
+_DATA = torch.Tensor.data  # ``p.data``'s getter is ``_DATA.__get__``
+
+# Groups of parameters whose storage a background op may still read or write (hfsdp's
+# outer all-gather, issued by ``optimizer.step()``), each with the wait that orders a
+# write after that op. Keys are the groups (``p._hsdp_group`` of their parameters, set
+# by ``group.py``); values reference no group, so a dropped model is collected.
+PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def before_write(tensors: Sequence[torch.Tensor]) -> None:
+    """Make the caller's next ops (compute) wait for the background op of every group in
+    ``PENDING`` that one of ``tensors`` belongs to: a write into a parameter must not race
+    with the all-gather reading (and, in place, writing) its storage."""
+    for t in tensors:
+        group = getattr(t, "_hsdp_group", None)
+        wait = None if group is None else PENDING.pop(group, None)
+        if wait is not None:
+            wait()
+
+
+def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an op writes into: the first argument of an in-place op (``mul_``,
+    ``copy_``, ``_foreach_lerp_``, ``p += x``), ``out=``; ``p.data`` counts as a write
+    (what is written through it bumps no version counter)."""
+    name = getattr(func, "__name__", "")
+    out = kwargs.get("out")
+    first = args[0] if args else None
+    inplace = (name.endswith("_") and not name.startswith("__")) or (
+        name == "__get__" and getattr(func, "__self__", None) is _DATA)
+    written = ([] if not inplace else list(first) if isinstance(first, (list, tuple))
+               else [first])
+    if out is not None:
+        written += list(out) if isinstance(out, (list, tuple)) else [out]
+    return written
 
 
 def direct() -> torch._C.DisableTorchFunctionSubclass:
@@ -395,6 +429,12 @@ class Piece(DTensor):
         # Not where autograd is involved (optimizers run under no_grad): an op on a tensor
         # that requires grad must meet autograd's checks and recording, which the local
         # op would skip.
+        if getattr(func, "__self__", None) is _DATA:
+            group = getattr(args[0], "_hsdp_group", None)
+            if group is not None:  # writes through .data bump no version counter
+                group.mark_written()
+        if PENDING:
+            before_write(_written(func, args, kwargs or {}))
         if func in _ELEMENTWISE and not (torch.is_grad_enabled() and _any_requires_grad(
                 (*args, *(kwargs or {}).values()))):
             out = _on_locals(func, args, kwargs or {})
@@ -416,6 +456,12 @@ class Piece(DTensor):
 
     def detach(self) -> Piece:  # nn.Parameter requires detach() to keep the type
         return piece_like(self, self._local_tensor.detach())
+
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None
+                 ) -> torch.Tensor:
+        if PENDING:  # the caller may write into it (it bumps main's version counter)
+            before_write([self])
+        return super().to_local(grad_placements=grad_placements)
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None
                     ) -> torch.Tensor:

@@ -24,6 +24,7 @@ abandoned consistently on every rank by the next call into hsdp (``Runtime.settl
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 import weakref
@@ -46,7 +47,7 @@ from hsdp.agreement import COMM_OF, StepLog, Verdict, agree, missing, post_note,
 from hsdp.comm import Collectives
 from hsdp.group import ParamGroup, Slot, owner
 from hsdp.mesh import comm_groups
-from hsdp.pieces import adopt_state, same_layout
+from hsdp.pieces import PENDING, adopt_state, same_layout
 from hsdp.policy import MixedPrecision
 from hsdp.streams import Event, SideStream, Streams, Tracer
 
@@ -293,6 +294,8 @@ class Runtime:
         self.is_last = True  # this backward's gradients are final (outer reduction)
         self._pending_rs: list[tuple[ParamGroup, torch.Tensor, Event]] = []
         self._outer_events: list[Event] = []
+        self._reduced: list[ParamGroup] = []  # this backward's reductions, in issue order
+        self._in_grad_hooks = False  # running the users' post-accumulate-grad hooks
         self._params_written: Event | None = None
         self._holders: dict[ParamGroup, set[Unit]] = {g: set() for g in self.groups}
         self.comms = comm_groups(root.mesh)
@@ -352,6 +355,7 @@ class Runtime:
         for g in unit.uses:
             # compute waits: it reads the gathered parameters.
             self.streams.compute.wait(g.gathered_event)
+            PENDING.pop(g, None)  # the wait covers the outer all-gather the gather read
             self._holders[g].add(unit)
         unit.swap(True)
 
@@ -564,6 +568,8 @@ class Runtime:
         if not self.sync:  # no communication: the gradients stay here until a synced one
             g.keep_local(rs_in)
             return
+        if self.is_last:
+            self._reduced.append(g)
         copied = self.streams.compute.record()
         outer_next = self.is_last and g.has_outer_reduction
         # rs waits: the reduce-scatter reads rs_in, written on compute by the copy-in.
@@ -616,6 +622,22 @@ class Runtime:
         self._reset_units()
         self.phase = "idle"
         self.streams.compute.poll = None
+        reduced, self._reduced = self._reduced, []
+        if self.is_last:
+            self._run_grad_hooks(reduced)
+
+    def _run_grad_hooks(self, reduced: list[ParamGroup]) -> None:
+        """The users' post-accumulate-grad hooks, as FSDP2 runs them: once a step's
+        gradients are final (reduced and exposed), group by group in reduction order. An
+        optimizer may step in them (optimizer-in-backward); hfsdp then refreshes the outer
+        shards once, after the last hook."""
+        self._in_grad_hooks = True
+        try:
+            for g in reduced:
+                g.run_grad_hooks()
+        finally:
+            self._in_grad_hooks = False
+        self._refresh_outer_shards()
 
     def _reset_units(self) -> None:
         for u in self.units:
@@ -706,6 +728,7 @@ class Runtime:
         self._release_cleared_grads()
         self._pending_rs.clear()
         self._outer_events.clear()
+        self._reduced.clear()
         self._reset_units()
         if self._recording is not None:
             self._recording = []
@@ -760,7 +783,7 @@ class Runtime:
                 "/ hsdp.set_state_dict with torch.distributed.checkpoint), which reshard.")
 
     def _before_optimizer_step(self) -> None:
-        if _in_backward():
+        if _in_backward() and not self._in_grad_hooks:
             raise RuntimeError("hsdp: optimizer.step() called during backward")
         self.settle()
         if self.awaiting_last:
@@ -790,7 +813,8 @@ class Runtime:
                 managed = owner(p)
                 if managed is not None:
                     managed[0].mark_written()
-        self._refresh_outer_shards()
+        if not self._in_grad_hooks:  # else once, after the last hook
+            self._refresh_outer_shards()
 
     def _refresh_outer_shards(self) -> None:
         """hfsdp: outer all-gather of every main chunk the optimizer changed, issued at
@@ -801,8 +825,11 @@ class Runtime:
             updated = self.streams.compute.record()
             for g in stale:
                 # outer waits: it reads the main chunk updated on compute.
-                self._logged("OUTER_AG", g, self.streams.outer,
-                             g.outer_all_gather(self.streams.outer, self.coll, [updated]))
+                ready = self._logged("OUTER_AG", g, self.streams.outer,
+                                     g.outer_all_gather(self.streams.outer, self.coll, [updated]))
+                # compute waits, before a write into the group's parameters: the all-gather
+                # reads main and writes the inner shard that main is a window of.
+                PENDING[g] = functools.partial(self.streams.compute.wait, ready)
 
     def synchronize(self) -> None:
         """Block until every stream is idle (state dict, teardown)."""

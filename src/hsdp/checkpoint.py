@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from hsdp.group import owner
 from hsdp.mesh import host_group
-from hsdp.pieces import Piece, adopt_state, attach_chunks
+from hsdp.pieces import Piece, adopt_state, attach_chunks, before_write
 from hsdp.state import clean_key, clean_keys, model_keys, quiesce
 
 ModelState = dict[str, Any]
@@ -56,6 +56,7 @@ def state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, _meta: Any
     for key, p in _managed_slots(module, prefix):
         group, idx = owner(p)
         if group in groups and key in state_dict and state_dict[key] is not p:
+            before_write([p])  # DCP may load into the view
             state_dict[key] = group.checkpoint_view(idx)
 
 
@@ -66,6 +67,7 @@ def load_state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, *_: A
     todo = [(key, p, state_dict[key]) for key, p in _managed_slots(module, prefix)
             if key in state_dict and state_dict[key] is not p]
     sources = [_piece_of(key, p, value) for key, p, value in todo]
+    before_write([p for _, p, _ in todo])
     with torch.no_grad():
         for (key, p, _), src in zip(todo, sources):
             group, idx = owner(p)

@@ -143,8 +143,8 @@ def hooks_job(rank: int, world: int, cases: list[tuple[str, bool, str]]) -> dict
                                             for calls in per_step),
                 "in_backward": all(b for calls in per_step for _, _, b in calls),
                 "order": [[n for n, _, _ in calls] for calls in per_step],
-                "grad_err": max(_rel(g, ref_grads[s][n]) for s, calls in enumerate(per_step)
-                                for n, g, _ in calls),
+                "grad_err": max((_rel(g, ref_grads[s][n]) for s, calls in enumerate(per_step)
+                                 for n, g, _ in calls), default=float("inf")),
                 "param_err": max(_rel(final[n], p.detach())
                                  for n, p in ref.named_parameters()),
             }

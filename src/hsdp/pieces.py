@@ -499,6 +499,10 @@ def _rebuild(local: torch.Tensor, dspec: DTensorSpec, hsdp_range: tuple[int, int
     return out
 
 
+# torch.load's default (weights_only) unpickler accepts torch's own DTensors; hsdp's too.
+torch.serialization.add_safe_globals([_rebuild])
+
+
 def as_dtensor(local: torch.Tensor, dspec: DTensorSpec, start: int, length: int,
                groups: tuple[dist.ProcessGroup, ...]) -> Piece:
     """A Piece over the 1-D ``local`` piece itself, elements ``[start, start + length)`` of

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+import hsdp.torch_state_dict  # noqa: F401  (torch's full-state-dict loads on Pieces)
 from hsdp.group import owner
 from hsdp.mesh import host_group
 from hsdp.pieces import Piece, adopt_state, attach_chunks, before_write

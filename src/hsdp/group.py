@@ -251,8 +251,7 @@ class ParamGroup:
 
     def _piece_groups(self) -> tuple:
         """The host groups over which this group's pieces are spread (see ``Piece``)."""
-        c = self.comms
-        return (c.host_inner, c.host_outer) if self.shard_outer else (c.host_inner,)
+        return self.comms.piece_groups(self.shard_outer)
 
     def _filled(self, sources: list[torch.Tensor], lo: int, numel: int, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:

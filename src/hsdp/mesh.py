@@ -70,6 +70,10 @@ class CommGroups:
     def world(self) -> int:
         return self.outer_size * self.inner_size
 
+    def piece_groups(self, shard_outer: bool) -> tuple[dist.ProcessGroup, ...]:
+        """The host groups over which a parameter's pieces are spread (see ``Piece``)."""
+        return (self.host_inner, self.host_outer) if shard_outer else (self.host_inner,)
+
 
 def init_mesh(outer: int, inner: int, device_type: str | None = None, *,
               nccl: dict[str, NcclConfig] | None = None,
@@ -138,6 +142,11 @@ def comm_groups(mesh: DeviceMesh) -> CommGroups:
     if key not in _GROUPS:
         _GROUPS[key] = _create_groups(mesh, {}, default_timeout())
     return _GROUPS[key]
+
+
+def registered_groups(mesh: DeviceMesh) -> CommGroups | None:
+    """hsdp's communicators for ``mesh`` if this process made them (no collective)."""
+    return _GROUPS.get(_key(mesh)) if dist.is_initialized() else None
 
 
 def default_timeout() -> timedelta:

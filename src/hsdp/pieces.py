@@ -36,7 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from hsdp.layout import Box, boxes
+from hsdp.layout import boxes
+from hsdp.mesh import registered_groups
 
 
 def placements(shard_outer: bool) -> tuple:
@@ -494,6 +495,59 @@ class Piece(DTensor):
             f"redistribute to Replicate() placements, hsdp.full_state_dict(model) for whole "
             f"tensors, or hsdp.get_state_dict with torch.distributed.checkpoint to reshard.")
 
+    # DCP reads where the elements lie from these (before DTensor's placements, which
+    # would say torch.chunk rows): for every Piece, also the optimizer state that torch's
+    # ops made from one (whose local tensor has no chunk hooks, see ``attach_chunks``).
+    def _chunks(self) -> Chunks:
+        return Chunks(tuple(self._spec.shape), *self._hsdp_range)
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return self._chunks().chunk_list()
+
+    def __create_write_items__(self, fqn: str, _obj: object) -> list[WriteItem]:
+        return self._chunks().write_items(fqn, self._local_tensor)
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self._chunks().shard(index, self._local_tensor)
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        # The process groups do not pickle: the mesh does (by its ranks, as torch's
+        # DTensors do), and they are looked up again from it where it is unpickled. The
+        # local tensor without its chunk hooks (closures) - a fresh alias, no copy.
+        with direct():
+            requires_grad = self.requires_grad
+        return (_rebuild, (self._local_tensor.detach(), self._spec, self._hsdp_range,
+                           requires_grad))
+
+    def __deepcopy__(self, memo: dict) -> Piece:
+        with direct():
+            requires_grad = self.requires_grad
+        out = piece_like(self, self._local_tensor.detach().clone())
+        if requires_grad:
+            out.requires_grad_(True)
+        memo[id(self)] = out
+        return out
+
+
+def _rebuild(local: torch.Tensor, dspec: DTensorSpec, hsdp_range: tuple[int, int],
+             requires_grad: bool) -> Piece:
+    """An unpickled Piece (``Piece.__reduce_ex__``), on hsdp's groups of its mesh."""
+    groups = registered_groups(dspec.mesh)
+    if groups is None:
+        raise RuntimeError(
+            "hsdp: unpickling an hsdp shard (a DTensor of a model sharded by hsdp) needs "
+            "hsdp's mesh with the same ranks in this process (hsdp.init_mesh, then "
+            "fully_shard); for tensors that load anywhere save hsdp.full_state_dict(model)")
+    out = as_dtensor(local, dspec, *hsdp_range,
+                     groups.piece_groups(dspec.placements[0].is_shard()))
+    if requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+# torch.load's default (weights_only) unpickler accepts torch's own DTensors; hsdp's too.
+torch.serialization.add_safe_globals([_rebuild])
+
 
 def as_dtensor(local: torch.Tensor, dspec: DTensorSpec, start: int, length: int,
                groups: tuple[dist.ProcessGroup, ...]) -> Piece:
@@ -526,37 +580,45 @@ def placeholders_if_empty(views: list[torch.Tensor]) -> list[torch.Tensor]:
     return [v if v.numel() else next(spare) for v in views]
 
 
+class Chunks:
+    """Elements ``[start, start + length)`` of the flattened tensor of ``shape`` as DCP
+    sees them: row-major boxes (``layout.boxes``), each a chunk of the global tensor; what
+    DCP's planners save from and load into (``local``: the piece, whose first ``length``
+    elements are those; a placeholder where ``length`` is 0)."""
+
+    def __init__(self, shape: tuple[int, ...], start: int, length: int) -> None:
+        self.size = torch.Size(shape)
+        self.boxes = boxes(tuple(shape), start, start + length)
+
+    def chunk_list(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes))
+                for b in self.boxes]
+
+    def write_items(self, fqn: str, local: torch.Tensor) -> list[WriteItem]:
+        props = TensorProperties.create_from_tensor(local)
+        return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=c, properties=props,
+                                                      size=self.size))
+                for c in self.chunk_list()]
+
+    def shard(self, index: MetadataIndex, local: torch.Tensor) -> torch.Tensor:
+        for b in self.boxes:
+            if torch.Size(b.offsets) == index.offset:
+                return local.reshape(-1)[b.start:b.start + b.numel].view(b.sizes)
+        raise ValueError(f"hsdp: no local chunk of {index.fqn} at offset {index.offset}")
+
+
 def attach_chunks(local: torch.Tensor, shape: tuple[int, ...], start: int,
                   length: int) -> None:
     """Give ``local`` (elements ``[start, start + length)`` of the flattened tensor of
     ``shape``; more elements when it is a placeholder) DCP's chunk hooks, which a DTensor
     consults before its own placements."""
-    bxs = boxes(shape, start, start + length)
-    chunks = [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in bxs]
+    chunks = Chunks(shape, start, length)
     ref = weakref.ref(local)  # no reference cycle through the tensor's own attributes
-    size = torch.Size(shape)
-
-    def write_items(fqn: str, obj: torch.Tensor) -> list[WriteItem]:
-        props = TensorProperties.create_from_tensor(ref())
-        return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=c, properties=props, size=size))
-                for c in chunks]
-
-    def tensor_shard(index: MetadataIndex) -> torch.Tensor:
-        box = _find(bxs, index)
-        return ref()[box.start:box.start + box.numel].view(box.sizes)
-
-    local.__create_chunk_list__ = lambda: list(chunks)
-    local.__create_write_items__ = write_items
-    local.__get_tensor_shard__ = tensor_shard
-    local._hsdp_piece = (size, start, length)  # where it lies: state-dict loading checks it
-
-
-def _find(bxs: list[Box], index: MetadataIndex) -> Box:
-    for b in bxs:
-        if torch.Size(b.offsets) == index.offset:
-            return b
-    raise ValueError(f"hsdp: no local chunk of {index.fqn} at offset {index.offset}")
+    local.__create_chunk_list__ = chunks.chunk_list
+    local.__create_write_items__ = lambda fqn, _obj: chunks.write_items(fqn, ref())
+    local.__get_tensor_shard__ = lambda index: chunks.shard(index, ref())
+    local._hsdp_piece = (chunks.size, start, length)  # where it lies: loading checks it
 
 
 def checkpoint_view(like: Piece, local: torch.Tensor) -> Piece:

@@ -165,7 +165,8 @@ def test_missing_or_unsupported_peer_is_a_clear_error():
 
 def test_compare_flags_overlapping_ranges_as_noise():
     def entry(lo: float, mid: float, hi: float) -> dict:
-        return {"t_step_ms": mid, "t_step_min_ms": lo, "t_step_max_ms": hi}
+        return {"t_step_ms": mid, "t_step_min_ms": lo, "t_step_max_ms": hi,
+                "t_step_samples_ms": [lo, mid, mid, mid, hi]}
 
     clear = compare(entry(8, 9, 10), entry(11, 12, 13))
     assert clear["ratio"] == pytest.approx(0.75) and clear["saving_ms"] == pytest.approx(3)

@@ -199,6 +199,8 @@ def test_zero_grad_in_place_counts_as_cleared(fake_world_8, monkeypatch):
 def test_fsdp2_style_options_misused(fake_world_8):
     mesh = hsdp.init_mesh(2, 4, "cpu")
     with pytest.raises(TypeError, match="reshard_after_forward must be a bool"):
+        hsdp.fully_shard(_model(), mesh=mesh, reshard_after_forward="yes")
+    with pytest.raises(ValueError, match="reshard_after_forward=2 .* use True"):
         hsdp.fully_shard(_model(), mesh=mesh, reshard_after_forward=2)
     m = _sharded(mesh)
     with pytest.raises(RuntimeError, match="call it on the root"):

@@ -4,6 +4,7 @@ from hsdp.api import clip_grad_norm_, fully_shard, microbatch, synchronize
 from hsdp.checkpoint import get_state_dict, load, save, set_state_dict
 from hsdp.materialize import materialize
 from hsdp.mesh import NcclConfig, init_mesh
+from hsdp.module import register_forward_method
 from hsdp.policy import MixedPrecision
 from hsdp.state import full_state_dict, load_full_state_dict
 
@@ -21,6 +22,7 @@ __all__ = [
     "load_full_state_dict",
     "materialize",
     "microbatch",
+    "register_forward_method",
     "save",
     "set_state_dict",
     "synchronize",

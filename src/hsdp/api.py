@@ -14,9 +14,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp.checkpoint import load_state_dict_hook, state_dict_hook
 from hsdp.group import ParamGroup, Slot, owner
-from hsdp.mesh import comm_groups
+from hsdp.mesh import as_hsdp_mesh, comm_groups
 from hsdp.module import adopt
-from hsdp.policy import MixedPrecision, check_strategy
+from hsdp.policy import (
+    MixedPrecision,
+    as_mixed_precision,
+    check_reshard_after_forward,
+    check_strategy,
+)
 from hsdp.schedule import Unit, units_below
 
 _UNIT_IDS = itertools.count()
@@ -24,7 +29,7 @@ _UNIT_IDS = itertools.count()
 
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
                 mp_policy: MixedPrecision | None = None, overlap_outer: bool = True,
-                reshard_after_forward: bool = True) -> nn.Module:
+                reshard_after_forward: bool | None = True) -> nn.Module:
     """Shard the parameters ``module`` owns (those not owned by an already sharded
     submodule) over ``mesh``. Call bottom-up: units first, the root last. ``module``
     becomes an ``HSDPModule`` (see ``module.py`` for the methods it gains).
@@ -33,21 +38,23 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
     optimizer state sharded over outer too). ``overlap_outer=False`` issues the outer
     reduction on the inner reduce-scatter stream (the serialized baseline).
     ``reshard_after_forward=False`` keeps the unit's gathered parameters from its forward
-    to its backward (no re-gather; more memory), as FSDP2's option of that name.
+    to its backward (no re-gather; more memory), as FSDP2's option of that name (its
+    None means True here; its int is refused). ``mp_policy`` may also be torch's
+    ``MixedPrecisionPolicy``; ``mesh`` a 1-D mesh (outer=1) or one with torchtitan's dim
+    names ``("dp_replicate", "dp_shard")``.
 
     A module whose parameters are all on the meta device gets meta shards and buffers
     (no memory, no data): ``hsdp sim`` runs the schedule on such models.
     """
     check_strategy(strategy)
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"fully_shard: reshard_after_forward must be a bool, got "
-                        f"{reshard_after_forward!r}")
+    reshard_after_forward = check_reshard_after_forward(reshard_after_forward)
+    mp = as_mixed_precision(mp_policy)
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module)}")
     if getattr(module, "_hsdp_unit", None) is not None:
         raise RuntimeError(f"fully_shard was already applied to this {type(module).__name__}")
+    mesh = as_hsdp_mesh(mesh)
     comms = comm_groups(mesh)
-    mp = mp_policy or MixedPrecision()
     device = (torch.device("cuda", torch.cuda.current_device())
               if mesh.device_type == "cuda" else torch.device(mesh.device_type))
 
@@ -140,7 +147,9 @@ def microbatch(model: nn.Module, is_last: bool) -> Iterator[None]:
     microbatches, see ``HSDPModule.set_requires_gradient_sync``."""
     unit = _root_unit(model)
     if unit.is_last_override is not None:
-        raise RuntimeError("hsdp.microbatch contexts cannot be nested")
+        raise RuntimeError("hsdp.microbatch contexts cannot be nested, nor used while "
+                           "set_requires_all_reduce(False) / set_is_last_backward(False) "
+                           "is in effect")
     unit.is_last_override = bool(is_last)
     try:
         yield

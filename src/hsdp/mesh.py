@@ -21,7 +21,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from hsdp import hosts
+
 DIM_NAMES = ("outer", "inner")
+# torchtitan's names for the same two dims (replicate, shard), with and without context parallel
+TORCHTITAN_DIM_NAMES = (("dp_replicate", "dp_shard"), ("dp_replicate", "dp_shard_cp"))
 COMMUNICATORS = ("inner_ag", "inner_rs", "outer")
 
 
@@ -75,17 +79,23 @@ class CommGroups:
         return (self.host_inner, self.host_outer) if shard_outer else (self.host_inner,)
 
 
-def init_mesh(outer: int, inner: int, device_type: str | None = None, *,
-              nccl: dict[str, NcclConfig] | None = None,
-              timeout: timedelta | None = None) -> DeviceMesh:
+def init_mesh(outer: int | None = None, inner: int | None = None,
+              device_type: str | None = None, *, nccl: dict[str, NcclConfig] | None = None,
+              timeout: timedelta | None = None,
+              allow_inner_across_hosts: bool = False) -> DeviceMesh:
     """A 2-D DeviceMesh with dims ("outer", "inner") plus hsdp's three communicators.
+
+    Sizes left out come from the launch: outer = nodes, inner = ranks per node (torchrun's
+    ``LOCAL_WORLD_SIZE``, SLURM's tasks per node, else the ranks' hosts); one given, the
+    other is world / it. An inner group whose ranks run on more than one host is refused
+    unless ``allow_inner_across_hosts=True``.
 
     ``nccl`` maps "inner_ag" / "inner_rs" / "outer" to an ``NcclConfig``; it only applies to
     the NCCL backend. ``timeout``: how long any of hsdp's collectives may wait for a peer
     before it fails (default: the default process group's timeout). Initializes the default
     process group from the environment (torchrun), with this timeout, when none exists yet.
     """
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+    if not all(n is None or isinstance(n, int) and not isinstance(n, bool) and n >= 1
                for n in (outer, inner)):
         raise ValueError(f"init_mesh: outer and inner must be positive ints, "
                          f"got outer={outer!r} inner={inner!r}")
@@ -98,6 +108,7 @@ def init_mesh(outer: int, inner: int, device_type: str | None = None, *,
         raise TypeError(f"init_mesh: timeout must be a datetime.timedelta, got {timeout!r}")
     device_type = _check_device_type(device_type)
     _init_default_group(timeout)
+    outer, inner = _sizes_on_hosts(outer, inner, allow_inner_across_hosts)
     if dist.get_world_size() != outer * inner:
         raise ValueError(
             f"init_mesh: outer*inner = {outer}*{inner} = {outer * inner} but the world has "
@@ -106,6 +117,18 @@ def init_mesh(outer: int, inner: int, device_type: str | None = None, *,
     mesh = init_device_mesh(device_type, (outer, inner), mesh_dim_names=DIM_NAMES)
     _GROUPS[_key(mesh)] = _create_groups(mesh, nccl, timeout or default_timeout())
     return mesh
+
+
+def _sizes_on_hosts(outer: int | None, inner: int | None, allow_across: bool) -> tuple[int, int]:
+    """init_mesh's sizes, defaults filled in from the launch; checks every inner group
+    is on one host (a gather of the ranks' hosts; none in torch's one-process fake world)."""
+    if dist.get_backend() == "fake":
+        return hosts.default_sizes(outer, inner, dist.get_world_size(), [("", "")])
+    on = hosts.all_hosts(host_group())
+    outer, inner = hosts.default_sizes(outer, inner, len(on), on)
+    if not allow_across and outer * inner == len(on):
+        hosts.check_inner_on_one_host(outer, inner, on)
+    return outer, inner
 
 
 def _check_device_type(device_type: str | None) -> str:
@@ -160,12 +183,29 @@ def default_timeout() -> timedelta:
     return dist.default_pg_timeout
 
 
+def as_hsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """hsdp's ("outer", "inner") mesh for a mesh as FSDP2 takes it: a 2-D mesh with
+    torchtitan's dim names (replicate, shard) -> the same ranks as (outer, inner); a 1-D
+    mesh (FSDP2: shard over all of it) -> outer=1, inner=its size. Others are returned
+    as they are (``check_mesh`` judges them). Collective the first time per mesh."""
+    names = tuple(mesh.mesh_dim_names or ()) if isinstance(mesh, DeviceMesh) else DIM_NAMES
+    if names == DIM_NAMES or not (mesh.ndim == 1 or names in TORCHTITAN_DIM_NAMES):
+        return mesh
+    key = _key(mesh)
+    if key not in _RENAMED:
+        shape = (1, mesh.mesh.numel()) if mesh.ndim == 1 else tuple(mesh.mesh.shape)
+        _RENAMED[key] = DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape),
+                                   mesh_dim_names=DIM_NAMES)
+    return _RENAMED[key]
+
+
 def check_mesh(mesh: DeviceMesh) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"hsdp needs a DeviceMesh (see hsdp.init_mesh), got {type(mesh)}")
     names = tuple(mesh.mesh_dim_names or ())
     if names != DIM_NAMES:
-        raise ValueError(f"hsdp needs a 2-D DeviceMesh with mesh_dim_names={DIM_NAMES}, got "
+        raise ValueError(f"hsdp needs a 2-D DeviceMesh with mesh_dim_names={DIM_NAMES} or "
+                         f"{TORCHTITAN_DIM_NAMES[0]}, or a 1-D mesh (plain FSDP), got "
                          f"{names or None}; build it with hsdp.init_mesh(outer, inner)")
     if mesh.mesh.numel() != dist.get_world_size():
         raise ValueError(f"the mesh has {mesh.mesh.numel()} ranks but the world has "
@@ -173,6 +213,7 @@ def check_mesh(mesh: DeviceMesh) -> None:
 
 
 _GROUPS: dict[tuple, CommGroups] = {}
+_RENAMED: dict[tuple, DeviceMesh] = {}  # as_hsdp_mesh's meshes, by the user's mesh
 
 
 def longest_timeout() -> timedelta:

@@ -4,12 +4,14 @@ the sharding."""
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from hsdp.policy import check_reshard_after_forward
 from hsdp.schedule import Unit, UnshardHandle, units_below
 
 _CLASSES: dict[type, type] = {}
@@ -74,20 +76,56 @@ class HSDPModule:
                                   recurse: bool = True) -> None:
         """See ``fully_shard(reshard_after_forward=...)``; ``recurse``: also for every unit
         below this one."""
+        keep = check_reshard_after_forward(reshard_after_forward)
         for unit in units_below(self) if recurse else [self._hsdp_unit]:
-            unit.reshard_after_forward = bool(reshard_after_forward)
+            unit.reshard_after_forward = keep
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
+        """True is what hsdp does (free a unit's gathered parameters after its backward).
+        False (FSDP2: keep them gathered into the next microbatch) is refused."""
+        if not reshard_after_backward:
+            raise NotImplementedError(
+                "hsdp: set_reshard_after_backward(False) is not supported: hsdp frees a "
+                "unit's gathered parameters after its backward and gathers them again at "
+                "the next forward (same numbers, one more all-gather per microbatch). Drop "
+                "the call; to skip communication between microbatches use "
+                "set_requires_gradient_sync(False)")
+
+    def _root_unit(self, what: str, recurse: bool = True) -> Unit:
+        """This module's unit, which must be the model's root (``what`` applies to the
+        whole model in hsdp)."""
+        unit = self._hsdp_unit
+        if unit.enclosing is not None or not recurse:
+            where = f"unit {unit.label}" if unit.enclosing else "the root alone"
+            raise RuntimeError(f"hsdp: {what} applies to the whole model; call it on the "
+                               f"root module with recurse=True, not on {where}")
+        return unit
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *,
+                                recurse: bool = True) -> None:
+        """False: the following backwards reduce-scatter over inner but leave the outer
+        reduction (FSDP2 HSDP's all-reduce) to the next backward with it True, whose
+        gradients are then final (as ``hsdp.microbatch(model, is_last=False)``; an
+        ``optimizer.step()`` in between raises). Root only."""
+        self._root_unit("set_requires_all_reduce", recurse).is_last_override = (
+            None if requires_all_reduce else False)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """FSDP2's hint that the next backwards are not the step's last: hsdp defers their
+        outer reduction and the gradients' finalization to the next backward with it True
+        (the same as ``set_requires_all_reduce``). Root only."""
+        self._root_unit("set_is_last_backward").is_last_override = (
+            None if is_last_backward else False)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
         """False: the following backwards communicate nothing; each rank adds its unsharded
         gradients (in the reduce dtype, one flat buffer per group) to a local
         accumulation, and the next backward with sync on reduces them with its own
         (``optimizer.step()`` before that raises). Applies to the whole model: call it on
         the root module."""
-        unit = self._hsdp_unit
-        if unit.enclosing is not None:
-            raise RuntimeError(
-                f"hsdp: set_requires_gradient_sync applies to the whole model; call it on the "
-                f"root module, not on unit {unit.label}")
+        unit = self._root_unit("set_requires_gradient_sync", recurse)
         unit.gradient_sync = bool(requires_gradient_sync)
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
@@ -109,6 +147,36 @@ class HSDPModule:
                     if fn(p) is not p:
                         raise RuntimeError(_conversion_error(unit, slots[0], p))
         return super()._apply(fn, recurse)
+
+
+def register_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` run like its forward: parameters gathered before it,
+    resharded after it (FSDP2's ``register_fsdp_forward_method``, which is a no-op on hsdp
+    modules). ``module`` must be fully_shard-ed; a unit inside a model runs it as its
+    forward does, within the model's forward. Called from the module's own forward, it
+    runs as it is."""
+    unit = vars(module).get("_hsdp_unit")
+    if unit is None:
+        raise ValueError(f"hsdp.register_forward_method: {type(module).__name__} is not a "
+                         f"module passed to hsdp.fully_shard")
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"hsdp.register_forward_method: {type(module).__name__} has no "
+                         f"method {method_name!r}")
+
+    @functools.wraps(method)
+    def as_forward(*args: Any, **kwargs: Any) -> Any:
+        if unit.shows_unsharded:  # called inside the unit's forward: already gathered
+            return method(*args, **kwargs)
+        args, kwargs = unit._pre_forward_hook(module, args, kwargs)
+        try:
+            out = method(*args, **kwargs)
+        except BaseException:
+            unit._forward_failed_hook(module, args, kwargs, None)
+            raise
+        return unit._post_forward_hook(module, args, kwargs, out)
+
+    setattr(module, method_name, as_forward)
 
 
 def _units(modules: list[nn.Module]) -> list[Unit]:

@@ -40,3 +40,39 @@ class MixedPrecision:
 def check_strategy(strategy: str) -> None:
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+
+
+def as_mixed_precision(mp_policy: object) -> MixedPrecision:
+    """``fully_shard``'s ``mp_policy``: an ``hsdp.MixedPrecision``, torch FSDP2's
+    ``MixedPrecisionPolicy`` (the same four fields, same meaning) or None (no casts)."""
+    if mp_policy is None:
+        return MixedPrecision()
+    if isinstance(mp_policy, MixedPrecision):
+        return mp_policy
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if isinstance(mp_policy, MixedPrecisionPolicy):
+        return MixedPrecision(mp_policy.param_dtype, mp_policy.reduce_dtype,
+                              mp_policy.output_dtype, mp_policy.cast_forward_inputs)
+    hint = (f"; for {mp_policy} compute use hsdp.MixedPrecision(param_dtype={mp_policy}) "
+            f"(reduce_dtype defaults to param_dtype)"
+            if isinstance(mp_policy, torch.dtype) else "")
+    raise TypeError(f"fully_shard: mp_policy must be an hsdp.MixedPrecision, torch's "
+                    f"MixedPrecisionPolicy or None, got {mp_policy!r}{hint}")
+
+
+def check_reshard_after_forward(value: object) -> bool:
+    """``reshard_after_forward`` as a bool: True / False, or FSDP2's None (its default:
+    reshard every unit but the root, which is what True does in hsdp). FSDP2's int (reshard
+    to a smaller world) is refused: hsdp's inner group already is that world."""
+    if value is None:
+        return True
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        raise ValueError(
+            f"hsdp: reshard_after_forward={value} (FSDP2: keep a copy resharded over "
+            f"{value} ranks between forward and backward) is not supported: hsdp shards "
+            f"parameters over its inner (intra-node) group only, so True already regathers "
+            f"from node-local shards; use True, or False to keep the unit gathered")
+    raise TypeError(f"hsdp: reshard_after_forward must be a bool, got {value!r}")

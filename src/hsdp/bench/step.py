@@ -52,8 +52,9 @@ floor of ``outer_tail`` in schedule.md). This is schedule.md's ``max(compute, in
 outer) + tail`` with the tail attached to the compute chain it must follow, which keeps
 it a true bound when communication dominates.
 
-Comparisons: overlapped vs serialized, and each hsdp schedule vs each peer, with "within
-noise" when the two schedules' min-max step-time ranges overlap.
+Comparisons (``hsdp.report.compare``): overlapped vs serialized, and each hsdp schedule vs
+each peer: no verdict under 5 timed steps, "within noise" when the two schedules' min-max
+step-time ranges overlap, each one's spread otherwise; on CPU labelled as schedule checks.
 
 ``--emulate``: one process posing as rank 0 of the mesh (torch's fake process group);
 every collective first waits its modelled duration (``hsdp.fabric.Fabric``) on its own
@@ -112,6 +113,7 @@ from hsdp.bench.trainee import (
 from hsdp.fabric import Fabric, Link, fit_link
 from hsdp.models import CHECKPOINT_MODES, GPTConfig, LlamaConfig, ModelConfig
 from hsdp.report.args import parse_mesh
+from hsdp.report.compare import CPU_NOTE, compare, describe
 from hsdp.report.metrics import Interval, step_metrics
 from hsdp.report.table import print_table as print_rows
 from hsdp.report.timeline import plot_timeline
@@ -725,15 +727,6 @@ def _trace_metrics(intervals: list[Interval]) -> dict:
     return {**{k: m[k] for k in keys}, "metrics": m}
 
 
-def compare(a: dict, b: dict) -> dict:
-    """``a`` against ``b`` (two schedules' entries): saving, ratio of medians, and whether
-    their min-max step-time ranges overlap (then the difference is within noise)."""
-    ta, tb = a["t_step_ms"], b["t_step_ms"]
-    return {"saving_ms": tb - ta, "saving_pct": 100.0 * (tb - ta) / tb, "ratio": ta / tb,
-            "within_noise": (a["t_step_min_ms"] <= b["t_step_max_ms"]
-                             and b["t_step_min_ms"] <= a["t_step_max_ms"])}
-
-
 def _summary(schedules: dict[str, dict]) -> dict:
     pairs = [*PAIRS, *((h, p) for h in ("overlap", "hfsdp") for p in PEERS)]
     return {f"{a}_vs_{b}": compare(schedules[a], schedules[b]) for a, b in pairs
@@ -797,7 +790,8 @@ def _report(result: dict, cfg: Config) -> None:
                 f"{'2' if cfg.trace_steps == 2 else f'2..{cfg.trace_steps}'})"
                 if cfg.trace_steps > 1 else "")]
     if "timeline" in result["meta"]:
-        where.append(f"timeline: {result['meta']['timeline']}")
+        where.append(f"timeline: {result['meta']['timeline']} (one traced step; the "
+                     f"comparisons come from the timed steps)")
     if cfg.json_path:
         where.append(f"JSON: {cfg.json_path}")
     print("bench step: " + "; ".join(where), flush=True)
@@ -855,12 +849,10 @@ def print_table(result: dict) -> None:
                          f"{k} of {m['steps']} timed steps of {n}" for n, k in retried.items())
                      + "; those steps' times are the allocator's, not the schedule's (run "
                        "fewer schedules at once)")
-    for pair, v in result["summary"].items():
-        a, b = pair.split("_vs_")
-        notes.append(f"{a} vs {b}: {v['ratio']:.3f}x, saves {v['saving_ms']:.2f} ms per step "
-                     f"({v['saving_pct']:.1f}%)"
-                     + (" -- within noise (min-max ranges overlap)" if v["within_noise"]
-                        else ""))
+    cpu = m["hardware"]["device"] == "cpu"
+    notes.extend(describe(pair, v, cpu) for pair, v in result["summary"].items())
+    if cpu:
+        notes.append(CPU_NOTE)
     if m["emulate"] and m["fabric"]:
         f = m["fabric"]
         errs = {k: v for k, v in m["calibration_error"].items() if v is not None}

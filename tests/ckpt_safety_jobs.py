@@ -54,9 +54,10 @@ def _listing(root: str) -> dict[str, str]:
 
 
 def _loads_as(path: str, want: dict[str, torch.Tensor]) -> bool:
+    """``path`` loads (on every rank: a load that raises is False) and holds ``want``."""
     fresh = _build(SIDE, 7)
-    hsdp.load(path, fresh, _optimizer(fresh, "sgd"))
-    return _same(hsdp.full_state_dict(fresh), want)
+    return (_outcome(hsdp.load, path, fresh, _optimizer(fresh, "sgd")) == "ok"
+            and _same(hsdp.full_state_dict(fresh), want))
 
 
 def _on_rank0(fn) -> None:
@@ -129,9 +130,8 @@ def paths_job(rank: int, world: int, root: str) -> dict[str, object]:
 
     # A unit inside the sharded model is not a checkpoint of it.
     unit = os.path.join(root, "unit")
-    out["unit_save"] = _outcome(lambda: hsdp.save(unit, model.blocks[0], opt))
-    out["unit_load"] = _outcome(lambda: hsdp.load(os.path.join(user, "keep"),
-                                                  model.blocks[0]))
+    out["unit_save"] = _outcome(hsdp.save, unit, model.blocks[0])
+    out["unit_load"] = _outcome(hsdp.load, os.path.join(user, "keep"), model.blocks[0])
     out["unit_nothing_written"] = not os.path.lexists(unit) and not any(
         n.startswith(".unit") for n in os.listdir(root))
     return out
@@ -175,12 +175,15 @@ def corrupt_job(rank: int, world: int, root: str) -> dict[str, object]:
         b[len(b) // 2] ^= 0x10
         return bytes(b)
 
-    for what, name, change in (("truncated", "__1_0.distcp", truncate),
-                               ("flipped", "__2_0.distcp", flip),
-                               ("missing", "__3_0.distcp", lambda raw: None)):
+    # hsdp's replicas over outer are written once: ranks 0 and 1 write every piece.
+    for what, name, change in (("truncated", "__0_0.distcp", truncate),
+                               ("flipped", "__1_0.distcp", flip),
+                               ("missing", "__0_0.distcp", lambda raw: None)):
         file = os.path.join(data, name)
         with open(file, "rb") as f:
             raw = f.read()
+        assert raw, f"{file} is empty: damaging it would test nothing"
+        dist.barrier()  # every rank has read it before rank 0 changes it
         _on_rank0(partial(_write, file, change(raw)))
         out[what] = _outcome(hsdp.load, path, fresh, fresh_opt)
         out[f"{what}_unchanged"] = (_same(hsdp.full_state_dict(fresh), snapshot) and all(

@@ -63,18 +63,15 @@ def corrupt(tmp_path_factory) -> list[dict]:
     return run_ranks(corrupt_job, WORLD, str(tmp_path_factory.mktemp("corrupt")))
 
 
-@pytest.mark.parametrize("what,name", [("truncated", "__1_0.distcp"),
-                                       ("flipped", "__2_0.distcp"),
-                                       ("missing", "__3_0.distcp")])
+@pytest.mark.parametrize("what,name", [("truncated", "__0_0.distcp"),
+                                       ("flipped", "__1_0.distcp"),
+                                       ("missing", "__0_0.distcp")])
 def test_a_damaged_file_fails_the_whole_load_naming_it(corrupt: list[dict], what: str,
                                                        name: str) -> None:
     for r in corrupt:
         assert r[what].startswith("CheckpointError") and name in r[what], r[what]
         assert r[f"{what}_unchanged"], r
-
-
-def test_the_restored_checkpoint_resumes_to_the_reference(corrupt: list[dict]) -> None:
-    assert all(r["ref"] < TOL for r in corrupt), [r["ref"] for r in corrupt]
+        assert r["ref"] < TOL, r["ref"]  # restored, it resumes to the one-process run
 
 
 def _read_model(path: str) -> dict[str, torch.Tensor]:

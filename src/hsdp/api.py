@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.device_mesh import DeviceMesh
 
-from hsdp.checkpoint import load_state_dict_hook, state_dict_hook
+from hsdp.checkpoint import finish_saves, load_state_dict_hook, state_dict_hook
 from hsdp.group import ParamGroup, Slot, owner
 from hsdp.mesh import as_hsdp_mesh, comm_groups
 from hsdp.module import adopt
@@ -159,12 +159,14 @@ def microbatch(model: nn.Module, is_last: bool) -> Iterator[None]:
 
 def synchronize(model: nn.Module) -> None:
     """Block until hsdp's pending work for ``model`` has finished, e.g. the HFSDP outer
-    all-gather that ``optimizer.step()`` issued. Call it before
+    all-gather that ``optimizer.step()`` issued, and every asynchronous ``hsdp.save`` is
+    published (raising its error, if it failed, on every rank). Call it before
     ``torch.distributed.destroy_process_group()``: destroying a process group under a
     running collective aborts the process."""
     rt = _root_unit(model).runtime
     if rt is not None:
         rt.synchronize()
+    finish_saves()
 
 
 def _sharded_grads(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

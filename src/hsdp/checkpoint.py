@@ -12,11 +12,12 @@ the ``path`` symlink, so a save that dies midway leaves the previous checkpoint 
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import os
-import shutil
+import sys
 import threading
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -30,10 +31,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 import hsdp.torch_state_dict  # noqa: F401  (torch's full-state-dict loads on Pieces)
+from hsdp import ckpt_dirs, integrity
+from hsdp.ckpt_sync import CheckpointError, Meeting
 from hsdp.group import owner
 from hsdp.mesh import host_group
 from hsdp.pieces import Piece, adopt_state, attach_chunks, before_write
 from hsdp.state import clean_key, clean_keys, model_keys, quiesce
+from hsdp.teardown import before_destroy
 
 ModelState = dict[str, Any]
 OptimState = dict[str, Any]
@@ -199,10 +203,13 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
 
 class SaveHandle:
     """An asynchronous ``save`` in flight. ``wait()`` (a collective: call it on every rank)
-    returns once the checkpoint is written and published at its path."""
+    returns once the checkpoint is written and published at its path, or raises a
+    ``CheckpointError`` on every rank. ``hsdp.synchronize``, the next ``save``,
+    ``destroy_process_group()`` and the interpreter's exit finish it too."""
 
-    def __init__(self, path: str, future: Future, publish: Any) -> None:
-        self.path = path
+    def __init__(self, meeting: Meeting, future: Future, publish: Callable[[], None]) -> None:
+        self.path = meeting.path
+        self._meeting = meeting
         self._published = threading.Event()
         self._error: BaseException | None = None
 
@@ -224,23 +231,94 @@ class SaveHandle:
         if self._waited:
             return
         self._waited = True
+        _PENDING.remove(self)
         self._published.wait()
-        error = self._error
-        dist.barrier(group=host_group())  # every rank sees the published checkpoint
-        if error is not None:
-            raise _save_failed(self.path, error) from error
+        failure = self._meeting.first_failure(host_group(), "published", self._error)
+        if failure is not None:
+            raise _save_failed(self.path, failure) from self._error
 
 
 _PENDING: list[SaveHandle] = []
+
+
+def finish_saves() -> None:
+    """Wait for every asynchronous save in flight (a collective, like ``SaveHandle.wait``)."""
+    while _PENDING:
+        _PENDING[0].wait()
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """At the interpreter's exit, a save nobody waited for is still written and published
+    (rank 0 publishes it when its data is complete); one that failed ends the process with
+    status 1 and its error, never silently."""
+    failed = []
+    for handle in _PENDING:
+        handle._published.wait()
+        if handle._error is not None:
+            failed.append(f"hsdp.save of {handle.path} failed: {handle._error!r}")
+    if failed:
+        sys.stderr.write("\n".join(failed) + "\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
+
+
+before_destroy(finish_saves)
+
+
 class _Writer(FileSystemWriter):
-    """DCP's file writer whose asynchronous staging keeps hsdp's chunk hooks (DCP's own
-    CPU copy would drop them and fall back to the DTensor placements)."""
+    """DCP's file writer that records checksums of what each rank wrote (``integrity``) and
+    whose asynchronous staging keeps hsdp's chunk hooks (DCP's own CPU copy would drop them
+    and fall back to the DTensor placements)."""
+
+    def __init__(self, path: str, meeting: Meeting) -> None:
+        super().__init__(path)
+        self._dir, self._meeting = path, meeting
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         return _to_cpu(state_dict)
 
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        integrity.record(self._dir, dist.get_rank(), [r.storage_data for r in future.wait()])
+        self._meeting.arrive("written")
+        return future
+
+
+class _Reader(FileSystemReader):
+    """DCP's file reader that checks each file's byte ranges (``integrity.verify``) before
+    DCP reads them, and names the file in any error."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self._dir = path
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            sums = integrity.load_sums(self._dir)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from e
+        required = os.path.isfile(os.path.join(self._dir, ckpt_dirs.MARKER))  # hsdp wrote it
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            per_file.setdefault(info.relative_path, []).append(item)
+        for name, items in per_file.items():
+            file = os.path.join(self._dir, name)
+            try:
+                integrity.verify(file, [self.storage_data[i.storage_index] for i in items],
+                                 sums, required)
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as e:
+                raise CheckpointError(f"{file}: {e}") from e
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(None)
+        return done
+
 
 def _to_cpu(obj: Any) -> Any:
+    """A CPU copy of a state dict whose DTensors keep hsdp's chunk hooks."""
     if isinstance(obj, dict):
         return {k: _to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -255,95 +333,121 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
+def _commit(live: Any, read: Any) -> Any:
+    """Copy the values ``dcp.load`` read into ``read`` (``_to_cpu(live)``) into ``live``'s
+    tensors; the other values are ``read``'s."""
+    if isinstance(live, dict):
+        return {k: _commit(v, read[k]) for k, v in live.items()}
+    if isinstance(live, list):
+        return [_commit(v, r) for v, r in zip(live, read)]
+    if isinstance(live, DTensor):
+        live._local_tensor.copy_(read._local_tensor)
+    elif isinstance(live, torch.Tensor):
+        live.copy_(read)
+    else:
+        return read
+    return live
+
+
+def _check_root(model: nn.Module, what: str) -> None:
+    """Refuse a unit inside a larger sharded model: its checkpoint would lack the rest."""
+    unit = getattr(model, "_hsdp_unit", None)
+    if unit is None or unit.enclosing is None:
+        return
+    root = unit
+    while root.enclosing is not None:
+        root = root.enclosing
+    raise ValueError(f"{what}: {unit.label} is a unit inside the sharded model {root.label}; "
+                     f"pass the root module (the one fully_shard was applied to last)")
+
+
 def save(path: str | os.PathLike, model: nn.Module,
          optimizer: torch.optim.Optimizer | None = None, *,
          async_save: bool = False) -> SaveHandle | None:
-    """Save model (and optimizer) to directory ``path`` with DCP; every rank writes its own
-    pieces. A collective. The data goes to a hidden sibling directory first; ``path``
-    (a symlink) is switched to it atomically once every rank has written, so an
-    interrupted save leaves the previous checkpoint at ``path`` intact.
+    """Save model (and optimizer) to ``path`` with DCP; every rank writes its own pieces.
+    A collective. The data goes to a new hidden sibling directory first; ``path`` (a
+    symlink hsdp made) is switched to it atomically once every rank has written, so an
+    interrupted save leaves the previous checkpoint at ``path`` intact. hsdp replaces and
+    removes only what it made (see ``ckpt_dirs``): anything else at ``path`` raises
+    ``FileExistsError`` on every rank before anything is written.
 
     ``async_save=True``: the state is copied to CPU, then written in the background while
     training goes on; returns a handle whose ``wait()`` (on every rank) blocks until the
     checkpoint is published. A later save first waits for the earlier one."""
-    while _PENDING:
-        _PENDING.pop(0).wait()
+    finish_saves()
+    _check_root(model, "hsdp.save")
     path = os.path.abspath(os.fspath(path))
-    if os.path.isdir(path) and not os.path.islink(path):
-        raise FileExistsError(f"hsdp.save: {path} is a directory, not an hsdp checkpoint "
-                              f"(hsdp publishes checkpoints as a symlink); choose a new path")
+    group = host_group()
+    meeting = Meeting("hsdp.save", path)
+    staging = meeting.agree(group, "start", lambda: ckpt_dirs.claim(path))
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    group = host_group()
-    staging = _staging_dir(path)
-    if dist.get_rank() == 0:
-        shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    dist.barrier(group=group)
-    writer = _Writer(staging)
+    writer = _Writer(staging, meeting)
 
     def publish() -> None:
         if dist.get_rank() == 0:
-            _publish(path, staging)
+            ckpt_dirs.publish(path, staging)
 
     if async_save:  # DCP's upload thread gets a group of its own (see host_group)
-        handle = SaveHandle(path, dcp.async_save(state, storage_writer=writer,
-                                                 process_group=host_group("async save")),
+        handle = SaveHandle(meeting, dcp.async_save(state, storage_writer=writer,
+                                                    process_group=host_group("async save")),
                             publish)
         _PENDING.append(handle)
         return handle
     try:
-        dcp.save(state, storage_writer=writer, process_group=group)
+        with meeting.at("written", arrive=False):  # the writer arrives once it has written
+            dcp.save(state, storage_writer=writer, process_group=group)
     except CheckpointException as e:  # a BaseException: keep it catchable as an error
-        raise _save_failed(path, e) from e
-    publish()
-    dist.barrier(group=group)
+        raise _save_failed(path, _failures(e)) from e
+    meeting.agree(group, "published", publish)
     return None
 
 
-def _save_failed(path: str, error: BaseException) -> RuntimeError:
-    return RuntimeError(f"hsdp.save: writing {path} failed; the checkpoint previously at "
-                        f"that path (if any) is unchanged. {error}")
+def _failures(error: CheckpointException) -> str:
+    """Each failed rank's error (DCP's message only says which ranks failed)."""
+    return "; ".join(f"rank {rank}: {exc}" for rank, (exc, _) in
+                     sorted(error.failures.items())) or str(error)
 
 
-def _staging_dir(path: str) -> str:
-    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
-
-
-def _publish(path: str, staging: str) -> None:
-    """Move the finished ``staging`` directory to a unique name and point ``path`` at it
-    (``os.replace`` of a symlink is atomic), then drop the previous target."""
-    parent, base = os.path.dirname(path), os.path.basename(path)
-    final = os.path.join(parent, f".{base}.{uuid.uuid4().hex}")
-    os.rename(staging, final)
-    old = os.path.realpath(path) if os.path.islink(path) else None
-    link = final + ".link"
-    os.symlink(os.path.basename(final), link)
-    os.replace(link, path)
-    if old is not None and old != final:
-        shutil.rmtree(old, ignore_errors=True)
+def _save_failed(path: str, error: BaseException | str) -> CheckpointError:
+    return CheckpointError(f"hsdp.save: writing {path} failed; the checkpoint previously at "
+                           f"that path (if any) is unchanged. {error}")
 
 
 def load(path: str | os.PathLike, model: nn.Module,
          optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load a checkpoint written by ``save`` (on any mesh, strategy or world size) into
-    ``model`` (and ``optimizer``). A collective. Names and shapes are checked against the
-    checkpoint first: a mismatch raises an error naming the first one and changes nothing."""
+    ``model`` (and ``optimizer``). A collective, all or nothing: names and shapes are
+    checked against the checkpoint, then everything is read into a CPU copy of this
+    rank's pieces (the parameters' and optimizer state's: the memory they take, once more)
+    and checked against the checksums ``save`` recorded; only then are the model and
+    optimizer changed. A mismatch, a missing, truncated or corrupt file raises an error
+    naming it on every rank (``CheckpointError`` for the files) and changes nothing."""
+    _check_root(model, "hsdp.load")
     path = os.fspath(path)
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as e:
         raise FileNotFoundError(f"hsdp.load: {path} is not a checkpoint ({e})") from e
+    meeting = Meeting("hsdp.load", path)
     fresh = optimizer is not None and not optimizer.state
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     try:
         _check(path, state, metadata.state_dict_metadata)
+        read = _to_cpu(state)
+        with meeting.at("reading"):
+            dcp.load(read, storage_reader=_Reader(path), process_group=host_group())
+    except CheckpointException as e:  # a BaseException: keep it catchable as an error
+        if fresh:
+            optimizer.state.clear()
+        raise CheckpointError(f"hsdp.load: reading {path} failed; the model and optimizer "
+                              f"are unchanged. {_failures(e)}") from e
     except Exception:
         if fresh:
             optimizer.state.clear()  # undo get_state_dict's initialization
         raise
-    dcp.load(state, storage_reader=FileSystemReader(path), process_group=host_group())
+    state = _commit(state, read)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
 

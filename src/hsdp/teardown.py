@@ -5,19 +5,29 @@ forward), and a CPU stream may be inside a collective. Destroying a process grou
 running collective aborts the process, so hsdp wraps
 ``torch.distributed.destroy_process_group``: it first waits until every hsdp stream is idle
 (at most as long as hsdp's collectives may wait for a peer) and, when the whole world is
-destroyed, clears a stream failure (a new world starts clean).
+destroyed, first runs what higher layers registered with ``before_destroy`` (finishing
+asynchronous saves) and clears a stream failure (a new world starts clean); the world is
+destroyed even when one of those raises, then the error propagates.
 ``hsdp.synchronize`` remains the explicit way to wait.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from hsdp.mesh import longest_timeout
 from hsdp.streams import quiesce_all
+
+_BEFORE: list[Callable[[], None]] = []
+
+
+def before_destroy(fn: Callable[[], None]) -> None:
+    """Run ``fn`` (a collective on every rank) before the world's process group goes."""
+    _BEFORE.append(fn)
 
 
 def _install() -> None:
@@ -27,9 +37,14 @@ def _install() -> None:
 
     @functools.wraps(original)
     def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
-        if dist.is_initialized():
-            quiesce_all(longest_timeout().total_seconds(), clear_failures=group is None)
-        original(group)
+        try:
+            if dist.is_initialized() and group is None:
+                for fn in _BEFORE:
+                    fn()
+        finally:
+            if dist.is_initialized():
+                quiesce_all(longest_timeout().total_seconds(), clear_failures=group is None)
+            original(group)
 
     destroy_process_group._hsdp_waits = True
     distributed_c10d.destroy_process_group = destroy_process_group

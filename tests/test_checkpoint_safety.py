@@ -1,0 +1,101 @@
+"""Checkpoint safety (CPU, gloo, 4 ranks on 2x2): hsdp never replaces or removes what it did
+not make, loads all or nothing, never drops an asynchronous save, and names a stalled
+peer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from ckpt_safety_jobs import (
+    STALL_PG_TIMEOUT_S,
+    async_job,
+    corrupt_job,
+    paths_job,
+    stall_job,
+)
+from dist_utils import run_ranks
+
+from hsdp.models import GPT, GPTConfig
+
+TOL = 1e-5
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> list[dict]:
+    return run_ranks(paths_job, WORLD, str(tmp_path_factory.mktemp("paths")))
+
+
+def test_paths_hsdp_did_not_make_are_refused_and_left_alone(paths: list[dict]) -> None:
+    for r in paths:
+        assert r["latest"].startswith("FileExistsError") and "symlink hsdp did not make" \
+            in r["latest"], r["latest"]
+        assert r["latest2"].startswith("FileExistsError") and "-> keep" in r["latest2"], r
+        assert r["notes.txt"].startswith("FileExistsError") and "a file" in r["notes.txt"], r
+        assert r["user_unchanged"] and r["keep_loads"], r
+
+
+def test_user_links_with_staging_names_are_never_written_through(paths: list[dict]) -> None:
+    for r in paths:
+        assert r["staged_save"] == "ok", r["staged_save"]
+        assert r["staged_untouched"] and r["victim_empty"] and r["staged_loads"], r
+
+
+def test_an_old_version_is_removed_only_when_nothing_points_at_it(paths: list[dict]) -> None:
+    for r in paths:
+        assert r["pin_loads_first"] and r["latest_loads_last"], r
+        assert len(r["roll_dirs"]) == 2, r["roll_dirs"]  # the pinned first and the last
+
+
+def test_a_unit_that_is_not_the_root_is_refused(paths: list[dict]) -> None:
+    for r in paths:
+        for what in ("unit_save", "unit_load"):
+            assert r[what].startswith("ValueError") and "GPT" in r[what] \
+                and "root" in r[what], r[what]
+        assert r["unit_nothing_written"], r
+
+
+@pytest.fixture(scope="module")
+def corrupt(tmp_path_factory) -> list[dict]:
+    return run_ranks(corrupt_job, WORLD, str(tmp_path_factory.mktemp("corrupt")))
+
+
+@pytest.mark.parametrize("what,name", [("truncated", "__0_0.distcp"),
+                                       ("flipped", "__1_0.distcp"),
+                                       ("missing", "__0_0.distcp")])
+def test_a_damaged_file_fails_the_whole_load_naming_it(corrupt: list[dict], what: str,
+                                                       name: str) -> None:
+    for r in corrupt:
+        assert r[what].startswith("CheckpointError") and name in r[what], r[what]
+        assert r[f"{what}_unchanged"], r
+        assert r["ref"] < TOL, r["ref"]  # restored, it resumes to the one-process run
+
+
+def _read_model(path: str) -> dict[str, torch.Tensor]:
+    """The model in an hsdp checkpoint, read by DCP in this one process."""
+    state = {"model": GPT(GPTConfig()).state_dict()}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state["model"]
+
+
+def test_async_saves_are_finished_never_dropped(tmp_path) -> None:
+    results = run_ranks(async_job, WORLD, str(tmp_path))
+    for r in results:
+        assert r["a_published"], r
+        assert r["failed"].startswith("CheckpointError") and "disk full" in r["failed"], r
+        assert r["f_absent"], r
+    for name in ("a", "b"):  # b: finished by destroy_process_group
+        assert os.path.islink(tmp_path / name), sorted(os.listdir(tmp_path))
+        got, want = _read_model(str(tmp_path / name)), results[0][f"at_{name}"]
+        assert all(torch.equal(got[k], want[k]) for k in want), name
+
+
+def test_a_stalled_peer_is_named_in_hsdp_error(tmp_path) -> None:
+    results = run_ranks(stall_job, WORLD, str(tmp_path), pg_timeout_s=STALL_PG_TIMEOUT_S)
+    for r in results[:3]:
+        assert r["error"].startswith("CheckpointError") and "rank(s) [3] never reached" \
+            in r["error"], r
+        assert r["seconds"] < 3 * STALL_PG_TIMEOUT_S + 5, r

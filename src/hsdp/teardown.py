@@ -5,18 +5,20 @@ forward), and a CPU stream may be inside a collective. Destroying a process grou
 running collective aborts the process, so hsdp wraps
 ``torch.distributed.destroy_process_group``: it first waits until every hsdp stream is idle
 (at most as long as hsdp's collectives may wait for a peer) and, when the whole world is
-destroyed, clears a stream failure (a new world starts clean).
+destroyed, clears a stream failure and drops hsdp's groups of that world (a new world
+starts clean; the dead world's threads and sockets are freed).
 ``hsdp.synchronize`` remains the explicit way to wait.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from hsdp.mesh import longest_timeout
+from hsdp.mesh import forget_world, longest_timeout
 from hsdp.streams import quiesce_all
 
 
@@ -30,6 +32,9 @@ def _install() -> None:
         if dist.is_initialized():
             quiesce_all(longest_timeout().total_seconds(), clear_failures=group is None)
         original(group)
+        if group is None:
+            forget_world()
+            gc.collect()  # models dropped before (reference cycles) free their groups now
 
     destroy_process_group._hsdp_waits = True
     distributed_c10d.destroy_process_group = destroy_process_group

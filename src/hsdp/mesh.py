@@ -87,6 +87,8 @@ def init_mesh(outer: int, inner: int, device_type: str | None = None, *,
     the NCCL backend. ``timeout``: how long any of hsdp's collectives may wait for a peer
     before it fails (default: the default process group's timeout). Initializes the default
     process group from the environment (torchrun), with this timeout, when none exists yet.
+    The ranks' arguments are compared first (every rank raises if they differ); the same
+    arguments again return the same mesh.
     """
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
                for n in (outer, inner)):

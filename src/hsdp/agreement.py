@@ -27,6 +27,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,7 @@ SLOW_S = 1.0  # an agreement waiting this long leaves a note for blocked peers
 _FIELDS = ("step", "forwards", "microbatches", *(f"{c} collectives" for c in _COMMS),
            *(f"{c} sequence" for c in _COMMS))
 
+T = TypeVar("T")
 Desc = tuple[str, int, str]  # (kind, group id, stream name): the same on every rank
 
 
@@ -177,6 +179,36 @@ def agree(log: StepLog, failed: str, used: list[bool], group: dist.ProcessGroup,
     mismatch = [f"{name}: {a}..{b}" for name, a, b in zip(_FIELDS, lo, hi) if a != b]
     failed_rank = (-v[1] if -v[1] < world else None) if v[0] else None
     return Verdict(bool(v[0]), failed_rank, mismatch, [bool(x) for x in v[2 + 2 * n:]])
+
+
+def joined(what: str, key: str, run: Callable[[], T], timeout: timedelta) -> T:
+    """``run()``, a blocking host collective that every rank joins; if it fails (gloo: a
+    peer did not join within ``timeout``), raise an hsdp error naming the ranks that never
+    reached it. A rank still waiting after SLOW_S marks ``key/<rank>`` in the store, so
+    only slow calls touch the store."""
+    rank = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+
+    def mark() -> None:
+        store.set(f"{key}/{rank}", "")
+
+    start = time.monotonic()
+    armed = _WATCH.arm(SLOW_S, mark)
+    try:
+        return run()
+    except RuntimeError as exc:
+        _WATCH.disarm(armed)
+        mark()
+        # Peers that entered when this rank did have marked by then (a dead peer can make
+        # this rank fail before its own mark was due).
+        time.sleep(max(0.0, start + 2 * SLOW_S - time.monotonic()))
+        absent = [r for r in range(dist.get_world_size()) if not store.check([f"{key}/{r}"])]
+        raise RuntimeError(
+            f"hsdp: {what}: rank(s) {absent} did not join within the timeout ({timeout}): "
+            f"they died, are stuck, or did not call it (every rank must). hsdp's "
+            f"communicators cannot be used any more: restart the job.") from exc
+    finally:
+        _WATCH.disarm(armed)
 
 
 def missing(log: StepLog, group: dist.ProcessGroup) -> list[Desc]:

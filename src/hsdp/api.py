@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -12,6 +13,7 @@ import torch.nn as nn
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.device_mesh import DeviceMesh
 
+from hsdp.agreement import joined
 from hsdp.checkpoint import finish_saves, load_state_dict_hook, state_dict_hook
 from hsdp.group import ParamGroup, Slot, owner
 from hsdp.mesh import as_hsdp_mesh, comm_groups
@@ -25,6 +27,7 @@ from hsdp.policy import (
 from hsdp.schedule import Unit, units_below
 
 _UNIT_IDS = itertools.count()
+_CLIPS: weakref.WeakKeyDictionary[Unit, itertools.count] = weakref.WeakKeyDictionary()
 
 
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
@@ -84,6 +87,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
             if b is not None and not b.is_meta and b.device != device:
                 m._buffers[name] = b.to(device)
     unit = Unit(module, label, groups, mesh, device, overlap_outer, mp, reshard_after_forward)
+    unit.description = _describe(inner, params, slots, strategy=strategy, mp_policy=mp,
+                                 overlap_outer=overlap_outer,
+                                 reshard_after_forward=reshard_after_forward)
     for nested in units_below(module):
         if nested.enclosing is None and nested is not unit:
             nested.enclosing = unit
@@ -97,6 +103,20 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
 
 
 Tie = tuple[ParamGroup, int, Slot]
+
+
+def _describe(module: nn.Module, params: list[nn.Parameter], slots: list[list[Slot]],
+              **options: object) -> list[str]:
+    """This fully_shard call as every rank must have made it: the options, then each
+    parameter's name, shape, dtype and requires_grad (compared at the first forward)."""
+    path = {id(m): n for n, m in module.named_modules()}
+    lines = [f"{type(module).__name__} with "
+             + ", ".join(f"{k}={v!r}" for k, v in options.items())]
+    for p, ((m, name), *_) in zip(params, slots):
+        where = path.get(id(m), "?")
+        lines.append(f"parameter {where + '.' if where else ''}{name}: shape "
+                     f"{tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}")
+    return lines
 
 
 def _owned_params(module: nn.Module) -> tuple[list[nn.Parameter], list[list[Slot]], list[Tie]]:
@@ -208,10 +228,22 @@ def clip_grad_norm_(model: nn.Module, max_norm: float,
         return stacked.max() if inf else stacked.pow(norm_type).sum()
 
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-    part_sharded = local(sharded)
-    dist.all_reduce(part_sharded, op=op, group=comms.host_outer)
-    total = torch.maximum(local(rep), part_sharded) if inf else local(rep) + part_sharded
-    dist.all_reduce(total, op=op, group=comms.host_inner)
+
+    def reduce_norm() -> torch.Tensor:
+        part_sharded = local(sharded)
+        dist.all_reduce(part_sharded, op=op, group=comms.host_outer)
+        total = torch.maximum(local(rep), part_sharded) if inf else local(rep) + part_sharded
+        dist.all_reduce(total, op=op, group=comms.host_inner)
+        return total
+
+    step = max(rt.log.step - 1, 0) if rt is not None else 0  # the step that made the grads
+    key = f"hsdp/{unit.label}/clip/{next(_CLIPS.setdefault(unit, itertools.count()))}"
+    try:
+        total = joined(f"clip_grad_norm_ after step {step}", key, reduce_norm, comms.timeout)
+    except RuntimeError as exc:
+        if rt is not None:
+            rt.broken = str(exc)
+        raise
     total = total if inf else total.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     grads = rep + sharded

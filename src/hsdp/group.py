@@ -23,6 +23,7 @@ that first writes them, freed by ``release_grads``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -133,6 +134,10 @@ class ParamGroup:
         self.specs = [spec(comms.mesh, self.shard_outer, shape, self.orig_dtype)
                       for shape in lay.shapes]
         owned = lay.pieces(owned_lo, owned_hi)
+        # Hooks on the group's own tensors reach it weakly: a strong reference is a cycle
+        # through autograd's C++ that gc cannot see (the model, and with it the process
+        # groups' threads and sockets, would never be freed).
+        me = weakref.ref(self)
         locals_ = placeholders_if_empty([self.main[pc.range_offset:pc.range_offset + pc.length]
                                          if pc else self.main[:0] for pc in owned])
         for shape, dspec, piece, local in zip(lay.shapes, self.specs, owned, locals_):
@@ -143,7 +148,8 @@ class ParamGroup:
             attach_chunks(sp._local_tensor, shape, start, n)  # state_dict(keep_vars=True)
             sp._hsdp_group = self  # marks the parameter as managed by hsdp (see owner())
             sp._hsdp_index = len(self.sharded)
-            guard = (sp.register_post_accumulate_grad_hook(self._grad_on_shard)
+            guard = (sp.register_post_accumulate_grad_hook(
+                         lambda p: me()._grad_on_shard(p))
                      if self.requires_grad else None)
             self._guard_hooks.append(None if guard is None else guard.id)
             self.sharded.append(sp)
@@ -198,10 +204,11 @@ class ParamGroup:
         self.carry: torch.Tensor | None = None  # [C]: uncleared .grads (see hide_grads)
         self.carried: list[bool] = []  # which parameters had a .grad then
         self.reduced = False
+        me = weakref.ref(self)  # see __init__
         for idx, up in enumerate(self.unsharded):
             frozen = not up.requires_grad
             up.requires_grad_(True)  # a hook needs it
-            up.register_post_accumulate_grad_hook(lambda _p, idx=idx: self._on_grad(idx))
+            up.register_post_accumulate_grad_hook(lambda _p, idx=idx: me()._on_grad(idx))
             up.requires_grad_(not frozen)
         self.has_grads = True
 

@@ -8,6 +8,10 @@ use two more groups per rank, ``host_inner`` / ``host_outer``, and never touch t
 ``control`` is a CPU (gloo) group over the whole world for hsdp's tiny bookkeeping
 all-reduces (step agreement, recovery). Every group gets the same timeout: the default
 group's, or ``init_mesh(..., timeout=...)``.
+
+hsdp's groups are cached per world: ``init_mesh`` with the same arguments returns the same
+mesh (new groups would hold threads and sockets until the world ends), and the caches are
+dropped when the world is destroyed (``teardown.py``) or replaced by another.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hsdp import hosts
+from hsdp.consensus import agree_in_store
 
 DIM_NAMES = ("outer", "inner")
 # torchtitan's names for the same two dims (replicate, shard), with and without context parallel
@@ -69,6 +74,7 @@ class CommGroups:
     control: dist.ProcessGroup
     timeout: timedelta
     mesh: DeviceMesh
+    nccl: dict[str, NcclConfig]
 
     @property
     def world(self) -> int:
@@ -94,6 +100,8 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
     the NCCL backend. ``timeout``: how long any of hsdp's collectives may wait for a peer
     before it fails (default: the default process group's timeout). Initializes the default
     process group from the environment (torchrun), with this timeout, when none exists yet.
+    The ranks' arguments are compared first (every rank raises if they differ); the same
+    arguments again return the same mesh.
     """
     if not all(n is None or isinstance(n, int) and not isinstance(n, bool) and n >= 1
                for n in (outer, inner)):
@@ -108,14 +116,19 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
         raise TypeError(f"init_mesh: timeout must be a datetime.timedelta, got {timeout!r}")
     device_type = _check_device_type(device_type)
     _init_default_group(timeout)
+    _agree_on_arguments(outer, inner, device_type, nccl, timeout)
     outer, inner = _sizes_on_hosts(outer, inner, allow_inner_across_hosts)
     if dist.get_world_size() != outer * inner:
         raise ValueError(
             f"init_mesh: outer*inner = {outer}*{inner} = {outer * inner} but the world has "
             f"{dist.get_world_size()} ranks; choose outer and inner whose product is the "
             f"world size")
+    timeout = timeout or default_timeout()
+    cached = _groups().get((device_type, tuple(range(outer * inner)), (outer, inner)))
+    if cached is not None and (cached.nccl, cached.timeout) == (nccl, timeout):
+        return cached.mesh
     mesh = init_device_mesh(device_type, (outer, inner), mesh_dim_names=DIM_NAMES)
-    _GROUPS[_key(mesh)] = _create_groups(mesh, nccl, timeout or default_timeout())
+    _GROUPS[_key(mesh)] = _create_groups(mesh, nccl, timeout)
     return mesh
 
 
@@ -129,6 +142,17 @@ def _sizes_on_hosts(outer: int | None, inner: int | None, allow_across: bool) ->
     if not allow_across and outer * inner == len(on):
         hosts.check_inner_on_one_host(outer, inner, on)
     return outer, inner
+
+
+def _agree_on_arguments(outer: int, inner: int, device_type: str,
+                        nccl: dict[str, NcclConfig], timeout: timedelta | None) -> None:
+    """Raise on every rank, within the timeout, if the ranks called init_mesh with
+    different arguments: their groups would not match and ``new_group`` would hang."""
+    settings = ", ".join(f"{k}={v}" for k, v in sorted(nccl.items()))
+    agree_in_store("init_mesh", f"init_mesh(outer={outer}, inner={inner}, device_type="
+                   f"{device_type!r}, nccl={{{settings}}}, timeout={timeout})",
+                   timeout or default_timeout(),
+                   "Call init_mesh with the same arguments on every rank.")
 
 
 def _check_device_type(device_type: str | None) -> str:
@@ -162,7 +186,7 @@ def comm_groups(mesh: DeviceMesh) -> CommGroups:
     """hsdp's communicators for ``mesh``, created on first use (a collective call)."""
     check_mesh(mesh)
     key = _key(mesh)
-    if key not in _GROUPS:
+    if key not in _groups():
         _GROUPS[key] = _create_groups(mesh, {}, default_timeout())
     return _GROUPS[key]
 
@@ -212,21 +236,38 @@ def check_mesh(mesh: DeviceMesh) -> None:
                          f"{dist.get_world_size()}; hsdp's mesh must cover every rank")
 
 
+# hsdp's groups of one world: the default group they were made in (held, so that no later
+# group can be mistaken for it), the comm groups per mesh and the host groups per purpose.
+_WORLD: list[dist.ProcessGroup] = []
 _GROUPS: dict[tuple, CommGroups] = {}
 _RENAMED: dict[tuple, DeviceMesh] = {}  # as_hsdp_mesh's meshes, by the user's mesh
+_HOST_GROUPS: dict[str, dist.ProcessGroup] = {}
+
+
+def _groups() -> dict[tuple, CommGroups]:
+    """``_GROUPS``, emptied first if it belongs to another world than the current one."""
+    world = dist.distributed_c10d._get_default_group()
+    if not _WORLD or _WORLD[0] is not world:
+        forget_world()
+        _WORLD.append(world)
+    return _GROUPS
+
+
+def forget_world() -> None:
+    """Drop every group hsdp made in the current world, which is being destroyed (torch
+    frees a group, its threads and sockets, once nothing holds it)."""
+    _WORLD.clear()
+    _GROUPS.clear()
+    _HOST_GROUPS.clear()
 
 
 def longest_timeout() -> timedelta:
     """The longest timeout of hsdp's groups in this world (teardown waits that long)."""
-    world = id(dist.distributed_c10d._get_default_group())
-    return max([g.timeout for k, g in _GROUPS.items() if k[0] == world],
-               default=default_timeout())
+    return max([g.timeout for g in _groups().values()], default=default_timeout())
 
 
 def _key(mesh: DeviceMesh) -> tuple:
-    world = id(dist.distributed_c10d._get_default_group())  # a re-initialized world is new
-    return (world, mesh.device_type, tuple(mesh.mesh.flatten().tolist()),
-            tuple(mesh.mesh.shape))
+    return mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape)
 
 
 def _create_groups(mesh: DeviceMesh, nccl: dict[str, NcclConfig],
@@ -255,7 +296,7 @@ def _create_groups(mesh: DeviceMesh, nccl: dict[str, NcclConfig],
     # Shard index = rank inside the group (new_group orders members by global rank).
     return CommGroups(outer, inner, dist.get_rank(mine["outer"]), dist.get_rank(mine["inner_ag"]),
                       mine["inner_ag"], mine["inner_rs"], mine["outer"], mine["host_inner"],
-                      mine["host_outer"], control, timeout, mesh)
+                      mine["host_outer"], control, timeout, mesh, nccl)
 
 
 def new_communicator(ranks: list[int], device_type: str, cfg: NcclConfig | None = None,
@@ -281,17 +322,14 @@ def _nccl_options(cfg: NcclConfig | None, timeout: timedelta):
     return opts
 
 
-_HOST_GROUPS: dict[tuple[int, str], dist.ProcessGroup] = {}
-
-
 def host_group(purpose: str = "host") -> dist.ProcessGroup:
     """A gloo group over every rank for host-side coordination (objects, barriers,
     checkpoint planning), one per ``purpose``, created on first use (a collective call):
     never a CUDA collective on the default group. A background user (an asynchronous
     checkpoint) needs a group of its own: two threads must not share one."""
-    key = (id(dist.distributed_c10d._get_default_group()), purpose)
-    if key not in _HOST_GROUPS:
+    _groups()  # drops the host groups of a world that has gone
+    if purpose not in _HOST_GROUPS:
         fake = dist.get_backend() == "fake"  # torch's fake world: one process, no gloo
-        _HOST_GROUPS[key] = dist.new_group(backend=None if fake else "gloo",
-                                           timeout=default_timeout())
-    return _HOST_GROUPS[key]
+        _HOST_GROUPS[purpose] = dist.new_group(backend=None if fake else "gloo",
+                                               timeout=default_timeout())
+    return _HOST_GROUPS[purpose]

@@ -45,8 +45,9 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 import hsdp.teardown  # noqa: F401  (destroy_process_group waits for hsdp's streams)
 from hsdp.agreement import COMM_OF, StepLog, Verdict, agree, missing, post_note, read_note
 from hsdp.comm import Collectives
+from hsdp.consensus import agree_on_group
 from hsdp.group import ParamGroup, Slot, owner
-from hsdp.mesh import comm_groups
+from hsdp.mesh import CommGroups, comm_groups
 from hsdp.pieces import PENDING, adopt_state, same_layout
 from hsdp.policy import MixedPrecision
 from hsdp.streams import Event, SideStream, Streams, Tracer
@@ -78,6 +79,7 @@ class Unit:
         self.streams: Streams | None = None  # root's is used; None: the device's (sim swaps)
         self.is_last_override: bool | None = None  # set by hsdp.microbatch on the root
         self.label = label
+        self.description: list[str] = []  # the fully_shard call, as api.py describes it
         self.enclosing: Unit | None = None  # set when an enclosing module is fully_shard-ed
         # Tied parameters owned by another unit's group, used here: (group, index, slot).
         self.borrowed: list[tuple[ParamGroup, int, Slot]] = []
@@ -257,6 +259,19 @@ class UnshardHandle:
 _RUNTIMES: weakref.WeakSet[Runtime] = weakref.WeakSet()
 
 
+def _agree_on_model(root: Unit, units: list[Unit], comms: CommGroups) -> None:
+    """Raise on every rank, naming the first difference, unless every rank sharded the
+    same model the same way: otherwise the collectives would not match (a hang, an abort,
+    or silently different "replicated" parameters)."""
+    path = {id(m): n for n, m in root.module.named_modules()}
+    lines = [f"{len(units)} units"] + [
+        f"unit {path.get(id(u.module)) or '<root>'}: {line}"
+        for u in units for line in u.description]
+    agree_on_group("model", lines, comms.control, comms.timeout,
+                   "Every rank must build the same model and call fully_shard on the same "
+                   "modules with the same options.")
+
+
 class Runtime:
     def __init__(self, root: Unit) -> None:
         self.root = root
@@ -268,6 +283,8 @@ class Runtime:
                     f"through its outermost fully_shard module")
             if u.overlap_outer != root.overlap_outer:
                 raise ValueError("hsdp: overlap_outer must be the same for every unit of a model")
+        self.comms = comm_groups(root.mesh)
+        _agree_on_model(root, self.units, self.comms)
         self.groups = [g for u in self.units for g in u.groups]  # same order on every rank
         self.gid = {g: i for i, g in enumerate(self.groups)}
         self._users: dict[ParamGroup, list[Unit]] = {g: [] for g in self.groups}
@@ -298,7 +315,6 @@ class Runtime:
         self._in_grad_hooks = False  # running the users' post-accumulate-grad hooks
         self._params_written: Event | None = None
         self._holders: dict[ParamGroup, set[Unit]] = {g: set() for g in self.groups}
-        self.comms = comm_groups(root.mesh)
         self.log = StepLog()
         self._gave_up = False  # this step raised because another rank gave it up
         self.broken: str | None = None  # why hsdp's communicators cannot be used any more

@@ -6,20 +6,23 @@ running collective aborts the process, so hsdp wraps
 ``torch.distributed.destroy_process_group``: it first waits until every hsdp stream is idle
 (at most as long as hsdp's collectives may wait for a peer) and, when the whole world is
 destroyed, first runs what higher layers registered with ``before_destroy`` (finishing
-asynchronous saves) and clears a stream failure (a new world starts clean); the world is
-destroyed even when one of those raises, then the error propagates.
+asynchronous saves), clears a stream failure and, after the world is gone, drops hsdp's
+groups of that world (a new world starts clean; the dead world's threads and sockets are
+freed). The world is destroyed even when a ``before_destroy`` callback raises; then the
+error propagates.
 ``hsdp.synchronize`` remains the explicit way to wait.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 from collections.abc import Callable
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from hsdp.mesh import longest_timeout
+from hsdp.mesh import forget_world, longest_timeout
 from hsdp.streams import quiesce_all
 
 _BEFORE: list[Callable[[], None]] = []
@@ -45,6 +48,9 @@ def _install() -> None:
             if dist.is_initialized():
                 quiesce_all(longest_timeout().total_seconds(), clear_failures=group is None)
             original(group)
+            if group is None:
+                forget_world()
+                gc.collect()  # models dropped before (reference cycles) free their groups now
 
     destroy_process_group._hsdp_waits = True
     distributed_c10d.destroy_process_group = destroy_process_group

@@ -67,6 +67,5 @@ def test_saved_phases_equal_the_traces(tmp_path):
     [saved] = save_phases(step)
     assert saved == step.parent / "trace_h200_torch211_overlap.phases.json"
     direct = phases_from_trace(load_trace(trace))
-    assert direct.phases and read_phases(saved) == direct
+    assert direct.side_host_ms and direct.collectives and read_phases(saved) == direct
     assert dataclasses.asdict(read_phases(saved)) == dataclasses.asdict(direct)
-    assert saved.stat().st_size < trace.stat().st_size / 10

@@ -98,7 +98,7 @@ COLLECTIVE_KERNELS = ("nccl", "spin_kernel")
 # emulation's one-SM sleep kernel gave the blocks' backward slopes of 0.05-0.5 too, but
 # compute without it was not that much faster: priced so, the collective-free steps of
 # emulated seq-4096 rows came out 3-11 % lower, away from their measured ones (which run
-# no sleep kernels at all) in four of five (docs/benchmarks.md, section 18).
+# no sleep kernels at all) in four of five.
 DRAG_KERNELS = ("nccl",)
 # ``collective_drag``: with fewer instances of a phase class, or less overlap between
 # them (ms, over the profiled steps), its drag is not measured (0); above MAX_DRAG compute

@@ -1,24 +1,15 @@
 """Build docs/sim_vs_measured.md: `hsdp sim` next to measured `bench step` runs.
 
-    python scripts/sim_vs_measured.py          # every docs/results/2026-11-30-s10/*/*.json
-    python scripts/sim_vs_measured.py runs/*/*.json --calibrate-from self
-    python scripts/sim_vs_measured.py runs/*/*.json --calibrate-from runs/a/a.json
+    python scripts/sim_vs_measured.py          # every run of docs/results/h200x2 (below)
+    python scripts/sim_vs_measured.py runs/*/*_s*.json --calibrate-from self
+    python scripts/sim_vs_measured.py runs/*/*_s*.json --calibrate-from runs/a/a.json
 
-Measuring the rows (``scripts/gpu/final_runs.sh tables`` then ``... twins`` on two H200s:
-the bench's default model, 8 Llama-8B layers; each run's JSON next to its traces, one per
-profiled step (``--trace-steps``), so that the calibration finds them; the JSON also
-holds the host marks and per-op stream times of each of ``--record-steps`` steps without
-the profiler):
-
-    B="python -m hsdp bench step --reduce-dtype bf16 --steps 5 --warmup 2 \
-       --record-steps 5 --trace-steps 3"
-    run() { n=$1; shift; $B "$@" --json runs/$n/$n.json --out-dir runs/$n; }
-    run emu16x8_s1024 --emulate --mesh 16x8 --seq 1024 --schedules overlap,serial,fsdp2,mfsdp
-    run real1x2_s1024 --mesh 1x2 --seq 1024 --schedules overlap,serial,fsdp2,mfsdp
-    run emu1x2_s1024  --emulate --mesh 1x2 --seq 1024 --schedules overlap,serial \
-        --fabric-json runs/coll1x2.json      # bench collectives --mesh 1x2 on the same machine
-    ... (seq 1024 and 4096; meshes 16x8 emulated, 1x2 and 2x1 real and emulated; 2x4 with
-    --outer-gbps 12.5 and hfsdp; 16x8 with --microbatches 4)
+Measuring the rows: ``python -m hsdp bench suite --out results/`` on two H200s (the
+bench's default model, 8 Llama-8B layers; 5 recorded and 3 profiled steps per schedule;
+``hsdp.bench.suite`` lists the runs). Each run's JSON holds the host marks and per-op
+stream times of the steps recorded without the profiler, and beside it lie the phases of
+its profiled steps' Chrome traces (``hsdp.sim.calibrate.save_phases``), which is all the
+calibration reads of a trace: the traces themselves stay under ``out/``.
 
 Real NCCL (one rank per GPU): the fabric is the default one scaled to the run's measured
 collective times (``comm_scale``), or ``--fabric-json`` from ``bench collectives``.
@@ -27,7 +18,7 @@ For each JSON and each hsdp schedule in it, the simulator runs the same setup (m
 mesh, microbatches, dtypes; the JSON's emulated fabric, else ``--fabric-json`` /
 the defaults) and its step time, saving and busy times are set next to the measured
 ones. Calibration (``hsdp.sim.calibrate``): ``self`` (default) fits each row to its own
-run (when its Chrome traces are found next to the JSON or at the paths it names, the
+run (when its Chrome traces, or their saved phases, are found next to the JSON, the
 per-phase times: device time per phase class the least over the profiled steps, without
 what the collective kernels beside it cost it (its drag, also measured there), host time
 per phase and side op the median over the unprofiled recorded steps; else its compute
@@ -45,7 +36,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "docs" / "results" / "2026-11-30-s10"  # the runs of the current runtime
+RESULTS = ROOT / "docs" / "results" / "h200x2"  # the step runs of docs/benchmarks.md
 sys.path.insert(0, str(ROOT / "src"))
 
 from hsdp.fabric import Fabric, Link  # noqa: E402
@@ -78,6 +69,13 @@ def row_name(path: Path, meta: dict) -> str:
     if not meta.get("emulate", True):
         bits.append("real NCCL")
     return f"{', '.join(bits)} (`{path.stem}`)"
+
+
+def default_runs() -> list[Path]:
+    """Each run folder's own JSON in ``RESULTS``, but the Megatron-FSDP runs (their hsdp
+    schedule is the same run's second process, without saved phases)."""
+    return sorted(d / f"{d.name}.json" for d in RESULTS.iterdir()
+                  if (d / f"{d.name}.json").exists() and not d.name.endswith("_mfsdp"))
 
 
 def compare(path: Path, calibration: str, base: CostModel) -> list[dict]:
@@ -279,7 +277,7 @@ def render(rows: list[dict], command: str, calibration: str, host_us: float,
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("jsons", nargs="*",
-                   help=f"bench step JSONs (default {RESULTS.relative_to(ROOT)}/*/*.json)")
+                   help=f"bench step JSONs (default: the runs of {RESULTS.relative_to(ROOT)})")
     p.add_argument("--calibrate-from", default="self", help="'self' or one bench step JSON")
     p.add_argument("--fabric-json", default=None,
                    help="`bench collectives` JSON for runs on real NCCL (no emulated fabric)")
@@ -289,7 +287,7 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "docs" / "sim_vs_measured.md"))
     p.add_argument("--note", default="", help="where given numbers come from")
     args = p.parse_args()
-    paths = [Path(j) for j in args.jsons] or sorted(RESULTS.glob("*/*.json"))
+    paths = [Path(j) for j in args.jsons] or default_runs()
     base = CostModel(host_us_per_op=args.host_us_per_op)
     if args.fabric_json:
         from hsdp.bench.step import fabric_from_collectives  # the script, not sim

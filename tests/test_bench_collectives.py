@@ -113,7 +113,7 @@ def test_shared_gpu_layout_keeps_every_communicator_on_distinct_gpus():
         for col in zip(*place, strict=True):  # outer groups
             assert len(set(col)) == outer, (outer, inner, place)
         check_shared_layout("test", outer, inner, gpus)
-    assert [shared_gpu(r, 2, 2) for r in range(4)] == [0, 1, 1, 0]  # testing.md's recipe
+    assert [shared_gpu(r, 2, 2) for r in range(4)] == [0, 1, 1, 0]  # docs/design.md's recipe
     with pytest.raises(SystemExit, match="outer and inner <= the number of GPUs"):
         check_shared_layout("test", 2, 4, 2)
 

@@ -32,7 +32,7 @@ def test_resume_on_another_mesh_or_strategy(pair, reshard: list[dict]) -> None:
     src, dst, kind = pair
     res = reshard[0][f"{src}->{dst}-{kind}"]
     assert all(r == reshard[0] for r in reshard)
-    if kind == "sgd":  # AdamW amplifies reduction-order noise (testing.md): bitwise only
+    if kind == "sgd":  # AdamW amplifies reduction-order noise (docs/design.md): bitwise only
         assert res["ref"] < (BF16_TOL if src.mp or dst.mp else TOL), res
     if src == dst:
         assert res["bitwise"], res

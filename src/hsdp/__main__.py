@@ -14,6 +14,7 @@ COMMANDS: dict[tuple[str, ...], str] = {
     ("bench", "ckpt"): "hsdp.bench.ckpt",
     ("bench", "collectives"): "hsdp.bench.collectives",
     ("bench", "step"): "hsdp.bench.step",
+    ("bench", "suite"): "hsdp.bench.suite",
     ("demo",): "hsdp.demo",
     ("sim",): "hsdp.sim.cli",
 }

@@ -1,10 +1,10 @@
-"""The runtime of ``schedule.md``: hooks, prefetch order, reduction issue, finalize.
+"""The runtime of ``docs/design.md``: hooks, prefetch order, reduction issue, finalize.
 
 A ``Unit`` is one ``fully_shard``-ed module. The outermost unit to run a forward becomes the
 root and owns the ``Runtime`` shared by every unit below it: the named streams, the
 recorded execution order, microbatch state and the end-of-backward finalize.
 
-Where each arrow of schedule.md lives:
+Where each step of docs/design.md lives:
 - forward AG_i, prefetch AG_{i+1} before DO_i ... ``_pre_forward`` / ``_post_forward``
 - backward AG_{i-1} prefetch before RS_i ......... ``_pre_backward``
 - copy-in, RS_i, outer_i (last microbatch) ........ ``_reduce``

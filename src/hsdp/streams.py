@@ -834,7 +834,7 @@ class VirtualSideStream(SideStream):
 
 @dataclass
 class Streams:
-    """The four named streams of schedule.md."""
+    """The four named streams of docs/design.md ("Streams and communicators")."""
 
     compute: ComputeStream
     ag: SideStream

@@ -62,7 +62,7 @@ from hsdp.report.args import DTYPES, parse_mesh
 from hsdp.report.table import print_table as print_rows
 from hsdp.streams import SideStream, Streams
 
-# Multicast (NVLS) off on multi-GPU machines: see shared/design/testing.md.
+# Multicast (NVLS) off on multi-GPU machines: see docs/design.md ("Testing on CPU and GPU").
 UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 GPU_SIZES = "1MiB,4MiB,16MiB,64MiB,256MiB,1GiB"
 VARIANTS = ("rs", "ar", "serial", "overlap", "outer_rs", "hfsdp_pair", "ag", "outer_ag",

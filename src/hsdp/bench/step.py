@@ -48,9 +48,8 @@ Phases (one progress line each on rank 0):
 Lower bound: ``max(compute + tail, inner, outer)`` from each schedule's traced step,
 with compute / inner / outer the busy time of each resource and tail the duration of
 the last outer reduction (it cannot start before the last backward kernel ends; the
-floor of ``outer_tail`` in schedule.md). This is schedule.md's ``max(compute, inner,
-outer) + tail`` with the tail attached to the compute chain it must follow, which keeps
-it a true bound when communication dominates.
+floor of ``outer_tail``, docs/design.md "What is measured"). The tail is attached to the
+compute chain it must follow, which keeps it a true bound when communication dominates.
 
 Comparisons (``hsdp.report.compare``): overlapped vs serialized, and each hsdp schedule vs
 each peer: no verdict under 5 timed steps, "within noise" when the two schedules' min-max

@@ -3,7 +3,7 @@
 Schedules (same mesh, same seed, same synthetic tokens; each block is a unit, the root last):
 
 - ``overlap``: hsdp, outer all-reduce on its own stream (``overlap_outer=True``);
-- ``serial``: hsdp, outer all-reduce on the rs stream (the baseline of schedule.md);
+- ``serial``: hsdp, outer all-reduce on the rs stream (the baseline of docs/design.md);
 - ``hfsdp`` / ``hfsdp-serial``: the same with strategy hfsdp;
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on the same 2-D mesh (HSDP);
 - ``mfsdp``: Megatron-FSDP as HSDP on the same ranks (``hsdp.bench.mfsdp``; optional).

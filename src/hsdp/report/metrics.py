@@ -1,6 +1,6 @@
 """Step metrics from op intervals: busy time, comm-comm overlap, exposed comm, outer tail.
 
-Names follow ``schedule.md`` ("What to measure"). Intervals are in microseconds, results
+Names follow ``docs/design.md`` ("What is measured"). Intervals are in microseconds, results
 in milliseconds. An op's kind comes from its stream and label, with the runtime's labels:
 
 - stream ``"compute"``: compute (kernels, or on CPU the compute thread while not waiting);

@@ -4,10 +4,12 @@ From the JSON alone: the achieved TFLOP/s, such that the simulated compute busy 
 the run's own setup equals the measured one (``busy_ms.by_kind.compute`` of the first
 traced step), with the optimizer and the copy-in priced at the memory bandwidth.
 
-From the traces (``traces``, one per profiled step; older JSONs: the one ``trace``), when
-they have the runtime's phase marks (``hsdp.begin:<phase>`` / ``hsdp.end:<phase>``
-ranges, recorded while the step's tracer is on), per phase class ("FWD:LlamaBlock",
-"BWD:Llama", "COPY_IN:LlamaBlock/0", ...) and instance, from the first trace:
+From the traces (``traces``, one per profiled step; older JSONs: the one ``trace``), or
+the phases saved from them beside the JSON (``save_phases``: a committed run keeps its
+JSON, not its traces), when they have the runtime's phase marks (``hsdp.begin:<phase>``
+/ ``hsdp.end:<phase>`` ranges, recorded while the step's tracer is on), per phase class
+("FWD:LlamaBlock", "BWD:Llama", "COPY_IN:LlamaBlock/0", ...) and instance, from the first
+trace:
 
 - host ms: wall time on the issuing thread while the phase is the innermost open one,
   less the time inside hsdp's side-stream ops (``hsdp:<stream>:<label>`` ranges, whose
@@ -87,6 +89,8 @@ GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 MARK = "hsdp."  # hsdp.begin:<phase> / hsdp.end:<phase>
 SIDE_OP = "hsdp:"  # hsdp:<stream>:<label>
+# a trace's phases saved beside its JSON (``save_phases``): the calibration needs no trace
+PHASES_SUFFIX = ".phases.json"
 # Kernels of a collective (NCCL's; the emulation's sleep): they run beside compute. A side
 # op's other kernels (its casts and copies) compete with compute for the SMs.
 COLLECTIVE_KERNELS = ("nccl", "spin_kernel")
@@ -94,7 +98,7 @@ COLLECTIVE_KERNELS = ("nccl", "spin_kernel")
 # emulation's one-SM sleep kernel gave the blocks' backward slopes of 0.05-0.5 too, but
 # compute without it was not that much faster: priced so, the collective-free steps of
 # emulated seq-4096 rows came out 3-11 % lower, away from their measured ones (which run
-# no sleep kernels at all) in four of five (docs/benchmarks.md, section 18).
+# no sleep kernels at all) in four of five.
 DRAG_KERNELS = ("nccl",)
 # ``collective_drag``: with fewer instances of a phase class, or less overlap between
 # them (ms, over the profiled steps), its drag is not measured (0); above MAX_DRAG compute
@@ -156,8 +160,7 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
     setup = setup_from_results(data, schedule)
     rec = record(setup)
     traces = [t for t in (find_trace(path, p) for p in trace_paths(entry)) if t is not None]
-    measured = (least_device_time([phases_from_trace(load_trace(t)) for t in traces])
-                if traces else None)
+    measured = least_device_time([read_phases(t) for t in traces]) if traces else None
     host_ms = (data["schedules"].get(times_from) or {} if times_from else entry).get(
         "t_host_ms")
     ranks = _every_rank(measured, entry)
@@ -241,7 +244,7 @@ def _busy_ms(path: str | Path, data: dict, name: str, emulated: bool = False,
         return dict(busy) | unprofiled
     if traced is None:
         trace = find_trace(path, entry.get("trace"))
-        traced = phases_from_trace(load_trace(trace)) if trace else None
+        traced = read_phases(trace) if trace else None
     wait = peer_wait_ms(traced) if traced is not None else {}
     return {k: unprofiled.get(k, v - wait.get(k, 0.0)) for k, v in busy.items()}
 
@@ -292,10 +295,12 @@ def recorded_steps(entry: dict, key: str) -> list[list[list]]:
 
 
 def find_trace(json_path: str | Path, trace: str | None) -> Path | None:
-    """The trace a JSON names: as written, or (copied along) next to the JSON."""
+    """The trace a JSON names: as written, or (copied along) next to the JSON; else the
+    phases saved from it next to the JSON (``save_phases``)."""
     if not trace:
         return None
-    for candidate in (Path(trace), Path(json_path).parent / Path(trace).name):
+    here = Path(json_path).parent
+    for candidate in (Path(trace), here / Path(trace).name, here / phases_path(trace).name):
         if candidate.exists():
             return candidate
     return None
@@ -305,6 +310,38 @@ def load_trace(path: str | Path) -> dict:
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
         return json.load(f)
+
+
+def phases_path(trace: str | Path) -> Path:
+    """Where ``save_phases`` keeps a trace's phases: beside it, ``<name>.phases.json``."""
+    name = Path(trace).name.removesuffix(".gz").removesuffix(".json")
+    return Path(trace).with_name(name + PHASES_SUFFIX)
+
+
+def read_phases(path: str | Path) -> TracePhases:
+    """A profiled step's phases: from its Chrome trace, or from those saved from it."""
+    if not str(path).endswith(PHASES_SUFFIX):
+        return phases_from_trace(load_trace(path))
+    saved = json.loads(Path(path).read_text())
+    return TracePhases(**saved | {"instances": [tuple(i) for i in saved["instances"]]})
+
+
+def save_phases(json_path: str | Path) -> list[Path]:
+    """Save beside a ``bench step`` JSON the phases of every trace it names (all that the
+    calibration reads of a trace: a few KB against a few hundred), so that the JSON
+    calibrates without its traces; returns the files written."""
+    data = json.loads(Path(json_path).read_text())
+    written = []
+    for entry in data["schedules"].values():
+        for name in trace_paths(entry or {}):
+            trace = find_trace(json_path, name)
+            if trace is None or str(trace).endswith(PHASES_SUFFIX):
+                continue
+            out = Path(json_path).parent / phases_path(name).name
+            out.write_text(json.dumps(dataclasses.asdict(read_phases(trace)),
+                                      separators=(",", ":")))
+            written.append(out)
+    return written
 
 
 @dataclasses.dataclass

@@ -1,0 +1,178 @@
+"""Measure every table of docs/benchmarks.md again: its bench step / collectives / ckpt runs.
+
+    python -m hsdp bench suite --out results/              # two H200s, megatron-fsdp installed
+    python -m hsdp bench suite --out results/ --dry-run    # the runs it would make, per table
+    python -m hsdp bench suite --out r/ --tables "Collective overlap on CPU ranks" \\
+        --extra-args "--sizes 64KiB --iters 1 --warmup 0"  # one table, smaller (a check)
+
+Each run is a subprocess (``python -m hsdp ...``: its own CUDA context and communicators)
+that writes ``<out>/<folder>/<name>.json`` (compact; ``docs/results/`` has the same
+layout) and its log beside it. A ``bench step`` run's Chrome traces go under
+``--trace-dir`` (git-ignored ``out/`` by default): beside its JSON the suite keeps only
+what the simulator's calibration reads of them (``hsdp.sim.calibrate.save_phases``), so
+``scripts/sim_vs_measured.py`` runs on ``<out>`` as on ``docs/results``. Runs that fail
+or time out are reported and the suite goes on; it exits 1 if any did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+# The headings of docs/benchmarks.md's tables, each filled by the runs below.
+STEP = "Step time on two H200s"
+TWINS = "Emulation against real NCCL"
+SLOW_OUTER = "Slow outer link"
+MICROBATCHES = "Four microbatches"
+SHARED_LINKS = "Two communicators on the same links"
+CPU_OVERLAP = "Collective overlap on CPU ranks"
+CHECKPOINT = "Checkpoint save"
+TABLES = (STEP, TWINS, SLOW_OUTER, MICROBATCHES, SHARED_LINKS, CPU_OVERLAP, CHECKPOINT)
+
+# 5 recorded and 3 profiled steps per schedule: the simulator's calibration takes the
+# median host time and least device time over them (hsdp.sim.calibrate).
+STEP_ARGS = ("bench", "step", "--reduce-dtype", "bf16", "--record-steps", "5",
+             "--trace-steps", "3", "--warmup", "2")
+# Multicast (NVLS) off on multi-GPU machines (docs/design.md, "Testing on CPU and GPU").
+ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+       "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One subprocess of the suite: ``python -m hsdp <argv>`` writing ``<folder>/<name>``."""
+
+    table: str
+    folder: str
+    name: str
+    argv: tuple[str, ...]
+    timeout_s: int = 600
+    env: tuple[tuple[str, str], ...] = ()
+
+    def command(self, out: Path, trace_dir: Path, extra: tuple[str, ...] = ()) -> list[str]:
+        """The command line, writing its JSON (and a step run's traces) where they go;
+        ``{out}`` in an argument is ``out``."""
+        cmd = [sys.executable, "-m", "hsdp", *self.argv, *extra, "--json", str(self.json(out))]
+        if self.argv[:2] == ("bench", "step"):
+            cmd += ["--out-dir", str(trace_dir / self.name)]
+        return [a.replace("{out}", str(out)) for a in cmd]
+
+    def json(self, out: Path) -> Path:
+        return out / self.folder / f"{self.name}.json"
+
+
+def _step(table: str, name: str, *argv: str, timeout_s: int = 150) -> Run:
+    return Run(table, f"h200x2/{name}", name, (*STEP_ARGS, *argv), timeout_s)
+
+
+def plan() -> list[Run]:
+    """Every run of every table, in the order they run (the collectives first: the
+    emulated twins of the real rows fit their fabric to them)."""
+    runs = [Run(TWINS, "h200x2", f"coll{m}", ("bench", "collectives", "--mesh", m, "--sizes",
+                                             "4MiB,64MiB,256MiB", "--iters", "5", "--warmup",
+                                             "2"), 120) for m in ("1x2", "2x1")]
+    schedules = "overlap,serial,fsdp2,mfsdp"
+    for q in ("1024", "4096"):
+        runs.append(_step(STEP, f"emu16x8_s{q}", "--emulate", "--mesh", "16x8", "--seq", q,
+                          "--steps", "5", "--schedules", schedules))
+    for q in ("1024", "4096"):
+        steps = "8" if q == "1024" else "5"
+        runs.append(_step(STEP, f"real1x2_s{q}", "--mesh", "1x2", "--seq", q, "--steps", steps,
+                          "--schedules", schedules))
+        # 2x1: each GPU holds a whole replica; four schedules' models side by side leave
+        # too little room (allocator retries time memory pressure, not schedules), so
+        # Megatron-FSDP runs beside a second hsdp overlap in a process of its own.
+        runs.append(_step(STEP, f"real2x1_s{q}", "--mesh", "2x1", "--seq", q, "--steps", steps,
+                          "--schedules", "overlap,serial,fsdp2"))
+        runs.append(_step(STEP, f"real2x1_s{q}_mfsdp", "--mesh", "2x1", "--seq", q, "--steps",
+                          steps, "--schedules", "overlap,mfsdp"))
+    for m in ("1x2", "2x1"):
+        for q in ("1024", "4096"):
+            runs.append(_step(TWINS, f"emu{m}_s{q}", "--emulate", "--mesh", m, "--seq", q,
+                              "--steps", "5", "--schedules", "overlap,serial",
+                              "--fabric-json", f"{{out}}/h200x2/coll{m}.json"))
+    runs.append(_step(SLOW_OUTER, "emu2x4_s4096_outer12.5", "--emulate", "--mesh", "2x4",
+                      "--seq", "4096", "--outer-gbps", "12.5", "--steps", "5", "--schedules",
+                      "overlap,serial,hfsdp,hfsdp-serial"))
+    runs.append(_step(MICROBATCHES, "emu16x8_s1024_mb4", "--emulate", "--mesh", "16x8",
+                      "--seq", "1024", "--microbatches", "4", "--steps", "4", "--warmup", "1",
+                      "--schedules", "overlap,serial"))
+    for order in ("0", "1"):
+        for ctas, tag in ((), "default_ctas"), (("--max-ctas", "inner=16,outer=8"), "ctas_16_8"):
+            runs.append(Run(SHARED_LINKS, "h200x2/shared_links",
+                            f"order_implicit_{'on' if order == '1' else 'off'}_{tag}",
+                            ("bench", "collectives", "--mesh", "1x2", "--shared-links", *ctas,
+                             "--iters", "10", "--warmup", "3"), 120,
+                            (("NCCL_LAUNCH_ORDER_IMPLICIT", order),)))
+    runs.append(Run(CPU_OVERLAP, "cpu", "collectives_gloo_2x2",
+                    ("bench", "collectives", "--device", "cpu", "--nproc", "4", "--mesh", "2x2",
+                     "--sizes", "4MiB,16MiB,64MiB", "--dtype", "fp32", "--iters", "10",
+                     "--warmup", "2"), 300))
+    runs.append(Run(CHECKPOINT, "h200", "ckpt", ("bench", "ckpt", "--nproc", "1", "--layers",
+                                                 "2", "--repeats", "2"), 300))
+    return runs
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="results", help="where the JSONs go (default ./results)")
+    p.add_argument("--trace-dir", default="out/bench_suite",
+                   help="Chrome traces of the step runs (default ./out/bench_suite)")
+    p.add_argument("--tables", default=None, metavar="NAME,...",
+                   help=f"only these tables (default: all of {'; '.join(TABLES)})")
+    p.add_argument("--extra-args", default="", metavar="ARGS",
+                   help="appended to every run's command (e.g. fewer iterations, as a check)")
+    p.add_argument("--dry-run", action="store_true", help="print the runs, run nothing")
+
+
+def selected(tables: str | None) -> list[Run]:
+    """The plan's runs of ``tables`` (comma-separated headings; None: all)."""
+    names = TABLES if tables is None else tuple(t.strip() for t in tables.split(","))
+    unknown = [t for t in names if t not in TABLES]
+    if unknown:
+        raise SystemExit(f"bench suite: unknown table(s) {unknown}; tables: {list(TABLES)}")
+    return [r for r in plan() if r.table in names]
+
+
+def execute(run: Run, out: Path, trace_dir: Path, extra: tuple[str, ...] = ()) -> bool:
+    """Run one, its log beside its JSON; compact the JSON, save a step run's phases."""
+    path = run.json(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = run.command(out, trace_dir, extra)
+    env = os.environ | ENV | dict(run.env)
+    with open(path.with_suffix(".log"), "w") as log:
+        try:
+            rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=run.timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    ok = rc == 0 and path.exists()
+    print(f"[{run.table}] {run.name}: {'ok' if ok else f'failed ({rc})'}", flush=True)
+    if ok:
+        path.write_text(json.dumps(json.loads(path.read_text()), separators=(",", ":")))
+        if run.argv[:2] == ("bench", "step"):
+            from hsdp.sim.calibrate import save_phases  # a tool of the simulator's
+
+            save_phases(path)
+    return ok
+
+
+def run(args: argparse.Namespace) -> int:
+    runs = selected(args.tables)
+    out, trace_dir = Path(args.out), Path(args.trace_dir)
+    extra = tuple(shlex.split(args.extra_args))
+    if args.dry_run:
+        for r in runs:
+            env = " ".join(f"{k}={v}" for k, v in r.env)
+            cmd = shlex.join(r.command(out, trace_dir, extra)[1:])
+            print(f"[{r.table}] {env + ' ' if env else ''}python {cmd}")
+        return 0
+    failed = [r.name for r in runs if not execute(r, out, trace_dir, extra)]
+    if failed:
+        print(f"bench suite: {len(failed)} of {len(runs)} runs failed: {', '.join(failed)}")
+    return 1 if failed else 0

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "2026-11-30-s10"  # the runs of the current runtime
 sys.path.insert(0, str(ROOT / "src"))
 
-from hsdp.fabric import Fabric, Link  # noqa: E402
+from hsdp.sim.fabric import Fabric, Link  # noqa: E402
 from hsdp.sim.calibrate import (  # noqa: E402
     SCHEDULES,
     calibrate,

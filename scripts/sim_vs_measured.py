@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "h200x2"  # the step runs of docs/benchmarks.md
 sys.path.insert(0, str(ROOT / "src"))
 
-from hsdp.fabric import Fabric, Link  # noqa: E402
+from hsdp.sim.fabric import Fabric, Link  # noqa: E402
 from hsdp.sim.calibrate import (  # noqa: E402
     SCHEDULES,
     calibrate,

@@ -91,7 +91,7 @@ def render(report: dict, pngs: list[str], json_name: str, command: str, note: st
         "gradient leaves through two collectives: the inner reduce-scatter (RS, over the "
         "8 GPUs of a node, `N x reduce bytes` in) and the outer reduction of the node's "
         "shard (all-reduce over the nodes, `N / 8 x reduce bytes`). With the ring "
-        "model of `hsdp.fabric` (bus bandwidth convention):",
+        "model of `hsdp.sim.fabric` (bus bandwidth convention):",
         "",
         "    RS    = a + (7/8) x N x r / BW_inner",
         "    outer = a + 2 (n-1)/n x (N/8) x r / BW_outer      (n nodes, r = 2 or 4 bytes)",

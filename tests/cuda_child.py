@@ -17,13 +17,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import hsdp
-from hsdp.bench.emulate import emulate, fake_mesh
+from hsdp.bench.emulate import SleepClock, emulate, fake_mesh
 from hsdp.bench.intercept import intercept
 from hsdp.bench.trace import intervals_from_chrome_trace
-from hsdp.comm import SleepClock
-from hsdp.fabric import Fabric, Link
 from hsdp.models import GPT, GPTConfig, lm_loss
 from hsdp.report.metrics import step_metrics
+from hsdp.sim.fabric import Fabric, Link
 from hsdp.streams import Tracer
 
 DEV = torch.device("cuda", 0)

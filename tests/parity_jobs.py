@@ -285,8 +285,8 @@ def lagging_outer_job(rank: int, world: int, no_hold: bool = False) -> dict[str,
     serialized one's bit for bit. ``no_hold``: without ``SideStream.hold`` (a check that
     this job sees the reuse it guards against)."""
     from hsdp.bench.emulate import emulate
-    from hsdp.fabric import Fabric, Link
     from hsdp.models import GPT, GPTConfig, lm_loss
+    from hsdp.sim.fabric import Fabric, Link
     from hsdp.streams import CudaSideStream
 
     if no_hold:

@@ -42,7 +42,7 @@ class JitterCollectives(Collectives):
         self.cuda = cuda
         self.delays = 0
 
-    def _delay(self, kind: str, axis: str, nbytes: int, n: int) -> None:
+    def before(self, kind: str, axis: str, nbytes: int, group_size: int) -> None:
         if stream_of(kind, axis) not in self.streams:
             return
         seconds = self.rng.uniform(0.0, MAX_DELAY_S)

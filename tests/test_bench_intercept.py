@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed import _coalescing_manager
 
 from hsdp.bench.intercept import intercept
-from hsdp.fabric import Fabric, Link
+from hsdp.sim.fabric import Fabric, Link
 from hsdp.streams import Tracer
 
 # torch 2.13 deprecates the names Megatron-FSDP calls; they are what is intercepted here
@@ -77,7 +77,7 @@ def test_emulated_all_gathers_move_no_data(groups):
     output (GPU time and copy launches that no real all-gather adds to the modelled time):
     under emulation the peers' all-gathers, plain and coalesced, and hsdp's own reach it
     with empty views, so the output is left as it was; the delay stays the full one."""
-    from hsdp.comm import Collectives
+    from hsdp.bench.emulate import DelayedCollectives
 
     inner, outer, _ = groups
     full, shard = torch.zeros(64), torch.ones(16)
@@ -93,6 +93,6 @@ def test_emulated_all_gathers_move_no_data(groups):
         with peer._coalescing_manager(inner, async_ops=True) as cm:
             dist.all_gather_into_tensor(full, shard, group=inner, async_op=True)
         cm.wait()
-    Collectives(fabric, slept.append).all_gather(full, shard, inner, "inner")
+    DelayedCollectives(fabric, slept.append).all_gather(full, shard, inner, "inner")
     assert full.sum() == 0
     assert slept == pytest.approx([fabric.seconds("all_gather", "inner", 256, 4)] * 3)

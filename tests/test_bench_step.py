@@ -19,8 +19,8 @@ from hsdp.bench.step import (
     print_table,
     resolve,
 )
-from hsdp.fabric import Fabric, Link
 from hsdp.models import GPTConfig, LlamaConfig
+from hsdp.sim.fabric import Fabric, Link
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--ffn", "64", "--vocab", "64",

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import hsdp
 from hsdp.bench.emulate import emulate
-from hsdp.fabric import Fabric, Link
+from hsdp.sim.fabric import Fabric, Link
 from hsdp.streams import OpRecord
 
 UNITS = 4

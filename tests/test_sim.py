@@ -15,15 +15,14 @@ import torch
 
 import hsdp
 from hsdp.__main__ import main
-from hsdp.fabric import Fabric, Link
 from hsdp.models import GPTConfig, LlamaConfig, build_model
 from hsdp.sim.calibrate import (
     TracePhases,
-    _exclusive,
-    _host_between_phases,
     calibrate,
     collective_drag,
+    exclusive_shares,
     fit_tflops,
+    host_between_phases,
     least_device_time,
     least_over_ranks,
     peer_wait_ms,
@@ -33,8 +32,8 @@ from hsdp.sim.calibrate import (
     with_host_marks,
 )
 from hsdp.sim.costs import CostModel, PhaseCost, phase_class
-from hsdp.sim.engine import Setup, evaluate, record, shard
-from hsdp.sim.engine import _step as train_step
+from hsdp.sim.engine import Setup, evaluate, record, shard, train_step
+from hsdp.sim.fabric import Fabric, Link
 
 TINY_GPT = GPTConfig(vocab=32, hidden=16, heads=2, ffn=32, layers=3, seq=8)
 TINY_LLAMA = LlamaConfig(vocab=32, hidden=16, heads=4, kv_heads=2, ffn=24, layers=3, seq=8)
@@ -525,7 +524,7 @@ def test_exclusive_share_counts_compute_held_up_not_idle():
     compute = [(0, 10, 0), (20, 30, 25),  # gap 10-20: the next kernel launched at 25
                (40, 50, 35), (60, 70, 45)]  # gap 50-60: launched at 45, held up
     side = [("inner_ag", 12, 18), ("inner_ag", 52, 58), ("outer", 62, 66)]
-    assert _exclusive(side, compute) == {"inner_ag": 0.5, "outer": 0.0}
+    assert exclusive_shares(side, compute) == {"inner_ag": 0.5, "outer": 0.0}
 
 
 def test_blocked_launches_and_peer_waits_are_not_host_or_transfer_time():
@@ -589,7 +588,7 @@ def test_calibrate_from_json_and_trace(fake_world_8, tmp_path):
     # Host time that the traced phases and side ops do not cover (here: 3 ms more) goes
     # to the side-stream ops, which the runtime's hooks between units issue.
     host = r.metrics["host_busy_ms"]
-    more = _host_between_phases(costs, rec, host + 3.0)
+    more = host_between_phases(costs, rec, host + 3.0)
     n_side = sum(op.kind == "side" for op in rec.program.ops[rec.start:])
     assert more.host_us_per_side_op == pytest.approx(costs.host_us_per_side_op + 3e3 / n_side)
     assert evaluate(rec, more).metrics["host_busy_ms"] == pytest.approx(host + 3.0)
@@ -780,15 +779,15 @@ def test_real_nccl_busy_times_keep_the_unprofiled_waits(tmp_path):
     """On real NCCL the collectives' busy times are the unprofiled steps' (median per op,
     waits for the other ranks included: the simulator has no model of rank skew); only a
     run without them falls back to its trace less the waits."""
-    from hsdp.sim.calibrate import _busy_ms
+    from hsdp.sim.calibrate import measured_busy_ms
 
     steps = [[["rs", "RS:Block0/0", ms], ["outer", "OUTER_AR:Block0/0", 2 * ms]]
              for ms in (1.0, 3.0, 2.0)]
     entry = {"metrics": {"busy_ms": {"by_kind": {"inner_rs": 1.5, "outer": 3.5}}},
              "side_ms_steps": steps}
     data = {"schedules": {"overlap": entry}}
-    assert _busy_ms(tmp_path / "run.json", data, "overlap") == {"inner_rs": 2.0,
+    assert measured_busy_ms(tmp_path / "run.json", data, "overlap") == {"inner_rs": 2.0,
                                                                  "outer": 4.0}
     del entry["side_ms_steps"]  # no unprofiled steps and no trace: the traced busy times
-    assert _busy_ms(tmp_path / "run.json", data, "overlap") == {"inner_rs": 1.5,
+    assert measured_busy_ms(tmp_path / "run.json", data, "overlap") == {"inner_rs": 1.5,
                                                                  "outer": 3.5}

@@ -5,15 +5,10 @@ are ordered on the current stream, which the schedule sets to the named stream; 
 they block the stream's worker thread (see ``streams.py``). A group of one rank needs no
 collective at all.
 
-Emulation: with a ``Fabric``, each collective is preceded by a delay of its modelled
-duration on the same stream (``torch.cuda._sleep`` on GPU, ``time.sleep`` on CPU). Under
-torch's ``fake`` process group the collective itself does nothing, so the delay is the
-whole cost: the real schedule, streams and compute, with the network of a cluster we do
-not have. (Its all-gathers would copy the input into every chunk of the output: they are
-given empty views, ``fake_all_gather_args``.)
-
-Simulation: with ``record``, each collective only reports ``(kind, axis, nbytes,
-group_size)`` to it (the simulator's virtual streams time it later).
+Tools plug in by subclassing: ``before`` is called ahead of each collective with other
+ranks (the bench's emulated delays, ``hsdp.bench.emulate``; the simulator's recorded sizes,
+``hsdp.sim.engine``). On torch's ``fake`` process group (which stands for NCCL in
+emulation) all-gathers are given empty views (``fake_all_gather_args``).
 
 Averaging (``avg=True``, gradients): NCCL's ``ReduceOp.AVG`` where the backend has it (no
 separate division pass over the input, as FSDP2 does), else a SUM and a division of the
@@ -22,60 +17,12 @@ output, which is 1/n the size of a reduce-scatter's input (gloo has no AVG).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
-
-from hsdp.fabric import Fabric
 
 # torch 2.13 renamed these; 2.11 only has the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-@dataclass
-class SleepClock:
-    """Turns seconds into a device delay on the current CUDA stream (calibrated)."""
-
-    cycles_per_s: float
-
-    @staticmethod
-    def calibrate(device: torch.device, probe_cycles: int = 20_000_000) -> SleepClock:
-        with torch.cuda.device(device):
-            torch.cuda._sleep(probe_cycles // 10)  # warm-up
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                enable_timing=True)
-            start.record()
-            torch.cuda._sleep(probe_cycles)
-            end.record()
-            end.synchronize()
-        return SleepClock(probe_cycles / (start.elapsed_time(end) * 1e-3))
-
-    def check(self, seconds: float = 2e-3, repeats: int = 5) -> float:
-        """Relative error of a calibrated delay of ``seconds`` measured again now (median
-        of ``repeats``)."""
-        errs = []
-        for _ in range(repeats):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            self(seconds)
-            end.record()
-            end.synchronize()
-            errs.append(start.elapsed_time(end) * 1e-3 / seconds - 1.0)
-        return sorted(errs)[len(errs) // 2]
-
-    def __call__(self, seconds: float) -> None:
-        if seconds > 0:
-            torch.cuda._sleep(int(seconds * self.cycles_per_s))
-
-
-def _host_sleep(seconds: float) -> None:
-    if seconds > 0:
-        time.sleep(seconds)
 
 
 class BackendNames:
@@ -104,15 +51,15 @@ def fake_all_gather_args(out: torch.Tensor,
 
 
 class Collectives:
-    """all-gather / reduce-scatter / all-reduce with SUM or average, optionally emulated or
-    recorded."""
+    """all-gather / reduce-scatter / all-reduce with SUM or average."""
 
-    def __init__(self, fabric: Fabric | None = None, sleep=None,
-                 record: Callable[[str, str, int, int], None] | None = None) -> None:
-        self.fabric = fabric
-        self._sleep = sleep or _host_sleep
-        self._record = record
+    def __init__(self) -> None:
         self._backend = BackendNames()
+
+    def before(self, kind: str, axis: str, nbytes: int, group_size: int) -> None:
+        """Called ahead of each collective with other ranks: ``kind`` ("all_gather",
+        "reduce_scatter", "all_reduce") on mesh ``axis`` over ``group_size`` ranks, of a
+        full buffer of ``nbytes``. A real collective needs nothing; tools override it."""
 
     def _reduction(self, avg: bool, group: dist.ProcessGroup, t: torch.Tensor,
                    n: int) -> tuple[dist.ReduceOp, int]:
@@ -125,12 +72,6 @@ class Collectives:
             return dist.ReduceOp.AVG, 1
         return dist.ReduceOp.SUM, n
 
-    def _delay(self, kind: str, axis: str, nbytes: int, n: int) -> None:
-        if self._record is not None:
-            self._record(kind, axis, nbytes, n)
-        elif self.fabric is not None:
-            self._sleep(self.fabric.seconds(kind, axis, nbytes, n))
-
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
                    axis: str) -> None:
         """``out`` = concat over ranks of ``inp``; ``inp`` may be this rank's chunk of out."""
@@ -139,7 +80,7 @@ class Collectives:
             if inp.data_ptr() != out.data_ptr():
                 out.copy_(inp)
             return
-        self._delay("all_gather", axis, out.numel() * out.element_size(), n)
+        self.before("all_gather", axis, out.numel() * out.element_size(), n)
         if self._backend(group, out) == "fake":
             out, inp = fake_all_gather_args(out, inp)
         _all_gather(out, inp, group=group)
@@ -151,7 +92,7 @@ class Collectives:
         if n == 1:
             out.copy_(inp)
             return
-        self._delay("reduce_scatter", axis, inp.numel() * inp.element_size(), n)
+        self.before("reduce_scatter", axis, inp.numel() * inp.element_size(), n)
         op, divisor = self._reduction(avg, group, out, n)
         _reduce_scatter(out, inp, op=op, group=group)
         if divisor > 1:
@@ -163,7 +104,7 @@ class Collectives:
         n = dist.get_world_size(group)
         if n == 1:
             return
-        self._delay("all_reduce", axis, t.numel() * t.element_size(), n)
+        self.before("all_reduce", axis, t.numel() * t.element_size(), n)
         op, divisor = self._reduction(avg, group, t, n)
         dist.all_reduce(t, op=op, group=group)
         if divisor > 1:

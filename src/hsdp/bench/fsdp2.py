@@ -15,8 +15,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp.bench.intercept import intercept
-from hsdp.fabric import Fabric
 from hsdp.policy import MixedPrecision
+from hsdp.sim.fabric import Fabric
 from hsdp.streams import Tracer
 
 
@@ -36,6 +36,7 @@ def shard_fsdp2(model: nn.Module, units: list[tuple[nn.Module, bool]], mesh: Dev
 def fsdp2_collectives(mesh: DeviceMesh, tracer: Tracer, fabric: Fabric | None = None,
                       sleep: Callable[[float], None] = time.sleep) -> AbstractContextManager:
     """Within the block, FSDP2's collectives on ``mesh`` are delayed by ``fabric`` (if
-    given, using ``sleep``: a ``hsdp.comm.SleepClock`` on CUDA) and traced into ``tracer``."""
+    given, using ``sleep``: a ``hsdp.bench.emulate.SleepClock`` on CUDA) and traced into
+    ``tracer``."""
     axes = {id(mesh.get_group("inner")): "inner", id(mesh.get_group("outer")): "outer"}
     return intercept(axes, tracer, fabric, sleep)

@@ -7,7 +7,8 @@ attributes looked up at call time (``dist.all_gather_single``, ``dist.reduce_sca
 (``id(group) -> "inner" | "outer"``):
 
 - under emulation, first delay the current stream (CUDA) or thread (CPU) by
-  ``Fabric.seconds`` of that collective, exactly as ``hsdp.comm.Collectives`` does;
+  ``Fabric.seconds`` of that collective, exactly as ``hsdp.bench.emulate``'s
+  ``DelayedCollectives`` do;
 - while ``tracer.enabled``, mark the call as an hsdp op so that ``hsdp.bench.trace`` reads it
   like hsdp's own: ``record_function("hsdp:<stream>:<label>")`` on CUDA, and on CPU an
   ``OpRecord`` on the stream plus a compute ``wait:`` record (the peers' collectives block
@@ -46,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from hsdp.comm import BackendNames, fake_all_gather_args
-from hsdp.fabric import Fabric
+from hsdp.sim.fabric import Fabric
 from hsdp.streams import OpRecord, Tracer
 
 # torch.distributed name -> (collective kind for Fabric, argument holding the full buffer)
@@ -84,8 +85,8 @@ def intercept(axes: dict[int, str], tracer: Tracer, fabric: Fabric | None = None
               sleep: Callable[[float], None] = time.sleep,
               coalescing: Sequence[ModuleType] = ()) -> Iterator[None]:
     """Within the block, collectives on the groups of ``axes`` are delayed by ``fabric`` (if
-    given, using ``sleep``: a ``hsdp.comm.SleepClock`` on CUDA) and traced into ``tracer``;
-    the original functions are restored on exit."""
+    given, using ``sleep``: a ``hsdp.bench.emulate.SleepClock`` on CUDA) and traced into
+    ``tracer``; the original functions are restored on exit."""
     state = _State(axes, tracer, fabric, sleep)
     originals = {name: getattr(dist, name) for name in WRAPPED if hasattr(dist, name)}
     managers = [(m, m._coalescing_manager) for m in coalescing]

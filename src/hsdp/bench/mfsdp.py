@@ -37,8 +37,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from hsdp.bench.intercept import intercept
-from hsdp.fabric import Fabric
 from hsdp.policy import MixedPrecision
+from hsdp.sim.fabric import Fabric
 from hsdp.streams import Tracer
 
 INSTALL_HINT = "pip install 'hsdp[mfsdp]' (the megatron-fsdp package)"

@@ -56,7 +56,7 @@ each peer: no verdict under 5 timed steps, "within noise" when the two schedules
 step-time ranges overlap, each one's spread otherwise; on CPU labelled as schedule checks.
 
 ``--emulate``: one process posing as rank 0 of the mesh (torch's fake process group);
-every collective first waits its modelled duration (``hsdp.fabric.Fabric``) on its own
+every collective first waits its modelled duration (``hsdp.sim.fabric.Fabric``) on its own
 stream: ``torch.cuda._sleep`` on GPU (calibrated; the error is reported), host sleeps on
 hsdp's stream threads on CPU. ``--fabric-json`` fits the fabric to a ``bench
 collectives`` JSON (see ``fabric_from_collectives``). ``--share-gpus``: several ranks per
@@ -109,13 +109,13 @@ from hsdp.bench.trainee import (
     build_unsharded,
     synthetic_batches,
 )
-from hsdp.fabric import Fabric, Link, fit_link
 from hsdp.models import CHECKPOINT_MODES, GPTConfig, LlamaConfig, ModelConfig
 from hsdp.report.args import parse_mesh
 from hsdp.report.compare import CPU_NOTE, compare, describe
 from hsdp.report.metrics import Interval, step_metrics
 from hsdp.report.table import print_table as print_rows
 from hsdp.report.timeline import plot_timeline
+from hsdp.sim.fabric import Fabric, Link, fit_link
 from hsdp.streams import OpRecord
 
 # (overlapped, serialized) pairs whose saving is reported
@@ -213,7 +213,7 @@ def fabric_from_collectives(path: str | Path, default: Fabric) -> tuple[Fabric, 
 
     Inner: the reduce-scatter ``t_rs_ms`` of ``size_bytes`` (its input) over the inner
     group; outer: the all-reduce ``t_ar_ms`` of ``size_bytes / inner`` (the RS output) over
-    the outer group; each fitted by ``hsdp.fabric.fit_link`` (latency and bus bandwidth;
+    the outer group; each fitted by ``hsdp.sim.fabric.fit_link`` (latency and bus bandwidth;
     ``default``'s latency where only the bandwidth can be fitted). An axis of one rank was
     not measured and runs no collective: it keeps ``default``'s link. Returns the fabric
     and, per axis, the fit's largest relative error over the sizes (None: not fitted).
@@ -497,7 +497,7 @@ def _timed_step(t: Trainee, batches: list[torch.Tensor], device: torch.device) -
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     others = _allocated(device) - t.resident_bytes  # held by the other schedules' models
-    retries = _alloc_retries(device)
+    retries = allocator_retries(device)
     t0 = time.perf_counter()
     host = t.step(batches)
     host_barrier()
@@ -505,10 +505,10 @@ def _timed_step(t: Trainee, batches: list[torch.Tensor], device: torch.device) -
     t.host_ms.append(host * 1e3)
     if cuda:
         t.peak_bytes = max(t.peak_bytes, torch.cuda.max_memory_allocated(device) - others)
-        t.alloc_retries.append(_alloc_retries(device) - retries)
+        t.alloc_retries.append(allocator_retries(device) - retries)
 
 
-def _alloc_retries(device: torch.device) -> int:
+def allocator_retries(device: torch.device) -> int:
     """How often the caching allocator has failed an allocation, freed its cache and
     tried again: each time it synchronizes the device and stalls the host, so a timed step
     with one measures memory pressure (e.g. from the other schedules' models beside it)
@@ -697,7 +697,7 @@ def _results(cfg: Config, device: torch.device, trainees: list[Trainee],
             "peak_mem_phase_bytes": (dict(zip(PHASES, map(int, peaks[i][1:]), strict=True))
                                      if cuda else None),
             "resident_mem_bytes": t.resident_bytes if cuda else None,
-            # timed steps in which some rank's allocator retried (see _alloc_retries)
+            # timed steps in which some rank's allocator retried (see allocator_retries)
             "alloc_retry_steps": sum(n > 0 for n in retries[i]) if cuda else None,
             "calibration_error": t.calibration_error,
             "trace": trace_paths[0] if trace_paths else None,

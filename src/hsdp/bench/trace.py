@@ -19,18 +19,12 @@ overlap, the quantity we care about, cannot be read from it.
 from __future__ import annotations
 
 import bisect
-import gzip
-import json
-from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
+from hsdp.report.chrome_trace import SIDE_OP, end_us, load_chrome_trace, read_events, thread_of
 from hsdp.report.metrics import Interval, subtract, union
 from hsdp.streams import OpRecord
-
-GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-LAUNCH_CATS = ("cuda_runtime", "cuda_driver")  # NCCL may launch through the driver API
-ANNOTATION_PREFIX = "hsdp:"
 
 
 def intervals_from_records(records: Iterable[OpRecord], t0: float,
@@ -68,20 +62,12 @@ def host_marks(records: Iterable[OpRecord], t0: float) -> list[list]:
         if r.stream == "compute" and r.label.startswith(("begin:", "end:")):
             name = f"hsdp.{r.label}"
         elif r.label.startswith("submit:"):
-            name = f"{ANNOTATION_PREFIX}{r.stream}:{r.label[len('submit:'):]}"
+            name = f"{SIDE_OP}{r.stream}:{r.label[len('submit:'):]}"
         else:
             continue
         out.append([r.thread, name, round((r.start_s - t0) * 1e6, 3),
                     round((r.end_s - r.start_s) * 1e6, 3)])
     return out
-
-
-def load_chrome_trace(path: str | Path) -> dict:
-    """Read a Chrome trace as written by ``prof.export_chrome_trace`` (``.gz`` allowed)."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        return json.load(f)
 
 
 def intervals_from_chrome_trace(trace: dict | str | Path) -> list[Interval]:
@@ -96,40 +82,28 @@ def intervals_from_chrome_trace(trace: dict | str | Path) -> list[Interval]:
     """
     if not isinstance(trace, dict):
         trace = load_chrome_trace(trace)
-    by_thread: dict[tuple, list[dict]] = defaultdict(list)
-    launches: dict[int, dict] = {}
-    gpu: list[dict] = []
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") != "X":
-            continue
-        cat, args = e.get("cat"), e.get("args") or {}
-        if cat == "user_annotation" and e.get("name", "").startswith(ANNOTATION_PREFIX):
-            by_thread[_thread(e)].append(e)
-        elif cat in LAUNCH_CATS and "correlation" in args:
-            launches[args["correlation"]] = e
-        elif cat in GPU_CATS:
-            gpu.append(e)
-    threads = {t: _Annotations(notes) for t, notes in by_thread.items()}
+    events = read_events(trace, (SIDE_OP,))
+    threads = {t: _Annotations(notes) for t, notes in events.annotations.items()}
 
     spans: dict[int, tuple[dict, float, float]] = {}  # id(annotation) -> (it, first, last)
     hsdp_lanes: set[tuple] = set()
     loose: list[dict] = []
-    for e in gpu:
-        launch = launches.get((e.get("args") or {}).get("correlation"))
-        notes = threads.get(_thread(launch)) if launch else None
+    for e in events.gpu:
+        launch = events.launch_of(e)
+        notes = threads.get(thread_of(launch)) if launch else None
         note = notes.owner(launch["ts"]) if notes else None
         if note is None:
             loose.append(e)
             continue
         hsdp_lanes.add(_lane(e))
-        _, lo, hi = spans.get(id(note), (note, e["ts"], _end(e)))
-        spans[id(note)] = (note, min(lo, e["ts"]), max(hi, _end(e)))
+        _, lo, hi = spans.get(id(note), (note, e["ts"], end_us(e)))
+        spans[id(note)] = (note, min(lo, e["ts"]), max(hi, end_us(e)))
 
     out = []
     for note, lo, hi in spans.values():
         _, stream, label = note["name"].split(":", 2)
         out.append(Interval(stream, label, lo, hi))
-    out += [Interval("compute", e.get("name", ""), e["ts"], _end(e))
+    out += [Interval("compute", e.get("name", ""), e["ts"], end_us(e))
             for e in loose if _lane(e) not in hsdp_lanes]
     return sorted(out, key=lambda iv: (iv.start_us, iv.stream))
 
@@ -138,12 +112,12 @@ class _Annotations:
     """One host thread's hsdp annotations, nested like the record_function stack."""
 
     def __init__(self, events: list[dict]) -> None:
-        self.events = sorted(events, key=lambda e: (e["ts"], -_end(e)))
+        self.events = sorted(events, key=lambda e: (e["ts"], -end_us(e)))
         self.starts = [e["ts"] for e in self.events]
         self.parent: list[int | None] = []  # index of the enclosing annotation
         stack: list[int] = []
         for i, e in enumerate(self.events):
-            while stack and _end(self.events[stack[-1]]) <= e["ts"]:
+            while stack and end_us(self.events[stack[-1]]) <= e["ts"]:
                 stack.pop()
             self.parent.append(stack[-1] if stack else None)
             stack.append(i)
@@ -152,18 +126,10 @@ class _Annotations:
         """The innermost annotation whose time range contains ``ts``."""
         i: int | None = bisect.bisect_right(self.starts, ts) - 1
         while i is not None and i >= 0:
-            if _end(self.events[i]) >= ts:
+            if end_us(self.events[i]) >= ts:
                 return self.events[i]
             i = self.parent[i]
         return None
-
-
-def _end(e: dict) -> float:
-    return e["ts"] + e.get("dur", 0)
-
-
-def _thread(e: dict) -> tuple:
-    return e.get("pid"), e.get("tid")
 
 
 def _lane(e: dict) -> tuple:

@@ -29,12 +29,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import hsdp
-from hsdp.bench.emulate import emulate
+from hsdp.bench.emulate import DelayedCollectives, SleepClock, emulate
 from hsdp.bench.fsdp2 import fsdp2_collectives, shard_fsdp2
 from hsdp.bench.mfsdp import shard_mfsdp
-from hsdp.comm import SleepClock
-from hsdp.fabric import Fabric
 from hsdp.models import ModelConfig, build_model, lm_loss, shard_units
+from hsdp.sim.fabric import Fabric
 from hsdp.streams import Tracer
 
 
@@ -213,6 +212,9 @@ def _no_context(*_args) -> AbstractContextManager:
 def _delays(model: nn.Module, on: bool) -> Iterator[None]:
     """hsdp under emulation: its collectives take their modelled time only when ``on``."""
     coll = model._hsdp_unit.collectives
+    if not isinstance(coll, DelayedCollectives):  # real collectives: nothing to switch
+        yield
+        return
     fabric = coll.fabric
     coll.fabric = fabric if on else None
     try:

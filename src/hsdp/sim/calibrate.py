@@ -65,14 +65,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import gzip
 import json
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from hsdp.fabric import Fabric, Link
 from hsdp.models import config_from_dict
+from hsdp.report.chrome_trace import MARK, SIDE_OP, load_chrome_trace, read_events, thread_of
 from hsdp.report.metrics import Interval, op_kind
 from hsdp.sim.costs import (
     MEMORY_PHASES,
@@ -84,11 +83,8 @@ from hsdp.sim.costs import (
     side_class,
 )
 from hsdp.sim.engine import Recording, Setup, evaluate, record
+from hsdp.sim.fabric import Fabric, Link
 
-GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
-MARK = "hsdp."  # hsdp.begin:<phase> / hsdp.end:<phase>
-SIDE_OP = "hsdp:"  # hsdp:<stream>:<label>
 # a trace's phases saved beside its JSON (``save_phases``): the calibration needs no trace
 PHASES_SUFFIX = ".phases.json"
 # Kernels of a collective (NCCL's; the emulation's sleep): they run beside compute. A side
@@ -184,23 +180,23 @@ def calibrate(path: str | Path, base: CostModel, schedule: str = "overlap",
             own_ms = host_ms * m.span_ms / slowest if host_ms and slowest > 0 else None
             model = dataclasses.replace(_with_trace(base, rec, m, own_ms),
                                         phases_key=setup.phase_key())
-            models.append(_host_between_phases(model, rec, own_ms) if own_ms else model)
+            models.append(host_between_phases(model, rec, own_ms) if own_ms else model)
         costs = dataclasses.replace(models[0], peers=tuple(models[1:]))
         measured = ranks[0]
     # the collectives' busy times of rank 0 alone (those of the run are without the
-    # waits for other ranks when the run has every rank's times: _busy_ms)
+    # waits for other ranks when the run has every rank's times: measured_busy_ms)
     own = dataclasses.replace(costs, comm_scale={}, peers=(),
                               fabric=fabric_of(data["meta"], base.fabric))
     if times_from not in (None, schedule):
         rec = record(setup_from_results(data, times_from))
     if data["meta"].get("emulate") is False:
         # Real NCCL: a collective's time also holds its wait for the other ranks (see
-        # _busy_ms); with another schedule's times, each kind takes the lesser of the two.
-        runs = [_busy_ms(path, data, name, traced=measured if name == schedule else None)
+        # measured_busy_ms); with another schedule's times, each kind takes the lesser of the two.
+        runs = [measured_busy_ms(path, data, name, traced=measured if name == schedule else None)
                 for name in {schedule, times_from or schedule}]
         busy_ms = {k: min(r[k] for r in runs if k in r) for k in runs[0]}
     else:  # emulated: no peers to wait for; the schedule's unprofiled steps if it has them
-        busy_ms = _busy_ms(path, data, times_from or schedule, emulated=True)
+        busy_ms = measured_busy_ms(path, data, times_from or schedule, emulated=True)
     scale = _comm_scale(evaluate(rec, own).metrics, busy_ms)
     return dataclasses.replace(costs, comm_scale=scale, peers=tuple(
         dataclasses.replace(p, comm_scale=scale) for p in costs.peers))
@@ -219,7 +215,7 @@ def _every_rank(traced: TracePhases | None, entry: dict) -> list[TracePhases]:
     return [with_host_marks(traced, m) for m in (marks if all(marks) else marks[:1])]
 
 
-def _busy_ms(path: str | Path, data: dict, name: str, emulated: bool = False,
+def measured_busy_ms(path: str | Path, data: dict, name: str, emulated: bool = False,
              traced: TracePhases | None = None) -> dict[str, float]:
     """Per kind, schedule ``name``'s measured busy time: its unprofiled steps'
     (``unprofiled_busy_ms``, each op the median over them) where the JSON has them, else
@@ -249,7 +245,7 @@ def _busy_ms(path: str | Path, data: dict, name: str, emulated: bool = False,
     return {k: unprofiled.get(k, v - wait.get(k, 0.0)) for k, v in busy.items()}
 
 
-def _host_between_phases(costs: CostModel, rec: Recording, host_ms: float) -> CostModel:
+def host_between_phases(costs: CostModel, rec: Recording, host_ms: float) -> CostModel:
     """The host time neither the phases of the trace nor its side ops cover (the runtime's
     hooks between units, issuing side-stream work): the measured host time per step less
     the simulated one, spread over the step's side-stream ops, which those hooks issue."""
@@ -306,12 +302,6 @@ def find_trace(json_path: str | Path, trace: str | None) -> Path | None:
     return None
 
 
-def load_trace(path: str | Path) -> dict:
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)
-
-
 def phases_path(trace: str | Path) -> Path:
     """Where ``save_phases`` keeps a trace's phases: beside it, ``<name>.phases.json``."""
     name = Path(trace).name.removesuffix(".gz").removesuffix(".json")
@@ -321,7 +311,7 @@ def phases_path(trace: str | Path) -> Path:
 def read_phases(path: str | Path) -> TracePhases:
     """A profiled step's phases: from its Chrome trace, or from those saved from it."""
     if not str(path).endswith(PHASES_SUFFIX):
-        return phases_from_trace(load_trace(path))
+        return phases_from_trace(load_chrome_trace(path))
     saved = json.loads(Path(path).read_text())
     return TracePhases(**saved | {"instances": [tuple(i) for i in saved["instances"]]})
 
@@ -369,19 +359,9 @@ class TracePhases:
 
 def phases_from_trace(trace: dict) -> TracePhases:
     """Host and device time per phase class of a profiled step (module docstring)."""
-    threads: dict[tuple, list[dict]] = defaultdict(list)
-    launches: dict[int, dict] = {}
-    kernels: list[dict] = []
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") != "X":
-            continue
-        cat, name, args = e.get("cat"), e.get("name", ""), e.get("args") or {}
-        if cat == "user_annotation" and name.startswith((MARK, SIDE_OP)):
-            threads[(e.get("pid"), e.get("tid"))].append(e)
-        elif cat in LAUNCH_CATS and "correlation" in args:
-            launches[args["correlation"]] = e
-        elif cat in GPU_CATS and "correlation" in args:
-            kernels.append(e)
+    events = read_events(trace, (MARK, SIDE_OP))
+    threads, launches = events.annotations, events.launches
+    kernels = [k for k in events.gpu if "correlation" in (k.get("args") or {})]
     phases: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     side_host: dict[str, list[float]] = defaultdict(list)
     owner: dict[tuple, list[tuple[float, float, str | None]]] = {}  # thread -> spans
@@ -400,7 +380,7 @@ def phases_from_trace(trace: dict) -> TracePhases:
         launch = launches.get(k["args"]["correlation"])
         if launch is None:
             continue
-        label = _owner_at(owner.get((launch.get("pid"), launch.get("tid")), []), launch["ts"])
+        label = _owner_at(owner.get(thread_of(launch), []), launch["ts"])
         if label and label.startswith(SIDE_OP):
             if any(c in k["name"] for c in COLLECTIVE_KERNELS):
                 collectives[label] += k.get("dur", 0) / 1e3
@@ -420,13 +400,13 @@ def phases_from_trace(trace: dict) -> TracePhases:
     blocked: dict[str, float] = defaultdict(float)
     for launch in launches.values():
         if launch.get("dur", 0) > BLOCKED_US and launch["name"].startswith(QUEUED_CALLS):
-            label = _owner_at(owner.get((launch.get("pid"), launch.get("tid")), []),
+            label = _owner_at(owner.get(thread_of(launch), []),
                               launch["ts"])
             if label and not label.startswith(SIDE_OP):
                 blocked[phase_class(label)] += launch["dur"] / 1e3
     for cls, ms in blocked.items():
         phases[cls][1] = max(0.0, phases[cls][1] - ms)
-    return TracePhases(dict(phases), dict(side_host), span, _exclusive(side, compute),
+    return TracePhases(dict(phases), dict(side_host), span, exclusive_shares(side, compute),
                        dict(per_class), dict(blocked),
                        [(phase_class(label), *v) for label, v in instances.items()])
 
@@ -593,7 +573,7 @@ def with_host_marks(measured: TracePhases, steps: list[list[list]]) -> TracePhas
                                span_ms=statistics.median(spans), blocked_ms=blocked)
 
 
-def _exclusive(side: list[tuple[str, float, float]],
+def exclusive_shares(side: list[tuple[str, float, float]],
                compute: list[tuple[float, float, float]]) -> dict[str, float]:
     """Per side-op kind, the share of its own kernels' time during which compute stood
     still with its next kernel already launched: held up (not merely idle, e.g. waiting

@@ -15,7 +15,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-from hsdp.fabric import Fabric, Link
 from hsdp.models import PRESETS, preset
 from hsdp.policy import STRATEGIES
 from hsdp.report.args import DTYPES, parse_mesh
@@ -23,6 +22,7 @@ from hsdp.report.table import print_table
 from hsdp.sim.calibrate import calibrate
 from hsdp.sim.costs import CostModel
 from hsdp.sim.engine import Setup, SimResult, simulate
+from hsdp.sim.fabric import Fabric, Link
 from hsdp.sim.sweep import parse_sweep, print_sweep, run_sweep
 
 # (overlapped, serialized) schedule names per strategy, as in ``bench step``

@@ -13,7 +13,7 @@
   the optimizer (``OPTIMIZER``): memory bound, bytes read and written at ``mem_gbps``.
   These are the same ops on the meta device as on a GPU, and their cost follows the
   shard, not the FLOPs (hfsdp's optimizer works on 1/outer of hsdp's shard).
-- Side-stream ops: their collectives' modelled time on the fabric (``hsdp.fabric``) plus
+- Side-stream ops: their collectives' modelled time on the fabric (``hsdp.sim.fabric``) plus
   their own tensor work (casts and copies into and out of the collective buffers: bytes
   at ``mem_gbps``; on one rank of an axis that is all there is), times
   ``comm_scale`` per kind (inner_ag / inner_rs / outer; a calibration's measured over
@@ -53,9 +53,9 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hsdp.fabric import Fabric
 from hsdp.report.metrics import Interval, op_kind
-from hsdp.streams import Program, ProgramOp
+from hsdp.sim.clock import Program, ProgramOp
+from hsdp.sim.fabric import Fabric
 
 MEMORY_PHASES = ("COPY_IN", "OPTIMIZER")
 Price = Callable[[ProgramOp], tuple[float, ...]]

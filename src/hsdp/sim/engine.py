@@ -3,12 +3,13 @@
 A ``Setup`` is built as ``bench step`` builds it (each block a ``fully_shard`` unit, the
 root last; AdamW; ``hsdp.microbatch`` over the microbatches), but on the meta device
 (no memory, no compute) and torch's fake process group posing as rank 0 of the mesh.
-The root unit gets virtual streams (``hsdp.streams.Streams.virtual``) and collectives
-that only report their sizes, and every op issued on compute is added to the program
-with its FLOPs and bytes (a dispatch mode). One warm-up step (it records the unit order
-and creates the optimizer state), then the measured step; ``evaluate`` prices and times
-it (``hsdp.sim.costs``): as every rank alike, or, with a cost model per rank (a
-calibration on a real run), every rank at once on the same program.
+The root unit gets virtual streams (``hsdp.sim.clock.VirtualBackend``) and collectives
+that report their sizes (``RecordedCollectives``), and every op issued on compute is
+added to the program with its FLOPs and bytes (a dispatch mode). One warm-up step (it
+records the unit order and creates the optimizer state), then the measured step;
+``evaluate`` prices and times it (``hsdp.sim.costs``): as every rank alike, or, with a
+cost model per rank (a calibration on a real run), every rank at once on the same
+program.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from hsdp.models import ModelConfig, build_model, lm_loss, shard_units
 from hsdp.policy import check_strategy
 from hsdp.report.args import DTYPES
 from hsdp.report.metrics import Interval, step_metrics
+from hsdp.sim.clock import Program, virtual_streams
 from hsdp.sim.costs import CostModel
-from hsdp.streams import Program, Streams
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,18 @@ class Recording:
     program: Program
     start: int
     names: dict[str, str]
+
+
+class RecordedCollectives(Collectives):
+    """hsdp's collectives that also report each one's sizes to ``program``
+    (``Program.collective``): the virtual clock times them later."""
+
+    def __init__(self, program: Program) -> None:
+        super().__init__()
+        self.program = program
+
+    def before(self, kind: str, axis: str, nbytes: int, group_size: int) -> None:
+        self.program.collective(kind, axis, nbytes, group_size)
 
 
 class _IssueCompute(TorchDispatchMode):
@@ -270,19 +283,18 @@ def record(setup: Setup) -> Recording:
         mp = hsdp.MixedPrecision(DTYPES[setup.dtype], DTYPES[setup.reduce_dtype])
         names = shard(model, mesh, setup, mp)
         root = model._hsdp_unit
-        root.streams = streams = Streams.virtual()
-        program = streams.program
-        root.collectives = Collectives(record=program.collective)
+        root.streams, program = virtual_streams()
+        root.collectives = RecordedCollectives(program)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         tokens = torch.zeros(setup.mbs, cfg.seq, dtype=torch.long, device=setup.device)
         with _IssueCompute(program):
-            _step(model, opt, tokens, 1)
+            train_step(model, opt, tokens, 1)
             start = len(program.ops)
-            _step(model, opt, tokens, setup.microbatches)
+            train_step(model, opt, tokens, setup.microbatches)
     return Recording(setup, program, start, names)
 
 
-def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor,
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor,
           microbatches: int) -> None:
     """A training step as ``bench step`` times it: until every stream is idle."""
     for m in range(microbatches):

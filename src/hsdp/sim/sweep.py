@@ -12,12 +12,12 @@ import dataclasses
 import itertools
 from pathlib import Path
 
-from hsdp.fabric import Link
 from hsdp.policy import STRATEGIES
 from hsdp.report.args import DTYPES
 from hsdp.report.table import print_table
 from hsdp.sim.costs import CostModel
 from hsdp.sim.engine import Setup, SimResult, evaluate, record
+from hsdp.sim.fabric import Link
 
 # key -> (parser, applies to the recording (True) or only to the fabric (False))
 KEYS = {

@@ -6,3 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e '.[dev]'
+# The torchtitan extra with --no-deps: its packages' own requirements would pull a CUDA torch.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps $(.venv/bin/python -c \
+  "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['torchtitan']))")

@@ -169,6 +169,9 @@ class ParamGroup:
         self.gathered.untyped_storage().resize_(0)
 
         self.has_grads = False  # gradient state (buffers, hooks) made
+        # None: gradients are means over the DP ranks; f: sums divided by f (FSDP2's
+        # set_gradient_divide_factor; 1.0 gives plain sums).
+        self.divide_factor: float | None = None
         self.on_all_grads: Callable[[ParamGroup], None] | None = None
         self.param_requires_grad = [p.requires_grad for p in params]
         self.trainable_count = sum(self.param_requires_grad)
@@ -379,7 +382,10 @@ class ParamGroup:
             direct = first and self.reduce_dtype == self.accum.dtype
             out = self.accum if direct else torch.empty(
                 self.layout.shard_numel, dtype=self.reduce_dtype, device=rs_in.device)
-            coll.reduce_scatter(out, rs_in, self.comms.inner_rs, "inner", avg=True)
+            coll.reduce_scatter(out, rs_in, self.comms.inner_rs, "inner",
+                                avg=self.divide_factor is None)
+            if self.divide_factor not in (None, 1.0):
+                out.div_(self.divide_factor)
             if first and not direct and outer_next and not self.shard_outer:
                 self._to_outer = out
             elif first and not direct:
@@ -410,11 +416,12 @@ class ParamGroup:
                 _allocate(self.grad_buf)
                 out = self.grad_buf if self.grad_buf.dtype == src.dtype else torch.empty(
                     self.grad_buf.numel(), dtype=src.dtype, device=src.device)
-                coll.reduce_scatter(out, src, self.comms.outer, "outer", avg=True)
+                coll.reduce_scatter(out, src, self.comms.outer, "outer",
+                                    avg=self.divide_factor is None)
                 if out is not self.grad_buf:
                     self.grad_buf.copy_(out)
             else:
-                coll.all_reduce(src, self.comms.outer, "outer", avg=True)
+                coll.all_reduce(src, self.comms.outer, "outer", avg=self.divide_factor is None)
                 if src is not self.accum:
                     self.accum.copy_(src)
         kind = "OUTER_RS" if self.shard_outer else "OUTER_AR"

@@ -94,6 +94,7 @@ class _Walk:
         unit.groups[unit.groups.index(old)] = new
         self.unit_of[new] = unit
         new.use_sharded()
+        new.divide_factor = old.divide_factor
         for u in self.units:
             u.uses = [new if g is old else g for g in u.uses]
             u.borrowed = [(new if g is old else g, idx, slot) for g, idx, slot in u.borrowed]

@@ -128,6 +128,18 @@ class HSDPModule:
         unit = self._root_unit("set_requires_gradient_sync", recurse)
         unit.gradient_sync = bool(requires_gradient_sync)
 
+    def set_gradient_divide_factor(self, factor: float | None, recurse: bool = True) -> None:
+        """As FSDP2's: gradients become sums over the DP ranks divided by ``factor`` (1.0:
+        plain sums, as torchtitan, which scales the loss itself), instead of means (``None``,
+        the default); for every microbatch and both strategies. ``recurse``: also for every
+        unit below this one."""
+        if factor is not None and not factor > 0:
+            raise ValueError(f"hsdp: set_gradient_divide_factor expects a positive factor or "
+                             f"None, got {factor!r}")
+        for unit in units_below(self) if recurse else [self._hsdp_unit]:
+            for g in unit.groups:
+                g.divide_factor = None if factor is None else float(factor)
+
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """All-gather ``modules`` (fully_shard-ed) when this unit's forward starts, instead
         of the next unit of the recorded order. More than one holds more gathered units."""

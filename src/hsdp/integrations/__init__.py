@@ -1,0 +1,1 @@
+"""Adapters that make other training frameworks use hsdp (optional extras)."""

@@ -1,0 +1,168 @@
+"""hsdp as torchtitan's (0.3.0) data-parallel backend, through torchtitan's own extension
+points: a ``parallelize_fn`` (``parallelize_llama``) and a config registry module, so
+that torchtitan's trainer runs unchanged::
+
+    torchrun --nproc_per_node 8 -m torchtitan.train \\
+        --module hsdp.integrations.torchtitan --config llama3_debugmodel
+
+Every ``llama3_*`` config of ``torchtitan.models.llama3.config_registry`` is available
+here, with the model spec renamed ``hsdp_llama3`` and its ``parallelize_fn`` replaced.
+``dp_replicate`` is hsdp's outer axis, ``dp_shard`` its inner one. The environment
+variables ``HSDP_STRATEGY`` (``hsdp`` | ``hfsdp``) and ``HSDP_OVERLAP_OUTER`` (1 | 0) pick
+the strategy. Gradients are sums over the DP ranks (``set_gradient_divide_factor(1.0)``,
+as torchtitan sets on FSDP2: it divides the loss by the global token count itself).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig
+from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
+from torchtitan.models.llama3 import config_registry as _llama3_configs
+from torchtitan.protocols.module import Module as TitanModule
+
+import hsdp
+
+MODEL_NAME = "hsdp_llama3"
+
+
+def options_from_env() -> tuple[str, bool]:
+    """(strategy, overlap_outer) from ``HSDP_STRATEGY`` and ``HSDP_OVERLAP_OUTER``."""
+    strategy = os.environ.get("HSDP_STRATEGY", "hsdp")
+    if strategy not in ("hsdp", "hfsdp"):
+        raise ValueError(f"hsdp: HSDP_STRATEGY must be hsdp or hfsdp, got {strategy!r}")
+    overlap = os.environ.get("HSDP_OVERLAP_OUTER", "1")
+    if overlap not in ("0", "1"):
+        raise ValueError(f"hsdp: HSDP_OVERLAP_OUTER must be 0 or 1, got {overlap!r}")
+    return strategy, overlap == "1"
+
+
+def _check_supported(parallel_dims: ParallelDims, training: TrainingConfig,
+                     parallelism: ParallelismConfig) -> None:
+    """Refuse (before anything changes) what hsdp cannot do under torchtitan, naming what
+    to use instead."""
+    refused = {
+        "tensor_parallel_degree > 1": parallel_dims.tp_enabled,
+        "pipeline_parallel_degree > 1": parallel_dims.pp_enabled,
+        "context_parallel_degree > 1": parallel_dims.cp_enabled,
+        "expert_parallel_degree > 1": parallel_dims.ep_enabled,
+        "training.enable_cpu_offload": training.enable_cpu_offload,
+        "parallelism.enable_fsdp_symm_mem": parallelism.enable_fsdp_symm_mem,
+    }
+    bad = [k for k, on in refused.items() if on]
+    if bad:
+        raise ValueError(f"hsdp's torchtitan integration does not support {', '.join(bad)}; "
+                         f"use torchtitan's own llama3 module (FSDP2) for those")
+    if parallelism.spmd_backend != "partial_dtensor":
+        raise ValueError(f"hsdp's torchtitan integration needs --parallelism.spmd_backend "
+                         f"partial_dtensor (got {parallelism.spmd_backend!r}): hsdp shards "
+                         f"plain parameters, not spmd_types / full-DTensor annotated ones")
+
+
+def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
+                      training: TrainingConfig, parallelism: ParallelismConfig,
+                      compile_config: CompileConfig,
+                      ac_config: ActivationCheckpointingConfig | None, dump_folder: str,
+                      strategy: str | None = None,
+                      overlap_outer: bool | None = None) -> nn.Module:
+    """torchtitan's ``parallelize_llama`` with hsdp in place of ``apply_fsdp_to_decoder``:
+    activation checkpointing and per-block compile as torchtitan applies them, then one
+    hsdp unit per block (and one for the embedding unless it is tied to the output), the
+    norm and output head in the root's. ``strategy`` / ``overlap_outer``: default from
+    the environment (``options_from_env``)."""
+    _check_supported(parallel_dims, training, parallelism)
+    env_strategy, env_overlap = options_from_env()
+    strategy = strategy or env_strategy
+    overlap_outer = env_overlap if overlap_outer is None else overlap_outer
+    if ac_config is not None:
+        ac_config.build(dump_folder=dump_folder).apply(model)
+    if compile_config.enable and "model" in compile_config.components:
+        apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
+
+    mesh = hsdp.init_mesh(parallel_dims.dp_replicate, parallel_dims.dp_shard,
+                          parallel_dims.world_mesh.device_type)
+    mp = hsdp.MixedPrecision(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+                             reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+                             cast_forward_inputs=False)
+    shard = functools.partial(hsdp.fully_shard, mesh=mesh, strategy=strategy, mp_policy=mp,
+                              overlap_outer=overlap_outer)
+    policy = parallelism.fsdp_reshard_after_forward
+    reshard = get_fsdp_reshard_after_forward_policy(policy, pp_enabled=False)
+    if model.tok_embeddings is not None and not model.enable_weight_tying:
+        shard(model.tok_embeddings, reshard_after_forward=reshard)
+    for block in model.layers.values():
+        shard(block, reshard_after_forward=reshard)
+    # torchtitan's [norm, lm_head] unit: resharded only under "always"
+    shard(model, reshard_after_forward=policy == "always")
+    model.set_gradient_divide_factor(1.0)
+    _adopt_meta_init(model)
+    return model
+
+
+class _MetaInit:
+    """torchtitan's trainer allocates a meta-built model with ``to_empty`` and fills it with
+    ``init_weights``: on an hsdp model, the first keeps the shards on meta and the second
+    runs ``hsdp.materialize`` with each torchtitan module's own initializers (in
+    ``model.modules()`` order, not ``init_states``' children-first order: the random
+    values differ from torchtitan's, not their distributions)."""
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> nn.Module:
+        want = self._hsdp_unit.device
+        if device is not None and torch.device(device).type != want.type:
+            raise ValueError(f"hsdp: to_empty(device={device}) on a model sharded on {want}")
+        return self
+
+    def init_weights(self, buffer_device: torch.device | None = None, **_: object) -> None:
+        hsdp.materialize(self, functools.partial(_init_own_states, buffer_device=buffer_device))
+
+
+def _init_own_states(m: nn.Module, buffer_device: torch.device | None) -> None:
+    if isinstance(m, TitanModule):
+        m._init_self_parameters()
+        m._init_self_buffers(buffer_device=buffer_device)
+
+
+_META_CLASSES: dict[type, type] = {}
+
+
+def _adopt_meta_init(model: nn.Module) -> None:
+    cls = type(model)
+    if cls not in _META_CLASSES:
+        _META_CLASSES[cls] = type(cls.__name__, (_MetaInit, cls), {})
+    model.__class__ = _META_CLASSES[cls]
+
+
+def _with_hsdp(config_fn: Callable) -> Callable:
+    """A torchtitan config function whose model spec is parallelized by hsdp."""
+    @functools.wraps(config_fn)
+    def config():
+        cfg = config_fn()
+        cfg.model_spec = dataclasses.replace(cfg.model_spec, name=MODEL_NAME,
+                                             parallelize_fn=parallelize_llama)
+        cfg.parallelism.spmd_backend = "partial_dtensor"
+        return cfg
+    return config
+
+
+_CONFIGS = {name: _with_hsdp(fn) for name, fn in vars(_llama3_configs).items()
+            if name.startswith("llama3_") and callable(fn)}
+
+
+def __getattr__(name: str) -> Callable:
+    """torchtitan's ``--module hsdp.integrations.torchtitan --config NAME`` looks up NAME."""
+    if name in _CONFIGS:
+        return _CONFIGS[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_CONFIGS])

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from hsdp.bench.suite import TABLES
-from hsdp.sim.calibrate import load_trace, phases_from_trace, read_phases, save_phases
+from hsdp.report.chrome_trace import load_chrome_trace
+from hsdp.sim.calibrate import phases_from_trace, read_phases, save_phases
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"
@@ -66,6 +67,6 @@ def test_saved_phases_equal_the_traces(tmp_path):
                                               "fsdp2": None}}))
     [saved] = save_phases(step)
     assert saved == step.parent / "trace_h200_torch211_overlap.phases.json"
-    direct = phases_from_trace(load_trace(trace))
+    direct = phases_from_trace(load_chrome_trace(trace))
     assert direct.side_host_ms and direct.collectives and read_phases(saved) == direct
     assert dataclasses.asdict(read_phases(saved)) == dataclasses.asdict(direct)

@@ -1,13 +1,13 @@
 """hsdp as torchtitan's data-parallel backend (``hsdp.integrations.torchtitan``): Llama3
 ``debugmodel`` on a 2x2 gloo mesh equals one process and torchtitan's FSDP2 path
-(torchtitan_jobs.py). Needs the ``hsdp[torchtitan]`` extra (scripts/setup.sh)."""
+(torchtitan_jobs.py). Needs the ``hsdp[torchtitan]`` extra (README: Using hsdp in torchtitan)."""
 
 from __future__ import annotations
 
 import pytest
 
 pytest.importorskip("torchtitan.train", reason="torchtitan is not installed: pip install "
-                    "--no-deps per the hsdp[torchtitan] extra (scripts/setup.sh)")
+                    "--no-deps per the hsdp[torchtitan] extra (README: Using hsdp in torchtitan)")
 
 from dist_utils import run_ranks  # noqa: E402
 from torchtitan_jobs import parity_job  # noqa: E402

@@ -1,0 +1,144 @@
+"""The outer axis as torchft replica groups (``init_mesh(..., fault_tolerance=...)``).
+
+Each outer index is a replica group: its own torch world of ``inner`` ranks that holds a
+whole model. The outer gradient all-reduce runs over torchft's managed process group, whose
+members are the replica groups in the current quorum (rank ``i`` of every live group
+together), and averages over the replicas that take part in the step (the divisor follows
+the quorum, not the configured outer size). A replica that fails mid-step makes the
+collective fail: torchft records the error and ``Manager.should_commit()`` is False on
+every survivor, which then discard the step. torchft is an optional dependency
+(``pip install 'hsdp[ft]'``); this module imports it only when fault tolerance is asked
+for. It imports nothing of hsdp (``comm.py`` dispatches to ``ElasticOuter``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+LIGHTHOUSE_COMMAND = ("torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 "
+                      "--join_timeout_ms 10000")
+
+
+class FaultToleranceError(RuntimeError):
+    """Fault tolerance cannot be set up or used as asked."""
+
+
+@dataclass(frozen=True)
+class FaultTolerance:
+    """How hsdp makes each rank's torchft ``Manager``. ``lighthouse``: the address of
+    ``torchft_lighthouse`` (default: ``$TORCHFT_LIGHTHOUSE``); ``replica_id``: this replica
+    group's id, the same on its ranks (default: ``$REPLICA_GROUP_ID``); ``min_replicas``:
+    a step commits only with at least this many replica groups taking part. ``timeout``
+    bounds the outer all-reduce, ``should_commit`` and the recovery transfer;
+    ``quorum_timeout`` the wait for a quorum; ``connect_timeout`` reaching the lighthouse."""
+
+    lighthouse: str | None = None
+    replica_id: str | None = None
+    min_replicas: int = 1
+    timeout: timedelta = timedelta(seconds=60)
+    quorum_timeout: timedelta = timedelta(seconds=60)
+    connect_timeout: timedelta = timedelta(seconds=10)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_replicas, int) or self.min_replicas < 1:
+            raise ValueError(f"FaultTolerance.min_replicas must be an int >= 1, "
+                             f"got {self.min_replicas!r}")
+
+
+def torchft() -> Any:
+    """The torchft module, or a clear error naming the extra to install."""
+    try:
+        import torchft as ft
+    except ImportError as exc:
+        raise FaultToleranceError(
+            f"hsdp: fault tolerance needs torchft ({exc}); install it with "
+            f"pip install 'hsdp[ft]'") from exc
+    return ft
+
+
+class ElasticOuter:
+    """hsdp's outer communicator as a torchft managed group: an all-reduce (sum or mean
+    over the participating replica groups) and the number of them."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+
+    def size(self) -> int:
+        """The replica groups that take part in this step (waits for the quorum)."""
+        return self.manager.num_participants()
+
+    def all_reduce(self, t: torch.Tensor, avg: bool) -> None:
+        """``t`` = the sum (``avg``: the mean) over the participating replica groups. A
+        group that is recovering contributes zeros; an error is recorded by torchft (the
+        step does not commit) instead of raised."""
+        op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
+        self.manager.allreduce(t, reduce_op=op).wait()
+
+
+def make_manager(ft: FaultTolerance | Any, device_type: str) -> Any:
+    """This rank's torchft ``Manager``: ``ft`` itself if it is one, else one made from
+    the settings for this replica group (the current torch world). Rank 0 of the group
+    reaches the lighthouse first; if it cannot, every rank raises the same error.
+
+    ``init_sync=False``: hsdp's ranks build the same initial model (same seed, see
+    ``materialize.py``), so the replica groups start equal. torchft's step-0 sync would
+    make them recover from each other in the first step, whose gradient would then be
+    one group's divided by the number of groups."""
+    tft = torchft()
+    if isinstance(ft, tft.Manager):
+        return ft
+    if not isinstance(ft, FaultTolerance):
+        raise TypeError(f"init_mesh: fault_tolerance must be a hsdp.FaultTolerance or a "
+                        f"torchft.Manager, got {type(ft).__name__}")
+    lighthouse = ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+    replica_id = ft.replica_id or os.environ.get("REPLICA_GROUP_ID")
+    missing = [what for what, v in (("lighthouse (FaultTolerance(lighthouse=...) or "
+                                     "$TORCHFT_LIGHTHOUSE)", lighthouse),
+                                    ("replica_id (FaultTolerance(replica_id=...) or "
+                                     "$REPLICA_GROUP_ID)", replica_id)) if not v]
+    if missing:
+        raise FaultToleranceError(f"init_mesh(fault_tolerance=...): no {' and no '.join(missing)}")
+    store = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if None in store:
+        raise FaultToleranceError("init_mesh(fault_tolerance=...): the replica group's store "
+                                  "address is read from MASTER_ADDR / MASTER_PORT (torchrun); "
+                                  "launch each replica group with torchrun")
+    pg_class = tft.ProcessGroupGloo if device_type == "cpu" else tft.ProcessGroupNCCL
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def build() -> Any:
+        return tft.Manager(
+            pg=pg_class(timeout=ft.timeout), load_state_dict=None, state_dict=None,
+            min_replica_size=ft.min_replicas, timeout=ft.timeout,
+            quorum_timeout=ft.quorum_timeout, connect_timeout=ft.connect_timeout,
+            rank=rank, world_size=world, store_addr=store[0], store_port=int(store[1]),
+            lighthouse_addr=lighthouse, replica_id=str(replica_id), init_sync=False)
+
+    # Rank 0 hosts the group's ManagerServer, which connects to the lighthouse; the
+    # others would wait for its address until the store's timeout: share the outcome.
+    key = f"hsdp/ft/manager/{replica_id}"
+    default_store = dist.distributed_c10d._get_default_store()
+    manager = None
+    if rank == 0:
+        try:
+            manager = build()
+            failure = ""
+        except RuntimeError as exc:
+            failure = str(exc).splitlines()[0]
+        default_store.set(key, failure)
+    else:
+        default_store.wait([key], ft.connect_timeout * 2 + timedelta(seconds=30))
+        failure = default_store.get(key).decode()
+    if failure:
+        raise FaultToleranceError(
+            f"hsdp: replica group {replica_id} cannot reach the torchft lighthouse at "
+            f"{lighthouse} within {ft.connect_timeout.total_seconds():g} s ({failure}). Start "
+            f"it first ({LIGHTHOUSE_COMMAND}) and pass its address as "
+            f"FaultTolerance(lighthouse=...) or $TORCHFT_LIGHTHOUSE")
+    return manager if manager is not None else build()

@@ -1,0 +1,152 @@
+"""One rank of one replica group of the fault-tolerance tests (``test_fault_tolerance.py``).
+
+Run as a script, one process per rank: ``python tests/ft_jobs.py CONFIG_JSON``. Each
+replica group is its own gloo world of two ranks; the outer axis is torchft's. Rank 0 of
+the group writes, for each committed step, the full parameters, momentum buffers, lr, the
+number of participating replica groups and whether this group took part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import urllib.request
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import hsdp
+
+IN, HIDDEN, OUT, BATCH = 8, 16, 4, 4
+LR, MOMENTUM = 0.05, 0.9
+
+
+def build_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+
+
+def batch(step: int, replica: int, inner_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of inner rank ``inner_rank`` of replica group ``replica`` at ``step``."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * replica + inner_rank)
+    return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
+
+
+def make_optimizer(model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+
+
+def _wait_for(path: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear in {seconds} s")
+        time.sleep(0.05)
+
+
+def _touch(path: str) -> None:
+    with open(path, "w"):
+        pass
+
+
+def _dying_transport(cfg: dict, timeout: timedelta) -> Any:
+    """torchft's HTTP transport, except that receiving a checkpoint kills this process
+    once the transfer's first bytes have arrived."""
+    from torchft.checkpointing import HTTPTransport
+
+    class DiesMidTransfer(HTTPTransport):
+        def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
+                            timeout: timedelta) -> Any:
+            with urllib.request.urlopen(f"{metadata}{step}/full",
+                                        timeout=timeout.total_seconds()) as f:
+                f.read(64)
+                _touch(os.path.join(cfg["out"], f"mid_transfer_{cfg['tag']}_{cfg['rank']}"))
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise AssertionError("unreachable")
+
+    return DiesMidTransfer(timeout=timeout, num_chunks=0)
+
+
+def _fault_tolerance(cfg: dict) -> Any:
+    timeout = timedelta(seconds=cfg["timeout_s"])
+    if not cfg.get("die_in_transfer"):
+        return hsdp.FaultTolerance(lighthouse=cfg["lighthouse"], replica_id=str(cfg["replica"]),
+                                   min_replicas=1, timeout=timeout,
+                                   connect_timeout=timedelta(seconds=cfg["connect_s"]))
+    import torchft  # a Manager made by the user: init_mesh takes it as it is
+
+    return torchft.Manager(
+        pg=torchft.ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+        min_replica_size=1, timeout=timeout, rank=cfg["rank"], world_size=2, init_sync=False,
+        lighthouse_addr=cfg["lighthouse"], replica_id=str(cfg["replica"]),
+        checkpoint_transport=_dying_transport(cfg, timeout))
+
+
+def main(cfg: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]),
+                      RANK=str(cfg["rank"]), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=cfg["rank"], world_size=2)
+    try:
+        mesh = hsdp.init_mesh(len(cfg["replicas"]), 2, device_type="cpu",
+                              fault_tolerance=_fault_tolerance(cfg))
+        model = build_model(cfg["seed"])
+        for layer in (model[0], model[2]):
+            hsdp.fully_shard(layer, mesh=mesh)
+        hsdp.fully_shard(model, mesh=mesh)
+        opt, sched = make_optimizer(model)
+        manager = hsdp.fault_tolerance(model, opt, sched)
+        _touch(os.path.join(cfg["out"], f"ready_{cfg['tag']}_{cfg['rank']}"))
+        train(cfg, model, opt, sched, manager)
+        hsdp.synchronize(model)
+        manager.shutdown(wait=False)
+    finally:
+        dist.destroy_process_group()
+
+
+def train(cfg: dict, model: nn.Module, opt: torch.optim.Optimizer, sched: Any,
+          manager: Any) -> None:
+    rank, replica = cfg["rank"], cfg["replica"]
+    gates = {int(s): f for s, f in cfg.get("gates", {}).items()}
+    while manager.current_step() < cfg["steps"]:
+        step = manager.current_step()
+        for r in range(2):
+            if step in gates:
+                _wait_for(os.path.join(cfg["out"], f"{gates[step]}_{r}"), 180)
+        manager.start_quorum()
+        x, y = batch(step, replica, rank)
+        loss = nn.functional.mse_loss(model(x), y)
+        if step == cfg.get("kill_at"):  # mid-step: after this group joined the quorum
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss.backward()
+        took_part = manager.is_participating()
+        if manager.should_commit():
+            opt.step()
+            sched.step()
+            # the step just committed (a recovering group received its step counter)
+            record(cfg, manager.current_step() - 1, model, opt, manager.num_participants(),
+                   took_part)
+        opt.zero_grad()
+
+
+@torch.no_grad()
+def record(cfg: dict, step: int, model: nn.Module, opt: torch.optim.Optimizer,
+           participants: int, took_part: bool) -> None:
+    params = {n: p.full_tensor() for n, p in model.named_parameters()}
+    momenta = {n: opt.state[p]["momentum_buffer"].full_tensor()
+               for n, p in model.named_parameters()}
+    if cfg["rank"] == 0:
+        torch.save({"params": params, "momenta": momenta, "lr": opt.param_groups[0]["lr"],
+                    "participants": participants, "took_part": took_part},
+                   os.path.join(cfg["out"], f"{cfg['tag']}_step{step}.pt"))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -1,0 +1,142 @@
+"""Fault tolerance: the outer axis as torchft replica groups (2 groups x 2 gloo ranks).
+
+The lighthouse runs in this process; each replica group is a separate two-rank world
+(``ft_jobs.py``). One run covers: (a) no failure, steps 0-4: equal to one process on the
+global batch; (b) both ranks of group 1 SIGKILLed mid-step 5: group 0 goes on, each step
+equal to one process on group 0's data alone; (d) group 1 restarted, killed during the
+recovery transfer itself; (c) group 1 restarted again, recovered by step 9 and training
+from step 10, its parameters, momentum and lr equal to group 0's bit for bit. A second
+test: the lighthouse unreachable at start raises a clear error on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn as nn
+from dist_utils import free_port
+from ft_jobs import batch, build_model, make_optimizer
+from torchft._torchft import LighthouseServer
+
+JOBS = os.path.join(os.path.dirname(__file__), "ft_jobs.py")
+STEPS, SEED, KILL_AT, REJOIN_BY = 13, 7, 5, 10
+DEADLINE_S = 420  # the whole scenario; a hang fails here instead of blocking CI
+
+
+def _launch(out: str, tag: str, replica: int, **cfg) -> list[subprocess.Popen]:
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        args = {"out": out, "tag": tag, "replica": replica, "replicas": [0, 1], "rank": rank,
+                "port": port, "steps": STEPS, "seed": SEED, "timeout_s": 10, "connect_s": 10,
+                **cfg}
+        log = open(os.path.join(out, f"{tag}_{rank}.log"), "w")
+        procs.append(subprocess.Popen([sys.executable, JOBS, json.dumps(args)], stdout=log,
+                                      stderr=subprocess.STDOUT,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    return procs
+
+
+def _wait(procs: list[subprocess.Popen], deadline: float, out: str) -> list[int]:
+    for p in procs:
+        try:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"a replica group hung; logs in {out}:\n{_logs(out)}") from None
+    return [p.returncode for p in procs]
+
+
+def _logs(out: str) -> str:
+    return "\n".join(f"--- {n}\n{open(os.path.join(out, n)).read()[-3000:]}"
+                     for n in sorted(os.listdir(out)) if n.endswith(".log"))
+
+
+def _records(out: str, tag: str) -> dict[int, dict]:
+    return {s: torch.load(os.path.join(out, f"{tag}_step{s}.pt"))
+            for s in range(STEPS) if os.path.exists(os.path.join(out, f"{tag}_step{s}.pt"))}
+
+
+def _reference(records: dict[int, dict]) -> None:
+    """One process, the same initial model, each step on the global batch of the replica
+    groups that took part in it (group 0 always; group 1 when two took part)."""
+    model = build_model(SEED)
+    opt, sched = make_optimizer(model)
+    for step in range(STEPS):
+        rec = records[step]
+        live = range(rec["participants"])
+        xs, ys = zip(*(batch(step, r, i) for r in live for i in range(2)))
+        nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(rec["params"][n], p.detach(), rtol=1e-6, atol=1e-7,
+                                       msg=lambda m, n=n, s=step: f"step {s} {n}: {m}")
+            torch.testing.assert_close(rec["momenta"][n], opt.state[p]["momentum_buffer"],
+                                       rtol=1e-6, atol=1e-7,
+                                       msg=lambda m, n=n, s=step: f"step {s} {n} momentum: {m}")
+        assert rec["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_replica_group_lost_and_recovered(tmp_path):
+    out = str(tmp_path)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=5000,
+                                  quorum_tick_ms=50, heartbeat_timeout_ms=1000)
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        common = dict(lighthouse=lighthouse.address())
+        # group 0 starts each gated step only once that incarnation of group 1 is up
+        gates = {0: "ready_g1.0", 7: "ready_g1.1", 9: "ready_g1.2"}
+        g0 = _launch(out, "g0", 0, gates=gates, **common)
+        killed = _launch(out, "g1.0", 1, kill_at=KILL_AT, gates={0: "ready_g0"}, **common)
+        assert _wait(killed, deadline, out) == [-9, -9], _logs(out)
+        in_transfer = _launch(out, "g1.1", 1, die_in_transfer=True, **common)
+        assert _wait(in_transfer, deadline, out) == [-9, -9], _logs(out)
+        rejoined = _launch(out, "g1.2", 1, **common)
+        assert _wait(g0 + rejoined, deadline, out) == [0, 0, 0, 0], _logs(out)
+    finally:
+        lighthouse.shutdown()
+
+    g0_rec = _records(out, "g0")
+    assert sorted(g0_rec) == list(range(STEPS)), _logs(out)
+    assert all(r["took_part"] for r in g0_rec.values())
+    # (a) no failure yet: both groups in every step
+    assert [g0_rec[s]["participants"] for s in range(KILL_AT)] == [2] * KILL_AT
+    # (b) the killed group's step was discarded and redone without it
+    assert g0_rec[KILL_AT]["participants"] == 1
+    # (d) the second incarnation died while receiving the checkpoint
+    assert all(os.path.exists(os.path.join(out, f"mid_transfer_g1.1_{r}")) for r in range(2))
+    # (c) the third recovered (not taking part in the step it received the state in) and
+    # trains in lockstep from then on, equal to group 0 bit for bit
+    g1_rec = _records(out, "g1.2")
+    healed = min(g1_rec)
+    assert not g1_rec[healed]["took_part"] and healed + 1 <= REJOIN_BY, g1_rec.keys()
+    assert sorted(g1_rec) == list(range(healed, STEPS))
+    for s in range(healed + 1, STEPS):
+        assert g1_rec[s]["took_part"] and g0_rec[s]["participants"] == 2, s
+    for s, rec in g1_rec.items():
+        for what in ("params", "momenta"):
+            for n, t in rec[what].items():
+                assert torch.equal(t, g0_rec[s][what][n]), (s, what, n)
+        assert rec["lr"] == g0_rec[s]["lr"]
+    _reference(g0_rec)
+
+
+def test_lighthouse_unreachable(tmp_path):
+    out = str(tmp_path)
+    start = time.monotonic()
+    procs = _launch(out, "lonely", 0, lighthouse=f"http://127.0.0.1:{free_port()}",
+                    connect_s=3)
+    codes = _wait(procs, start + 120, out)
+    logs = _logs(out)
+    assert codes == [1, 1], logs
+    assert logs.count("FaultToleranceError: hsdp: replica group 0 cannot reach the torchft "
+                      "lighthouse") == 2, logs
+    assert "torchft_lighthouse --min_replicas 1" in logs

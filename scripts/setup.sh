@@ -6,3 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e '.[dev]'
+# Fault tolerance (hsdp[ft]): torchft 0.2.0 (a 2.5 MB wheel) without its torch requirement,
+# then the small pure-Python packages it imports.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps torchft==0.2.0
+.venv/bin/python -m pip install -q --disable-pip-version-check "opentelemetry-api>=1.39.0" \
+    "opentelemetry-sdk>=1.39.0" "opentelemetry-exporter-otlp-proto-http>=1.39.0"

@@ -97,6 +97,11 @@ def main(cfg: dict) -> None:
     try:
         mesh = hsdp.init_mesh(len(cfg["replicas"]), 2, device_type="cpu",
                               fault_tolerance=_fault_tolerance(cfg))
+        if cfg.get("check_hfsdp"):
+            try:
+                hsdp.fully_shard(nn.Linear(2, 2), mesh=mesh, strategy="hfsdp")
+            except hsdp.FaultToleranceError:
+                _touch(os.path.join(cfg["out"], f"hfsdp_refused_{cfg['rank']}"))
         model = build_model(cfg["seed"])
         for layer in (model[0], model[2]):
             hsdp.fully_shard(layer, mesh=mesh)

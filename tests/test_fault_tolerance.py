@@ -6,7 +6,8 @@ global batch; (b) both ranks of group 1 SIGKILLed mid-step 5: group 0 goes on, e
 equal to one process on group 0's data alone; (d) group 1 restarted, killed during the
 recovery transfer itself; (c) group 1 restarted again, recovered by step 9 and training
 from step 10, its parameters, momentum and lr equal to group 0's bit for bit. A second
-test: the lighthouse unreachable at start raises a clear error on every rank.
+test: the lighthouse unreachable at start raises a clear error on every rank. hfsdp on a
+fault-tolerant mesh is refused on every rank.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def test_replica_group_lost_and_recovered(tmp_path):
         common = dict(lighthouse=lighthouse.address())
         # group 0 starts each gated step only once that incarnation of group 1 is up
         gates = {0: "ready_g1.0", 7: "ready_g1.1", 9: "ready_g1.2"}
-        g0 = _launch(out, "g0", 0, gates=gates, **common)
+        g0 = _launch(out, "g0", 0, gates=gates, check_hfsdp=True, **common)
         killed = _launch(out, "g1.0", 1, kill_at=KILL_AT, gates={0: "ready_g0"}, **common)
         assert _wait(killed, deadline, out) == [-9, -9], _logs(out)
         in_transfer = _launch(out, "g1.1", 1, die_in_transfer=True, **common)
@@ -104,6 +105,8 @@ def test_replica_group_lost_and_recovered(tmp_path):
     finally:
         lighthouse.shutdown()
 
+    # hfsdp cannot be made fault tolerant: refused on every rank
+    assert all(os.path.exists(os.path.join(out, f"hfsdp_refused_{r}")) for r in range(2))
     g0_rec = _records(out, "g0")
     assert sorted(g0_rec) == list(range(STEPS)), _logs(out)
     assert all(r["took_part"] for r in g0_rec.values())

@@ -74,19 +74,87 @@ def _dying_transport(cfg: dict, timeout: timedelta) -> Any:
     return DiesMidTransfer(timeout=timeout, num_chunks=0)
 
 
-def _fault_tolerance(cfg: dict) -> Any:
-    timeout = timedelta(seconds=cfg["timeout_s"])
-    if not cfg.get("die_in_transfer"):
-        return hsdp.FaultTolerance(lighthouse=cfg["lighthouse"], replica_id=str(cfg["replica"]),
-                                   min_replicas=1, timeout=timeout,
-                                   connect_timeout=timedelta(seconds=cfg["connect_s"]))
-    import torchft  # a Manager made by the user: init_mesh takes it as it is
+def _manager(cfg: dict) -> Any:
+    """A torchft Manager made by hand (what init_mesh also takes as it is)."""
+    import torchft
 
+    timeout = timedelta(seconds=cfg["timeout_s"])
+    transport = _dying_transport(cfg, timeout) if cfg.get("die_in_transfer") else None
     return torchft.Manager(
         pg=torchft.ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
         min_replica_size=1, timeout=timeout, rank=cfg["rank"], world_size=2, init_sync=False,
         lighthouse_addr=cfg["lighthouse"], replica_id=str(cfg["replica"]),
-        checkpoint_transport=_dying_transport(cfg, timeout))
+        checkpoint_transport=transport)
+
+
+def _fault_tolerance(cfg: dict) -> Any:
+    if cfg.get("die_in_transfer"):
+        return _manager(cfg)
+    return hsdp.FaultTolerance(lighthouse=cfg["lighthouse"], replica_id=str(cfg["replica"]),
+                               min_replicas=1, timeout=timedelta(seconds=cfg["timeout_s"]),
+                               connect_timeout=timedelta(seconds=cfg["connect_s"]))
+
+
+def _hsdp(cfg: dict) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
+    mesh = hsdp.init_mesh(len(cfg["replicas"]), 2, device_type="cpu",
+                          fault_tolerance=_fault_tolerance(cfg))
+    if cfg.get("check_hfsdp"):
+        try:
+            hsdp.fully_shard(nn.Linear(2, 2), mesh=mesh, strategy="hfsdp")
+        except hsdp.FaultToleranceError:
+            _touch(os.path.join(cfg["out"], f"hfsdp_refused_{cfg['rank']}"))
+    model = build_model(cfg["seed"])
+    for layer in (model[0], model[2]):
+        hsdp.fully_shard(layer, mesh=mesh)
+    hsdp.fully_shard(model, mesh=mesh)
+    opt, sched = make_optimizer(model)
+    return model, opt, sched, hsdp.fault_tolerance(model, opt, sched)
+
+
+def _fsdp2(cfg: dict) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
+    """The peer: torch FSDP2 over the replica group's ranks, torchft wired by hand (the
+    outer all-reduce in FSDP2's all-reduce hook, the recovery state written out)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    manager = _manager(cfg)
+    mesh = init_device_mesh("cpu", (2,))
+    model = build_model(cfg["seed"])
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_all_reduce_hook(
+                lambda t: manager.allreduce(t, reduce_op=dist.ReduceOp.AVG).wait())
+    opt, sched = make_optimizer(model)
+    params = dict(model.named_parameters())
+    names = {id(p): n for n, p in params.items()}
+
+    def state_dict() -> dict:
+        return {"params": {n: p._local_tensor.detach() for n, p in params.items()},
+                "optim": {names[id(p)]: {k: v._local_tensor for k, v in st.items()}
+                          for p, st in opt.state.items()},
+                "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                 for g in opt.param_groups],
+                "sched": sched.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(sd: dict) -> None:
+        for n, p in params.items():
+            p._local_tensor.copy_(sd["params"][n])
+        for n, st in sd["optim"].items():
+            p = params[n]
+            for k, v in st.items():
+                opt.state[p][k] = DTensor.from_local(v.clone(), p.device_mesh, p.placements,
+                                                     shape=p.shape, stride=p.stride())
+        for mine, theirs in zip(opt.param_groups, sd["param_groups"]):
+            mine.update(theirs)
+        sched.load_state_dict(sd["sched"])
+
+    manager.register_state_dict_fn("fsdp2", load_state_dict, state_dict)
+    return model, opt, sched, manager
 
 
 def main(cfg: dict) -> None:
@@ -95,22 +163,11 @@ def main(cfg: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=cfg["rank"], world_size=2)
     try:
-        mesh = hsdp.init_mesh(len(cfg["replicas"]), 2, device_type="cpu",
-                              fault_tolerance=_fault_tolerance(cfg))
-        if cfg.get("check_hfsdp"):
-            try:
-                hsdp.fully_shard(nn.Linear(2, 2), mesh=mesh, strategy="hfsdp")
-            except hsdp.FaultToleranceError:
-                _touch(os.path.join(cfg["out"], f"hfsdp_refused_{cfg['rank']}"))
-        model = build_model(cfg["seed"])
-        for layer in (model[0], model[2]):
-            hsdp.fully_shard(layer, mesh=mesh)
-        hsdp.fully_shard(model, mesh=mesh)
-        opt, sched = make_optimizer(model)
-        manager = hsdp.fault_tolerance(model, opt, sched)
+        model, opt, sched, manager = (_fsdp2 if cfg["library"] == "fsdp2" else _hsdp)(cfg)
         _touch(os.path.join(cfg["out"], f"ready_{cfg['tag']}_{cfg['rank']}"))
         train(cfg, model, opt, sched, manager)
-        hsdp.synchronize(model)
+        if cfg["library"] == "hsdp":
+            hsdp.synchronize(model)
         manager.shutdown(wait=False)
     finally:
         dist.destroy_process_group()

@@ -7,7 +7,8 @@ equal to one process on group 0's data alone; (d) group 1 restarted, killed duri
 recovery transfer itself; (c) group 1 restarted again, recovered by step 9 and training
 from step 10, its parameters, momentum and lr equal to group 0's bit for bit. A second
 test: the lighthouse unreachable at start raises a clear error on every rank. hfsdp on a
-fault-tolerant mesh is refused on every rank.
+fault-tolerant mesh is refused on every rank. The same scenario runs with the peer, torch
+FSDP2 over each group's ranks with torchft wired by hand (``library="fsdp2"``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 import torch.nn as nn
 from dist_utils import free_port
@@ -29,11 +31,13 @@ STEPS, SEED, KILL_AT, REJOIN_BY = 13, 7, 5, 10
 DEADLINE_S = 420  # the whole scenario; a hang fails here instead of blocking CI
 
 
-def _launch(out: str, tag: str, replica: int, **cfg) -> list[subprocess.Popen]:
+def _launch(out: str, tag: str, replica: int, library: str = "hsdp",
+            **cfg) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
     for rank in range(2):
-        args = {"out": out, "tag": tag, "replica": replica, "replicas": [0, 1], "rank": rank,
+        args = {"out": out, "tag": tag, "library": library, "replica": replica,
+                "replicas": [0, 1], "rank": rank,
                 "port": port, "steps": STEPS, "seed": SEED, "timeout_s": 10, "connect_s": 10,
                 **cfg}
         log = open(os.path.join(out, f"{tag}_{rank}.log"), "w")
@@ -86,16 +90,17 @@ def _reference(records: dict[int, dict]) -> None:
         assert rec["lr"] == opt.param_groups[0]["lr"]
 
 
-def test_replica_group_lost_and_recovered(tmp_path):
+@pytest.mark.parametrize("library", ["hsdp", "fsdp2"])
+def test_replica_group_lost_and_recovered(tmp_path, library):
     out = str(tmp_path)
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=5000,
                                   quorum_tick_ms=50, heartbeat_timeout_ms=1000)
     deadline = time.monotonic() + DEADLINE_S
     try:
-        common = dict(lighthouse=lighthouse.address())
+        common = dict(lighthouse=lighthouse.address(), library=library)
         # group 0 starts each gated step only once that incarnation of group 1 is up
         gates = {0: "ready_g1.0", 7: "ready_g1.1", 9: "ready_g1.2"}
-        g0 = _launch(out, "g0", 0, gates=gates, check_hfsdp=True, **common)
+        g0 = _launch(out, "g0", 0, gates=gates, check_hfsdp=library == "hsdp", **common)
         killed = _launch(out, "g1.0", 1, kill_at=KILL_AT, gates={0: "ready_g0"}, **common)
         assert _wait(killed, deadline, out) == [-9, -9], _logs(out)
         in_transfer = _launch(out, "g1.1", 1, die_in_transfer=True, **common)
@@ -106,7 +111,8 @@ def test_replica_group_lost_and_recovered(tmp_path):
         lighthouse.shutdown()
 
     # hfsdp cannot be made fault tolerant: refused on every rank
-    assert all(os.path.exists(os.path.join(out, f"hfsdp_refused_{r}")) for r in range(2))
+    assert library != "hsdp" or all(os.path.exists(os.path.join(out, f"hfsdp_refused_{r}"))
+                                    for r in range(2))
     g0_rec = _records(out, "g0")
     assert sorted(g0_rec) == list(range(STEPS)), _logs(out)
     assert all(r["took_part"] for r in g0_rec.values())

@@ -7,13 +7,15 @@ from pathlib import Path
 
 import hsdp
 from hsdp.bench.emulate import DelayedCollectives
-from hsdp.comm import Collectives
+from hsdp.runtime.streams import SIDE_NAMES, Streams
+from hsdp.sharding.comm import Collectives
 from hsdp.sim.clock import VirtualBackend, VirtualCompute, VirtualSideStream
 from hsdp.sim.engine import RecordedCollectives
-from hsdp.streams import SIDE_NAMES, Streams
 
 TOOLS = ("hsdp.sim", "hsdp.bench", "hsdp.report")
-CORE = [p for p in Path(hsdp.__file__).parent.glob("*.py") if p.stem not in ("__main__", "demo")]
+ROOT = Path(hsdp.__file__).parent
+CORE = [p for p in ROOT.glob("*.py") if p.stem not in ("__main__", "demo")] + [
+    p for pkg in ("runtime", "sharding", "checkpoint") for p in (ROOT / pkg).glob("*.py")]
 
 
 def _imports(path: Path) -> set[str]:

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from hsdp.streams import StreamFailure, Streams
+from hsdp.runtime.streams import StreamFailure, Streams
 
 
 def test_fifo_order_and_cross_stream_dependency():

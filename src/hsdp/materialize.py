@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from hsdp.comm import Collectives
-from hsdp.group import ParamGroup, owner
-from hsdp.schedule import Unit, units_below
+from hsdp.runtime.schedule import Unit, units_below
+from hsdp.sharding.comm import Collectives
+from hsdp.sharding.group import ParamGroup, owner
 
 
 @torch.no_grad()

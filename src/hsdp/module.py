@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from hsdp.policy import check_reshard_after_forward
-from hsdp.schedule import Unit, UnshardHandle, units_below
+from hsdp.runtime.schedule import Unit, UnshardHandle, units_below
 
 _CLASSES: dict[type, type] = {}
 

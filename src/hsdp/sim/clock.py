@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hsdp.streams import (
+from hsdp.runtime.streams import (
     STREAM_NAMES,
     ComputeStream,
     Event,

@@ -42,15 +42,15 @@ from torch.optim.optimizer import (
 )
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-import hsdp.teardown  # noqa: F401  (destroy_process_group waits for hsdp's streams)
-from hsdp.agreement import COMM_OF, StepLog, Verdict, agree, missing, post_note, read_note
-from hsdp.comm import Collectives
-from hsdp.consensus import agree_on_group
-from hsdp.group import ParamGroup, Slot, owner
+import hsdp.runtime.teardown  # noqa: F401  (destroy_process_group waits for hsdp's streams)
 from hsdp.mesh import CommGroups, comm_groups
-from hsdp.pieces import PENDING, adopt_state, same_layout
 from hsdp.policy import MixedPrecision
-from hsdp.streams import Event, SideStream, Streams, Tracer
+from hsdp.runtime.agreement import COMM_OF, StepLog, Verdict, agree, missing, post_note, read_note
+from hsdp.runtime.consensus import agree_on_group
+from hsdp.runtime.streams import Event, SideStream, Streams, Tracer
+from hsdp.sharding.comm import Collectives
+from hsdp.sharding.group import ParamGroup, Slot, owner
+from hsdp.sharding.pieces import PENDING, adopt_state, same_layout
 
 
 def _in_backward() -> bool:

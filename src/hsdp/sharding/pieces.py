@@ -36,8 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from hsdp.layout import boxes
 from hsdp.mesh import registered_groups
+from hsdp.sharding.layout import boxes
 
 
 def placements(shard_outer: bool) -> tuple:

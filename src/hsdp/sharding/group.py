@@ -29,10 +29,12 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from hsdp.comm import Collectives
-from hsdp.layout import FlatLayout
 from hsdp.mesh import CommGroups
-from hsdp.pieces import (
+from hsdp.policy import MixedPrecision
+from hsdp.runtime.streams import Event, SideStream
+from hsdp.sharding.comm import Collectives
+from hsdp.sharding.layout import FlatLayout
+from hsdp.sharding.pieces import (
     Piece,
     as_dtensor,
     attach_chunks,
@@ -44,8 +46,6 @@ from hsdp.pieces import (
     same_layout,
     spec,
 )
-from hsdp.policy import MixedPrecision
-from hsdp.streams import Event, SideStream
 
 Slot = tuple[nn.Module, str]
 

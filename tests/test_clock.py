@@ -4,7 +4,7 @@ virtual clock (one rank, or every rank at once)."""
 import pytest
 import torch
 
-from hsdp.runtime.streams import Streams
+from hsdp.runtime.stream_set import Streams
 from hsdp.sim.clock import virtual_streams
 from hsdp.sim.engine import RecordedCollectives
 

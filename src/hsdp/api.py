@@ -23,7 +23,8 @@ from hsdp.policy import (
     check_strategy,
 )
 from hsdp.runtime.agreement import joined
-from hsdp.runtime.schedule import Unit, units_below
+from hsdp.runtime.hooks import units_below
+from hsdp.runtime.unit import Unit
 from hsdp.sharding.group import ParamGroup, Slot, owner
 
 _UNIT_IDS = itertools.count()

@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from hsdp.runtime.schedule import Unit, units_below
+from hsdp.runtime.hooks import units_below
+from hsdp.runtime.unit import Unit
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.group import ParamGroup, owner
 

@@ -59,7 +59,8 @@ from hsdp.bench.launch import (
 from hsdp.mesh import CommGroups, NcclConfig, comm_groups, init_mesh, new_communicator
 from hsdp.report.args import DTYPES, parse_mesh
 from hsdp.report.table import print_table as print_rows
-from hsdp.runtime.streams import SideStream, Streams
+from hsdp.runtime.stream_set import Streams
+from hsdp.runtime.streams import SideStream
 from hsdp.sharding.comm import Collectives
 
 # Multicast (NVLS) off on multi-GPU machines: see docs/design.md ("Testing on CPU and GPU").

@@ -36,8 +36,10 @@ from hsdp.checkpoint.full_state import clean_key, clean_keys, model_keys, quiesc
 from hsdp.checkpoint.sync import CheckpointError, Meeting
 from hsdp.mesh import host_group
 from hsdp.runtime.teardown import before_destroy
+from hsdp.sharding.chunks import attach_chunks
 from hsdp.sharding.group import owner
-from hsdp.sharding.pieces import Piece, adopt_state, attach_chunks, before_write
+from hsdp.sharding.pieces import Piece, adopt_state
+from hsdp.sharding.write_guard import before_write
 
 ModelState = dict[str, Any]
 OptimState = dict[str, Any]

@@ -1,4 +1,5 @@
-"""Named streams and events: CUDA streams on GPU, one worker thread per stream on CPU.
+"""The stream contract: named streams and events (backends: ``cuda.py``, ``cpu.py``; the
+named set: ``stream_set.py``); CUDA streams on GPU, one worker thread per stream on CPU.
 
 The schedule is written once against this interface. Work for a communication stream is
 a closure handed to ``SideStream.submit(fn, after, label)``: it runs after the events in
@@ -26,12 +27,10 @@ The compute stream is the caller's: CUDA's current stream, or the calling thread
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,23 +172,7 @@ class SideStream(ABC):
         return  # nothing to do where memory is only reused once its last reference is gone
 
 
-# --------------------------------------------------------------------------- CUDA
-
-
-class CudaEvent(Event):
-    def __init__(self, stream: torch.cuda.Stream, label: str = "") -> None:
-        self.label = label
-        self.event = torch.cuda.Event()
-        self.event.record(stream)
-
-    def query(self) -> bool:
-        return self.event.query()
-
-    def synchronize(self) -> None:
-        self.event.synchronize()
-
-
-def _trace_wait(tracer: Tracer, stream: str, event: Event) -> None:
+def trace_wait(tracer: Tracer, stream: str, event: Event) -> None:
     """CUDA: a (zero-length) record of a device-side wait, in host issue order."""
     if tracer.enabled:
         now = time.perf_counter()
@@ -197,7 +180,7 @@ def _trace_wait(tracer: Tracer, stream: str, event: Event) -> None:
                             threading.get_ident()))
 
 
-def _trace_mark(tracer: Tracer, kind: str, label: str) -> None:
+def trace_mark(tracer: Tracer, kind: str, label: str) -> None:
     """A phase mark: a zero-length record, and a profiler range for trace calibration."""
     if tracer.enabled:
         now = time.perf_counter()
@@ -206,212 +189,16 @@ def _trace_mark(tracer: Tracer, kind: str, label: str) -> None:
             pass
 
 
-class _TracedMarks:
+class TracedMarks:
     """``begin`` / ``end`` of the CUDA and CPU compute streams: trace only."""
 
     tracer: Tracer
 
     def begin(self, label: str) -> None:
-        _trace_mark(self.tracer, "begin", label)
+        trace_mark(self.tracer, "begin", label)
 
     def end(self, label: str) -> None:
-        _trace_mark(self.tracer, "end", label)
-
-
-def _current_stream(index: int) -> torch.cuda.Stream:
-    """``torch.cuda.current_stream(index)`` without its generic device-argument handling
-    (an environment read and several calls: about 10-20 us, over a hundred times a
-    step, on the host's critical path)."""
-    sid, dev, dtype = torch._C._cuda_getCurrentStream(index)
-    return torch.cuda.Stream(stream_id=sid, device_index=dev, device_type=dtype)
-
-
-class CudaCompute(_TracedMarks, ComputeStream):
-    """The current stream of hsdp's device. Its index is given explicitly: the current
-    stream of another current device would be the wrong one, and looking the current
-    device up costs host time on every event."""
-
-    def __init__(self, tracer: Tracer, device: torch.device) -> None:
-        self.tracer = tracer
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
-
-    def record(self) -> Event:
-        return CudaEvent(_current_stream(self.index))
-
-    def begin(self, label: str) -> None:
-        self._mark("begin", label)
-
-    def end(self, label: str) -> None:
-        self._mark("end", label)
-
-    def _mark(self, kind: str, label: str) -> None:
-        _trace_mark(self.tracer, kind, label)
-        if self.tracer.enabled:  # when the device gets there (``Tracer.device_marks``)
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(_current_stream(self.index))
-            self.tracer.add_marked(f"hsdp.{kind}:{label}", event)
-
-    def wait(self, event: Event) -> None:
-        assert isinstance(event, CudaEvent)
-        _trace_wait(self.tracer, self.name, event)
-        _current_stream(self.index).wait_event(event.event)
-
-
-class CudaSideStream(SideStream):
-    def __init__(self, name: str, tracer: Tracer, device: torch.device) -> None:
-        super().__init__(name, tracer)
-        # High priority: a collective should start as soon as its inputs are ready.
-        self.stream = torch.cuda.Stream(device=device, priority=-1)
-        self._id = (self.stream.stream_id, self.stream.device_index, self.stream.device_type)
-
-    def submit(self, fn: Callable[[], None], after: Sequence[Event] = (),
-               label: str = "") -> Event:
-        traced = self.tracer.enabled
-        t0 = time.perf_counter() if traced else 0.0
-        rng = torch.profiler.record_function(f"hsdp:{self.name}:{label}") if traced else (
-            nullcontext())
-        with rng, self._current():
-            for ev in after:
-                assert isinstance(ev, CudaEvent)
-                _trace_wait(self.tracer, self.name, ev)
-                self.stream.wait_event(ev.event)
-            if traced:  # its time on the stream, from when its inputs are ready
-                start = torch.cuda.Event(enable_timing=True)
-                start.record(self.stream)
-            fn()
-            event = CudaEvent(self.stream, label)
-        if traced:  # and the host's cost of issuing it (the simulator's calibration)
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(self.stream)
-            self.tracer.add_timed(self.name, label, start, end)
-            self.tracer.add(OpRecord(self.name, f"submit:{label}", t0, time.perf_counter(),
-                                     threading.get_ident()))
-        return event
-
-    def hold(self, t: torch.Tensor) -> None:
-        t.record_stream(self.stream)
-
-    @contextmanager
-    def _current(self) -> Iterator[None]:
-        """``torch.cuda.stream(self.stream)`` at a fraction of its host cost (it looks the
-        current device and stream up through the generic, slow path, twice): this stream
-        is current on its device, which is the current device, until the block ends."""
-        sid, index, dtype = self._id
-        device = torch._C._cuda_getDevice()
-        prev = torch._C._cuda_getCurrentStream(index)
-        torch._C._cuda_setStream(stream_id=sid, device_index=index, device_type=dtype)
-        try:
-            yield
-        finally:
-            torch._C._cuda_setStream(stream_id=prev[0], device_index=prev[1],
-                                     device_type=prev[2])
-            if device != index:  # setting a stream also made its device current
-                torch._C._cuda_setDevice(device)
-
-
-# --------------------------------------------------------------------------- CPU
-
-
-class StreamFailure(RuntimeError):
-    """An op on a communication stream failed; hsdp's communicators are unusable now."""
-
-
-class ThreadEvent(Event):
-    def __init__(self, label: str = "") -> None:
-        self.label = label
-        self._done = threading.Event()
-        self.error: BaseException | None = None
-
-    def set(self, error: BaseException | None = None) -> None:
-        self.error = error
-        self._done.set()
-
-    def query(self) -> bool:
-        return self._done.is_set()
-
-    def wait_for(self, seconds: float) -> bool:
-        """Block up to ``seconds``; True once the op has finished (or failed)."""
-        return self._done.wait(seconds)
-
-    def synchronize(self) -> None:
-        self._done.wait()
-        if self.error is not None:
-            raise StreamFailure(
-                f"hsdp: {self.label or 'an operation'} on a communication stream failed: "
-                f"{self.error!r}. If a collective timed out, a peer rank died, is stuck, or "
-                f"ran a different sequence of hsdp operations (e.g. another number of "
-                f"microbatches); hsdp's communicators cannot be used any more: restart the "
-                f"job (or destroy and re-create the process groups).") from self.error
-
-
-_DONE = ThreadEvent("done")
-_DONE.set()
-
-
-class InlineCompute(_TracedMarks, ComputeStream):
-    """CPU compute runs on the calling thread, so its work is done when issued. Waits are
-    traced as ``wait:<label of the awaited op>`` over the time they block (zero if none)."""
-
-    def __init__(self, tracer: Tracer) -> None:
-        self.tracer = tracer
-
-    def record(self) -> Event:
-        return _DONE
-
-    def wait(self, event: Event) -> None:
-        t0 = time.perf_counter()
-        while not event.wait_for(POLL_S):
-            if self.poll is not None:
-                self.poll()
-        event.synchronize()
-        if not self.tracer.enabled:
-            return
-        label = getattr(event, "label", "")
-        self.tracer.add(OpRecord("compute", f"wait:{label}", t0, time.perf_counter()))
-
-
-class ThreadSideStream(SideStream):
-    """A CPU 'stream': a daemon thread running submitted closures in order. ``failed``
-    is shared by the streams of one set: it holds the first error of any of them."""
-
-    def __init__(self, name: str, tracer: Tracer, failed: list[BaseException]) -> None:
-        super().__init__(name, tracer)
-        self.failed = failed
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=f"hsdp-{name}", daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], None], after: Sequence[Event] = (),
-               label: str = "") -> Event:
-        ev = ThreadEvent(label)
-        self._queue.put((fn, tuple(after), label, ev))
-        return ev
-
-    def _loop(self) -> None:
-        torch.set_grad_enabled(False)  # grad mode is thread-local; buffers never need grad
-        while True:
-            fn, after, label, ev = self._queue.get()
-            try:
-                if self.failed:
-                    raise self.failed[0]
-                for dep in after:
-                    dep.synchronize()
-                t0 = time.perf_counter()
-                fn()
-                if self.tracer.enabled:
-                    self.tracer.add(OpRecord(self.name, label, t0, time.perf_counter()))
-                ev.set()
-            except BaseException as exc:  # surfaced to whoever waits on the event
-                if not self.failed:
-                    self.failed.append(exc)
-                ev.set(exc)
-            # Hold nothing while idle: the last closure may reference a process group,
-            # which must be freed when the program drops it, not at interpreter exit
-            # (a gloo group destroyed then aborted the process: "terminate called").
-            fn = after = ev = None
-
-
-# --------------------------------------------------------------------------- set
+        trace_mark(self.tracer, "end", label)
 
 
 class StreamBackend(ABC):
@@ -426,92 +213,3 @@ class StreamBackend(ABC):
     def side(self, name: str, tracer: Tracer, failed: list[BaseException]) -> SideStream:
         """Side stream ``name``; ``failed``, shared by the set, holds its first failure."""
 
-
-class CudaBackend(StreamBackend):
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def compute(self, tracer: Tracer) -> ComputeStream:
-        return CudaCompute(tracer, self.device)
-
-    def side(self, name: str, tracer: Tracer, failed: list[BaseException]) -> SideStream:
-        return CudaSideStream(name, tracer, self.device)
-
-
-class ThreadBackend(StreamBackend):
-    def compute(self, tracer: Tracer) -> ComputeStream:
-        return InlineCompute(tracer)
-
-    def side(self, name: str, tracer: Tracer, failed: list[BaseException]) -> SideStream:
-        return ThreadSideStream(name, tracer, failed)
-
-
-@dataclass
-class Streams:
-    """The four named streams of docs/design.md ("Streams and communicators")."""
-
-    compute: ComputeStream
-    ag: SideStream
-    rs: SideStream
-    outer: SideStream
-    tracer: Tracer
-    failed: list[BaseException] = field(default_factory=list)  # CPU: see ThreadSideStream
-
-    @staticmethod
-    def of(backend: StreamBackend, tracer: Tracer | None = None) -> Streams:
-        """A set of ``backend``'s streams."""
-        tracer = tracer or Tracer()
-        failed: list[BaseException] = []
-        return Streams(backend.compute(tracer),
-                       *(backend.side(name, tracer, failed) for name in SIDE_NAMES),
-                       tracer, failed)
-
-    @staticmethod
-    def create(device: torch.device, tracer: Tracer | None = None) -> Streams:
-        """CUDA streams on a CUDA ``device``, else CPU worker threads."""
-        backend = CudaBackend(device) if device.type == "cuda" else ThreadBackend()
-        return Streams.of(backend, tracer)
-
-    @staticmethod
-    def for_device(device: torch.device) -> Streams:
-        """The process's streams for ``device``, shared by every hsdp model on it. Models
-        share the communicators, so their collectives must go through one queue per
-        stream (on CPU, one worker thread) to be issued in the same order on every rank."""
-        if device not in _SHARED:
-            _SHARED[device] = Streams.create(device)
-        return _SHARED[device]
-
-    def side(self) -> tuple[SideStream, SideStream, SideStream]:
-        return self.ag, self.rs, self.outer
-
-    def drain(self) -> None:
-        """Make compute wait for everything submitted to the side streams so far."""
-        for s in self.side():
-            # Why: callers (state dict, teardown) need every collective finished.
-            self.compute.wait(s.submit(lambda: None, label="drain"))
-
-    def quiesce(self, seconds: float) -> bool:
-        """Teardown: wait up to ``seconds`` until every stream is idle, ignoring failures
-        (they were reported to whoever waited on the failed op). False if some stream is
-        still busy (a collective whose peer is gone: NCCL's watchdog or gloo's timeout
-        ends it)."""
-        deadline = time.monotonic() + seconds
-        for ev in [s.submit(lambda: None, label="drain") for s in self.side()]:
-            if not ev.wait_for(max(0.0, deadline - time.monotonic())):
-                return False
-        done = self.compute.record()
-        return done.wait_for(max(0.0, deadline - time.monotonic()))
-
-
-def quiesce_all(seconds: float, clear_failures: bool) -> None:
-    """Wait (up to ``seconds`` in all) for every hsdp stream of the process;
-    ``clear_failures``: the process groups are being torn down, so the next world's
-    communicators are new."""
-    deadline = time.monotonic() + seconds
-    for s in _SHARED.values():
-        s.quiesce(max(0.0, deadline - time.monotonic()))
-        if clear_failures:
-            s.failed.clear()
-
-
-_SHARED: dict[torch.device, Streams] = {}

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hsdp.runtime.stream_set import Streams
 from hsdp.runtime.streams import (
     STREAM_NAMES,
     ComputeStream,
@@ -22,7 +23,6 @@ from hsdp.runtime.streams import (
     OpRecord,
     SideStream,
     StreamBackend,
-    Streams,
     Tracer,
 )
 

@@ -284,7 +284,7 @@ def gloo_releases_on_return() -> Iterator[None]:
                 raise TimeoutError("gloo still holds an all-gather's tensors after 10 s")
             time.sleep(0)
 
-    with mock.patch.object(hsdp.comm, "_all_gather", settled):
+    with mock.patch.object(hsdp.sharding.comm, "_all_gather", settled):
         yield
 
 

@@ -3,6 +3,8 @@
 from hsdp.api import clip_grad_norm_, fully_shard, microbatch, synchronize
 from hsdp.checkpoint.dcp import CheckpointError, get_state_dict, load, save, set_state_dict
 from hsdp.checkpoint.full_state import full_state_dict, load_full_state_dict
+from hsdp.ft.outer import FaultTolerance, FaultToleranceError
+from hsdp.ft.replica_state import fault_tolerance
 from hsdp.materialize import materialize
 from hsdp.mesh import NcclConfig, init_mesh
 from hsdp.module import register_forward_method
@@ -12,9 +14,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "FaultTolerance",
+    "FaultToleranceError",
     "MixedPrecision",
     "NcclConfig",
     "clip_grad_norm_",
+    "fault_tolerance",
     "full_state_dict",
     "fully_shard",
     "get_state_dict",

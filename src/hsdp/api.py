@@ -14,6 +14,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp.checkpoint.dcp import finish_saves, load_state_dict_hook, state_dict_hook
+from hsdp.ft.outer import FaultToleranceError
 from hsdp.mesh import as_hsdp_mesh, comm_groups
 from hsdp.module import adopt
 from hsdp.policy import (
@@ -59,6 +60,11 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
         raise RuntimeError(f"fully_shard was already applied to this {type(module).__name__}")
     mesh = as_hsdp_mesh(mesh)
     comms = comm_groups(mesh)
+    if comms.elastic is not None and strategy == "hfsdp":
+        raise FaultToleranceError(
+            "fully_shard: strategy='hfsdp' cannot be made fault tolerant: its optimizer "
+            "state is sharded over the outer axis, so a lost replica group takes state no "
+            "other group holds. Use strategy='hsdp' with init_mesh(fault_tolerance=...)")
     device = (torch.device("cuda", torch.cuda.current_device())
               if mesh.device_type == "cuda" else torch.device(mesh.device_type))
 

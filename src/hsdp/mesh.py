@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hsdp import hosts
+from hsdp.ft.outer import ElasticOuter, FaultTolerance, FaultToleranceError, make_manager
 from hsdp.runtime.consensus import agree_in_store
 
 DIM_NAMES = ("outer", "inner")
@@ -75,6 +77,13 @@ class CommGroups:
     timeout: timedelta
     mesh: DeviceMesh
     nccl: dict[str, NcclConfig]
+    elastic: ElasticOuter | None = None  # fault tolerance: the replica groups (torchft)
+
+    @property
+    def grad_outer(self) -> dist.ProcessGroup | ElasticOuter:
+        """The outer gradient all-reduce's communicator: torchft's managed group with
+        fault tolerance, else ``outer``."""
+        return self.outer if self.elastic is None else self.elastic
 
     @property
     def world(self) -> int:
@@ -88,7 +97,8 @@ class CommGroups:
 def init_mesh(outer: int | None = None, inner: int | None = None,
               device_type: str | None = None, *, nccl: dict[str, NcclConfig] | None = None,
               timeout: timedelta | None = None,
-              allow_inner_across_hosts: bool = False) -> DeviceMesh:
+              allow_inner_across_hosts: bool = False,
+              fault_tolerance: FaultTolerance | Any | None = None) -> DeviceMesh:
     """A 2-D DeviceMesh with dims ("outer", "inner") plus hsdp's three communicators.
 
     Sizes left out come from the launch: outer = nodes, inner = ranks per node (torchrun's
@@ -102,6 +112,12 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
     process group from the environment (torchrun), with this timeout, when none exists yet.
     The ranks' arguments are compared first (every rank raises if they differ); the same
     arguments again return the same mesh.
+
+    ``fault_tolerance`` (an ``hsdp.FaultTolerance`` or a torchft ``Manager``; see
+    ``ft/outer.py``): the outer axis becomes torchft replica groups. Each replica group is
+    its own torch world of ``inner`` ranks (one torchrun per group) and ``outer`` is the
+    number of groups launched; the returned mesh covers this group, (1, inner), and the
+    outer gradient all-reduce runs over the live groups. Only ``strategy="hsdp"``.
     """
     if not all(n is None or isinstance(n, int) and not isinstance(n, bool) and n >= 1
                for n in (outer, inner)):
@@ -117,6 +133,8 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
     device_type = _check_device_type(device_type)
     _init_default_group(timeout)
     _agree_on_arguments(outer, inner, device_type, nccl, timeout)
+    if fault_tolerance is not None:
+        return _init_replica_group(outer, inner, device_type, nccl, timeout, fault_tolerance)
     outer, inner = _sizes_on_hosts(outer, inner, allow_inner_across_hosts)
     if dist.get_world_size() != outer * inner:
         raise ValueError(
@@ -129,6 +147,34 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
         return cached.mesh
     mesh = init_device_mesh(device_type, (outer, inner), mesh_dim_names=DIM_NAMES)
     _GROUPS[_key(mesh)] = _create_groups(mesh, nccl, timeout)
+    return mesh
+
+
+def _init_replica_group(outer: int | None, inner: int | None, device_type: str,
+                        nccl: dict[str, NcclConfig], timeout: timedelta | None,
+                        fault_tolerance: FaultTolerance | Any) -> DeviceMesh:
+    """init_mesh with fault tolerance: this replica group's (1, inner) mesh, whose outer
+    gradient all-reduce goes through torchft."""
+    world = dist.get_world_size()
+    inner = world if inner is None else inner
+    if inner != world:
+        raise FaultToleranceError(
+            f"init_mesh(fault_tolerance=...): inner={inner} but this replica group's world "
+            f"has {world} ranks; each replica group is its own torch world of inner ranks "
+            f"(one torchrun per group, REPLICA_GROUP_ID set per group)")
+    minimum = getattr(fault_tolerance, "min_replicas", 1)
+    if outer is not None and outer < minimum:
+        raise FaultToleranceError(f"init_mesh: outer={outer} replica groups cannot reach "
+                                  f"FaultTolerance.min_replicas={minimum}")
+    timeout = timeout or default_timeout()
+    key = (device_type, tuple(range(inner)), (1, inner))
+    cached = _groups().get(key)
+    if cached is not None and cached.elastic is not None:
+        return cached.mesh
+    mesh = init_device_mesh(device_type, (1, inner), mesh_dim_names=DIM_NAMES)
+    manager = make_manager(fault_tolerance, device_type)
+    _GROUPS[_key(mesh)] = replace(_create_groups(mesh, nccl, timeout),
+                                  elastic=ElasticOuter(manager))
     return mesh
 
 

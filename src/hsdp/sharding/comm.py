@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hsdp.ft.outer import ElasticOuter
+
 # torch 2.13 renamed these; 2.11 only has the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -98,9 +100,15 @@ class Collectives:
         if divisor > 1:
             out.div_(divisor)
 
-    def all_reduce(self, t: torch.Tensor, group: dist.ProcessGroup, axis: str,
+    def all_reduce(self, t: torch.Tensor, group: dist.ProcessGroup | ElasticOuter, axis: str,
                    avg: bool = False) -> None:
-        """``t`` = the sum (``avg``: mean) over ranks of ``t``."""
+        """``t`` = the sum (``avg``: mean) over ranks of ``t``; over the live replica
+        groups when ``group`` is torchft's (even this group alone: it takes part in the
+        quorum)."""
+        if isinstance(group, ElasticOuter):
+            self.before("all_reduce", axis, t.numel() * t.element_size(), group.size())
+            group.all_reduce(t, avg)
+            return
         n = dist.get_world_size(group)
         if n == 1:
             return

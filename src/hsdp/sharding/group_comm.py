@@ -104,8 +104,9 @@ class GroupCollectives:
     @property
     def has_outer_reduction(self) -> bool:
         """False for hsdp on one outer rank: ``accum`` is already the reduced gradient (an
-        outer reduction would only cast it to the reduce dtype and back)."""
-        return self.shard_outer or self.comms.outer_size > 1
+        outer reduction would only cast it to the reduce dtype and back). Always True
+        with fault tolerance: replica groups may join at any step."""
+        return self.shard_outer or self.comms.outer_size > 1 or self.comms.elastic is not None
 
     def outer_reduce(self, stream: SideStream, coll: Collectives,
                      after: Sequence[Event]) -> Event:
@@ -126,7 +127,8 @@ class GroupCollectives:
                 if out is not self.grad_buf:
                     self.grad_buf.copy_(out)
             else:
-                coll.all_reduce(src, self.comms.outer, "outer", avg=self.divide_factor is None)
+                coll.all_reduce(src, self.comms.grad_outer, "outer",
+                                avg=self.divide_factor is None)
                 if src is not self.accum:
                     self.accum.copy_(src)
         kind = "OUTER_RS" if self.shard_outer else "OUTER_AR"

@@ -8,7 +8,7 @@ the quorum, not the configured outer size). A replica that fails mid-step makes 
 collective fail: torchft records the error and ``Manager.should_commit()`` is False on
 every survivor, which then discard the step. torchft is an optional dependency
 (``pip install 'hsdp[ft]'``); this module imports it only when fault tolerance is asked
-for. It imports nothing of hsdp (``comm.py`` dispatches to ``ElasticOuter``).
+for. It imports nothing of hsdp (``sharding/comm.py`` dispatches to ``ElasticOuter``).
 """
 
 from __future__ import annotations
@@ -81,6 +81,25 @@ class ElasticOuter:
         self.manager.allreduce(t, reduce_op=op).wait()
 
 
+def _where(ft: FaultTolerance) -> tuple[str, str, str, int]:
+    """The lighthouse address, the replica id and the replica group's store (host, port):
+    from the settings, else the environment; a clear error naming what is missing."""
+    lighthouse = ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+    replica_id = ft.replica_id or os.environ.get("REPLICA_GROUP_ID")
+    missing = [what for what, v in (("lighthouse (FaultTolerance(lighthouse=...) or "
+                                     "$TORCHFT_LIGHTHOUSE)", lighthouse),
+                                    ("replica_id (FaultTolerance(replica_id=...) or "
+                                     "$REPLICA_GROUP_ID)", replica_id)) if not v]
+    if missing:
+        raise FaultToleranceError(f"init_mesh(fault_tolerance=...): no {' and no '.join(missing)}")
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if host is None or port is None:
+        raise FaultToleranceError("init_mesh(fault_tolerance=...): the replica group's store "
+                                  "address is read from MASTER_ADDR / MASTER_PORT (torchrun); "
+                                  "launch each replica group with torchrun")
+    return lighthouse, str(replica_id), host, int(port)
+
+
 def make_manager(ft: FaultTolerance | Any, device_type: str) -> Any:
     """This rank's torchft ``Manager``: ``ft`` itself if it is one, else one made from
     the settings for this replica group (the current torch world). Rank 0 of the group
@@ -96,19 +115,7 @@ def make_manager(ft: FaultTolerance | Any, device_type: str) -> Any:
     if not isinstance(ft, FaultTolerance):
         raise TypeError(f"init_mesh: fault_tolerance must be a hsdp.FaultTolerance or a "
                         f"torchft.Manager, got {type(ft).__name__}")
-    lighthouse = ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
-    replica_id = ft.replica_id or os.environ.get("REPLICA_GROUP_ID")
-    missing = [what for what, v in (("lighthouse (FaultTolerance(lighthouse=...) or "
-                                     "$TORCHFT_LIGHTHOUSE)", lighthouse),
-                                    ("replica_id (FaultTolerance(replica_id=...) or "
-                                     "$REPLICA_GROUP_ID)", replica_id)) if not v]
-    if missing:
-        raise FaultToleranceError(f"init_mesh(fault_tolerance=...): no {' and no '.join(missing)}")
-    store = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if None in store:
-        raise FaultToleranceError("init_mesh(fault_tolerance=...): the replica group's store "
-                                  "address is read from MASTER_ADDR / MASTER_PORT (torchrun); "
-                                  "launch each replica group with torchrun")
+    lighthouse, replica_id, host, port = _where(ft)
     pg_class = tft.ProcessGroupGloo if device_type == "cpu" else tft.ProcessGroupNCCL
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -117,8 +124,8 @@ def make_manager(ft: FaultTolerance | Any, device_type: str) -> Any:
             pg=pg_class(timeout=ft.timeout), load_state_dict=None, state_dict=None,
             min_replica_size=ft.min_replicas, timeout=ft.timeout,
             quorum_timeout=ft.quorum_timeout, connect_timeout=ft.connect_timeout,
-            rank=rank, world_size=world, store_addr=store[0], store_port=int(store[1]),
-            lighthouse_addr=lighthouse, replica_id=str(replica_id), init_sync=False)
+            rank=rank, world_size=world, store_addr=host, store_port=port,
+            lighthouse_addr=lighthouse, replica_id=replica_id, init_sync=False)
 
     # Rank 0 hosts the group's ManagerServer, which connects to the lighthouse; the
     # others would wait for its address until the store's timeout: share the outcome.

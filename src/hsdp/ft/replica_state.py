@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from hsdp.elastic import FaultToleranceError
+from hsdp.ft.outer import FaultToleranceError
 from hsdp.mesh import comm_groups
-from hsdp.pieces import Piece, piece_like
+from hsdp.sharding.pieces import Piece, piece_like
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from hsdp.sim.engine import RecordedCollectives
 TOOLS = ("hsdp.sim", "hsdp.bench", "hsdp.report")
 ROOT = Path(hsdp.__file__).parent
 CORE = [p for p in ROOT.glob("*.py") if p.stem not in ("__main__", "demo")] + [
-    p for pkg in ("runtime", "sharding", "checkpoint") for p in (ROOT / pkg).glob("*.py")]
+    p for pkg in ("runtime", "sharding", "checkpoint", "ft") for p in (ROOT / pkg).glob("*.py")]
 
 
 def _imports(path: Path) -> set[str]:
@@ -34,14 +34,14 @@ def _imports(path: Path) -> set[str]:
 # Lowest first; a module may import modules of its own layer or lower ones. The longest
 # matching name decides (``hsdp.runtime.streams`` before ``hsdp.runtime``).
 LAYERS = [
-    ("hsdp.policy", "hsdp.hosts", "hsdp.models", "hsdp.runtime.consensus"),
+    ("hsdp.policy", "hsdp.hosts", "hsdp.models", "hsdp.runtime.consensus", "hsdp.ft.outer"),
     ("hsdp.mesh",),
     ("hsdp.runtime.streams",),  # the stream contract
     ("hsdp.runtime.cpu", "hsdp.runtime.cuda", "hsdp.sharding.layout", "hsdp.sharding.comm"),
     ("hsdp.runtime.stream_set", "hsdp.runtime.agreement", "hsdp.runtime.teardown",
      "hsdp.sharding"),
     ("hsdp.runtime",),  # the schedule and everything that drives it
-    ("hsdp.checkpoint", "hsdp.module", "hsdp.materialize"),
+    ("hsdp.checkpoint", "hsdp.module", "hsdp.materialize", "hsdp.ft.replica_state"),
     ("hsdp.api", "hsdp"),
 ]
 

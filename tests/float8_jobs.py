@@ -1,0 +1,153 @@
+"""Float8 training (torchao, emulated on CPU) under hsdp, compared with one process and
+with torch FSDP2 + torchao on the same 2x2 mesh.
+
+Float8 scales each forward's input (and each backward's output gradient) by its own
+amax, so the single-process reference forwards each rank's rows separately (loss
+divided by world x microbatches, gradients accumulated): the data-parallel run is then
+the same computation, element by element.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+import hsdp
+from hsdp.comm import Collectives
+from hsdp.models import Llama, LlamaConfig, lm_loss
+
+ROWS_PER_RANK = 2
+STEPS = 5
+LR, MOMENTUM = 0.1, 0.9
+CFG = dict(vocab=37, hidden=32, heads=4, kv_heads=2, ffn=48, layers=2, seq=8)
+
+
+@dataclass(frozen=True)
+class Case:
+    strategy: str = "hsdp"
+    float8_all_gather: bool = False
+    microbatches: int = 1
+    checkpoint: str = "none"
+
+
+class Recorder(Collectives):
+    """hsdp's collectives, counting the bytes each all-gather moves per mesh axis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.all_gather_bytes = {"inner": 0, "outer": 0}
+
+    def before(self, kind: str, axis: str, nbytes: int, group_size: int) -> None:
+        if kind == "all_gather":
+            self.all_gather_bytes[axis] += nbytes
+
+
+def float8_model(case: Case) -> nn.Module:
+    """The Llama of CFG with its linears in float8 (tensorwise dynamic, emulated), but for
+    those whose dims are not multiples of 16 (the head, vocab 37), as torchao's recipes
+    leave them."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**CFG, checkpoint=case.checkpoint))
+    config = Float8LinearConfig(emulate=True,
+                                enable_fsdp_float8_all_gather=case.float8_all_gather)
+    return convert_to_float8_training(
+        model, config=config,
+        module_filter_fn=lambda m, _: m.in_features % 16 == 0 and m.out_features % 16 == 0)
+
+
+def _tokens(step: int, micro: int, world: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randint(0, CFG["vocab"], (world * ROWS_PER_RANK, CFG["seq"]), generator=g)
+
+
+def _rows(tokens: torch.Tensor, r: int) -> torch.Tensor:
+    return tokens[r * ROWS_PER_RANK:(r + 1) * ROWS_PER_RANK]
+
+
+def _train(model: nn.Module, rank: int, world: int, case: Case, kind: str) -> None:
+    """STEPS steps of SGD with momentum. kind: "ref" (one process, every rank's rows
+    forwarded separately), "hsdp" or "fsdp2"."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    M = case.microbatches
+    for step in range(STEPS):
+        for m in range(M):
+            tokens = _tokens(step, m, world)
+            last = m == M - 1
+            if kind == "ref":
+                for r in range(world):
+                    x = _rows(tokens, r)
+                    (lm_loss(model(x), x) / (M * world)).backward()
+                continue
+            x = _rows(tokens, rank)
+            if kind == "hsdp":
+                with hsdp.microbatch(model, is_last=last):
+                    (lm_loss(model(x), x) / M).backward()
+            else:
+                model.set_requires_all_reduce(last, recurse=True)
+                (lm_loss(model(x), x) / M).backward()
+        opt.step()
+        opt.zero_grad()
+        if kind == "fsdp2" and case.float8_all_gather:
+            precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def _rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(((a[k].float() - b[k].float()).norm()
+                / b[k].float().norm().clamp_min(1e-12)).item() for k in a)
+
+
+def _plain(state: dict) -> dict[str, torch.Tensor]:
+    """A state dict's values as plain full tensors (DTensors gathered, torchao's weight
+    wrapper unwrapped)."""
+    out = {}
+    for k, v in state.items():
+        v = v.full_tensor() if hasattr(v, "full_tensor") else v
+        out[k] = getattr(v, "_tensor", v).detach().clone()
+    return out
+
+
+def float8_job(rank: int, world: int, cases: list[Case]) -> dict[Case, dict]:
+    """For each case: relative error of hsdp's parameters after STEPS steps against the
+    single-process run and against FSDP2 + torchao (same config, same mesh), FSDP2's
+    against the single process, the bytes hsdp's all-gathers moved per axis, and the
+    number of float8 weight elements."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    mesh = hsdp.init_mesh(2, world // 2, "cpu")
+    refs: dict[tuple, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
+    out = {}
+    for case in cases:
+        key = (case.float8_all_gather, case.microbatches, case.checkpoint)
+        if key not in refs:
+            ref = float8_model(case)
+            _train(ref, rank, world, case, "ref")
+            f2 = float8_model(case)
+            for blk in f2.blocks:
+                fsdp2_shard(blk, mesh=mesh)
+            fsdp2_shard(f2, mesh=mesh)
+            _train(f2, rank, world, case, "fsdp2")
+            refs[key] = _plain(ref.state_dict()), _plain(f2.state_dict())
+        ref_state, f2_state = refs[key]
+        model = float8_model(case)
+        float8_numel = sum(m.weight.numel() for m in model.modules()
+                           if type(m).__name__ == "Float8Linear")
+        for blk in model.blocks:
+            hsdp.fully_shard(blk, mesh=mesh, strategy=case.strategy)
+        hsdp.fully_shard(model, mesh=mesh, strategy=case.strategy)
+        recorder = model._hsdp_unit.collectives = Recorder()
+        _train(model, rank, world, case, "hsdp")
+        state = _plain(hsdp.full_state_dict(model))
+        out[case] = {"ref": _rel_err(state, ref_state), "fsdp2": _rel_err(state, f2_state),
+                     "fsdp2_vs_ref": _rel_err(f2_state, ref_state),
+                     "all_gather_bytes": recorder.all_gather_bytes,
+                     "float8_numel": float8_numel}
+    return out

@@ -22,6 +22,7 @@ from hsdp.models import Llama, LlamaConfig, lm_loss
 ROWS_PER_RANK = 2
 STEPS = 5
 LR, MOMENTUM = 0.1, 0.9
+EDIT_AFTER = 1
 CFG = dict(vocab=37, hidden=32, heads=4, kv_heads=2, ffn=48, layers=2, seq=8)
 
 
@@ -31,6 +32,9 @@ class Case:
     float8_all_gather: bool = False
     microbatches: int = 1
     checkpoint: str = "none"
+    bf16: bool = False  # compute in bf16 (MixedPrecision / MixedPrecisionPolicy)
+    compile: bool = False  # torch.compile each block (aot_eager)
+    edit: bool = False  # the float8 weights are scaled by hand after step EDIT_AFTER
 
 
 class Recorder(Collectives):
@@ -69,13 +73,39 @@ def _rows(tokens: torch.Tensor, r: int) -> torch.Tensor:
     return tokens[r * ROWS_PER_RANK:(r + 1) * ROWS_PER_RANK]
 
 
-def _train(model: nn.Module, rank: int, world: int, case: Case, kind: str) -> None:
+def _edit(model: nn.Module, rank: int, world: int, case: Case, kind: str) -> str:
+    """Scale the float8 weights by hand (as a checkpoint load would change them) and
+    make the scales follow: hsdp first refuses to gather them with the old scales (the
+    error is returned), then hsdp.precompute_float8_scales; FSDP2: torchao's
+    precompute (which nothing would force)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__ == "Float8Linear":
+                m.weight.mul_(3.0)
+    refused = ""
+    if kind == "hsdp":
+        x = _rows(_tokens(99, 0, world), rank)
+        try:
+            model(x)
+        except RuntimeError as exc:
+            refused = str(exc)
+        hsdp.precompute_float8_scales(model)
+    elif kind == "fsdp2" and case.float8_all_gather:
+        precompute_float8_dynamic_scale_for_fsdp(model)
+    return refused
+
+
+def _train(model: nn.Module, rank: int, world: int, case: Case, kind: str) -> str:
     """STEPS steps of SGD with momentum. kind: "ref" (one process, every rank's rows
-    forwarded separately), "hsdp" or "fsdp2"."""
+    forwarded separately), "hsdp" or "fsdp2". Returns hsdp's refusal of stale scales
+    (edit cases)."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     M = case.microbatches
+    refused = ""
     for step in range(STEPS):
         for m in range(M):
             tokens = _tokens(step, m, world)
@@ -96,6 +126,9 @@ def _train(model: nn.Module, rank: int, world: int, case: Case, kind: str) -> No
         opt.zero_grad()
         if kind == "fsdp2" and case.float8_all_gather:
             precompute_float8_dynamic_scale_for_fsdp(model)
+        if case.edit and step == EDIT_AFTER:
+            refused = _edit(model, rank, world, case, kind)
+    return refused
 
 
 def _rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -119,6 +152,7 @@ def float8_job(rank: int, world: int, cases: list[Case]) -> dict[Case, dict]:
     single-process run and against FSDP2 + torchao (same config, same mesh), FSDP2's
     against the single process, the bytes hsdp's all-gathers moved per axis, and the
     number of float8 weight elements."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -126,28 +160,34 @@ def float8_job(rank: int, world: int, cases: list[Case]) -> dict[Case, dict]:
     refs: dict[tuple, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
     out = {}
     for case in cases:
-        key = (case.float8_all_gather, case.microbatches, case.checkpoint)
+        key = (case.float8_all_gather, case.microbatches, case.checkpoint, case.bf16,
+               case.edit)
         if key not in refs:
             ref = float8_model(case)
-            _train(ref, rank, world, case, "ref")
+            if not case.bf16:  # one process has no bf16 weight copies to compute with
+                _train(ref, rank, world, case, "ref")
             f2 = float8_model(case)
+            policy = MixedPrecisionPolicy(torch.bfloat16 if case.bf16 else None)
             for blk in f2.blocks:
-                fsdp2_shard(blk, mesh=mesh)
-            fsdp2_shard(f2, mesh=mesh)
+                fsdp2_shard(blk, mesh=mesh, mp_policy=policy)
+            fsdp2_shard(f2, mesh=mesh, mp_policy=policy)
             _train(f2, rank, world, case, "fsdp2")
             refs[key] = _plain(ref.state_dict()), _plain(f2.state_dict())
         ref_state, f2_state = refs[key]
         model = float8_model(case)
         float8_numel = sum(m.weight.numel() for m in model.modules()
                            if type(m).__name__ == "Float8Linear")
+        mp = hsdp.MixedPrecision(torch.bfloat16) if case.bf16 else None
         for blk in model.blocks:
-            hsdp.fully_shard(blk, mesh=mesh, strategy=case.strategy)
-        hsdp.fully_shard(model, mesh=mesh, strategy=case.strategy)
+            hsdp.fully_shard(blk, mesh=mesh, strategy=case.strategy, mp_policy=mp)
+            if case.compile:
+                blk.compile(backend="aot_eager", fullgraph=True)
+        hsdp.fully_shard(model, mesh=mesh, strategy=case.strategy, mp_policy=mp)
         recorder = model._hsdp_unit.collectives = Recorder()
-        _train(model, rank, world, case, "hsdp")
+        refused = _train(model, rank, world, case, "hsdp")
         state = _plain(hsdp.full_state_dict(model))
         out[case] = {"ref": _rel_err(state, ref_state), "fsdp2": _rel_err(state, f2_state),
                      "fsdp2_vs_ref": _rel_err(f2_state, ref_state),
                      "all_gather_bytes": recorder.all_gather_bytes,
-                     "float8_numel": float8_numel}
+                     "float8_numel": float8_numel, "refused": refused}
     return out

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 import hsdp
-from hsdp.comm import Collectives
 from hsdp.models import Llama, LlamaConfig, lm_loss
+from hsdp.sharding.comm import Collectives
 
 ROWS_PER_RANK = 2
 STEPS = 5

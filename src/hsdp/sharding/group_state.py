@@ -75,6 +75,8 @@ class GroupState:
         lo, hi = self.layout.owned_range(self.comms.outer_rank, self.comms.inner_rank)
         before_write(self.sharded)
         self.main.copy_(flat[lo:hi])
+        if self.float8 is not None:  # new scales first (hsdp.precompute_float8_scales),
+            return  # then the next forward gathers hfsdp's float8 inner shard again
         if self.shard_outer:
             self.inner_shard.copy_(flat[self.inner_lo:self.inner_lo + self.layout.shard_numel])
         self.synced_version = self.version()  # the inner shard is up to date

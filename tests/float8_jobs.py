@@ -35,6 +35,7 @@ class Case:
     bf16: bool = False  # compute in bf16 (MixedPrecision / MixedPrecisionPolicy)
     compile: bool = False  # torch.compile each block (aot_eager)
     edit: bool = False  # the float8 weights are scaled by hand after step EDIT_AFTER
+    meta: bool = False  # built on the meta device, initialized by hsdp.materialize
 
 
 class Recorder(Collectives):
@@ -49,19 +50,37 @@ class Recorder(Collectives):
             self.all_gather_bytes[axis] += nbytes
 
 
-def float8_model(case: Case) -> nn.Module:
+def init_fn(m: nn.Module) -> None:
+    """What meta cases initialize with (hsdp.materialize; the references run it over
+    ``modules()`` in order, after the same seed)."""
+    if isinstance(m, nn.Linear):
+        nn.init.trunc_normal_(m.weight, std=0.1)
+    elif isinstance(m, nn.Embedding):
+        nn.init.normal_(m.weight)
+    elif isinstance(m, nn.RMSNorm):
+        nn.init.ones_(m.weight)
+
+
+def float8_model(case: Case, device: str = "cpu") -> nn.Module:
     """The Llama of CFG with its linears in float8 (tensorwise dynamic, emulated), but for
     those whose dims are not multiples of 16 (the head, vocab 37), as torchao's recipes
-    leave them."""
+    leave them. Meta cases: initialized by ``init_fn`` (on the meta device: not yet)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(**CFG, checkpoint=case.checkpoint))
+    with torch.device(device):
+        model = Llama(LlamaConfig(**CFG, checkpoint=case.checkpoint))
     config = Float8LinearConfig(emulate=True,
                                 enable_fsdp_float8_all_gather=case.float8_all_gather)
-    return convert_to_float8_training(
+    model = convert_to_float8_training(
         model, config=config,
         module_filter_fn=lambda m, _: m.in_features % 16 == 0 and m.out_features % 16 == 0)
+    if case.meta and device != "meta":
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for m in model.modules():
+                init_fn(m)
+    return model
 
 
 def _tokens(step: int, micro: int, world: int) -> torch.Tensor:
@@ -161,7 +180,7 @@ def float8_job(rank: int, world: int, cases: list[Case]) -> dict[Case, dict]:
     out = {}
     for case in cases:
         key = (case.float8_all_gather, case.microbatches, case.checkpoint, case.bf16,
-               case.edit)
+               case.edit, case.meta)
         if key not in refs:
             ref = float8_model(case)
             if not case.bf16:  # one process has no bf16 weight copies to compute with
@@ -174,7 +193,7 @@ def float8_job(rank: int, world: int, cases: list[Case]) -> dict[Case, dict]:
             _train(f2, rank, world, case, "fsdp2")
             refs[key] = _plain(ref.state_dict()), _plain(f2.state_dict())
         ref_state, f2_state = refs[key]
-        model = float8_model(case)
+        model = float8_model(case, "meta" if case.meta else "cpu")
         float8_numel = sum(m.weight.numel() for m in model.modules()
                            if type(m).__name__ == "Float8Linear")
         mp = hsdp.MixedPrecision(torch.bfloat16) if case.bf16 else None
@@ -183,6 +202,9 @@ def float8_job(rank: int, world: int, cases: list[Case]) -> dict[Case, dict]:
             if case.compile:
                 blk.compile(backend="aot_eager", fullgraph=True)
         hsdp.fully_shard(model, mesh=mesh, strategy=case.strategy, mp_policy=mp)
+        if case.meta:
+            torch.manual_seed(1)
+            hsdp.materialize(model, init_fn)
         recorder = model._hsdp_unit.collectives = Recorder()
         refused = _train(model, rank, world, case, "hsdp")
         state = _plain(hsdp.full_state_dict(model))

@@ -27,7 +27,8 @@ CASES = [
      for strategy, all_gather in itertools.product(("hsdp", "hfsdp"), (False, True))
 ] + [Case(strategy, True, mb, compile=True, edit=True)
      for strategy, mb in (("hsdp", 1), ("hfsdp", 3))
-] + [Case(strategy, True, bf16=True) for strategy in ("hsdp", "hfsdp")]
+] + [Case(strategy, True, bf16=True) for strategy in ("hsdp", "hfsdp")
+] + [Case(strategy, True, meta=True) for strategy in ("hsdp", "hfsdp")]
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,14 @@ def test_float8_parity_with_one_process_and_fsdp2(case: Case, results: dict) -> 
         assert r["fsdp2_vs_ref"] < TOL, r  # the references agree
         assert r["ref"] < TOL, r
     assert r["fsdp2"] < TOL, r
+
+
+@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
+def test_float8_after_materialize_gathers_float8(strategy: str, results: dict) -> None:
+    """Built on the meta device and initialized by hsdp.materialize: still gathered in
+    float8 (its scales computed from the initialized weights), with the same bytes."""
+    meta, built = results[Case(strategy, True, meta=True)], results[Case(strategy, True)]
+    assert meta["all_gather_bytes"] == built["all_gather_bytes"], (meta, built)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.edit], ids=str)

@@ -74,6 +74,12 @@ class Float8Weights:
             self.set_amax(torch.stack([_unwrapped(p).detach().abs().max().float()
                                        for p in params]))
 
+    def wrap(self, params: Sequence[torch.Tensor]) -> list[nn.Parameter]:
+        """``params`` (laid out like this group's) as torchao float8 weights like these."""
+        return [nn.Parameter(self._wrap(p, proto._linear_mm_config, self.dtype),
+                             requires_grad=p.requires_grad)
+                for p, proto in zip(params, self._protos)]
+
     def set_amax(self, amax: torch.Tensor) -> None:
         """New scales from each weight's global max|w| (``amax``: one per weight)."""
         from torchao.float8.float8_utils import amax_to_scale

@@ -203,6 +203,8 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
         weights' scales."""
         out = torch.zeros(numel, dtype=dtype, device=device)
         if self.float8 is not None and dtype == self.float8.dtype:
+            if any(src.is_meta for src in sources):  # no values, no scales yet
+                return out
             self.float8.cast(out, self._filled(sources, lo, numel, self.orig_dtype, device),
                              self.layout.pieces(lo, lo + numel))
             return out

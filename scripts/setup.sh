@@ -11,3 +11,5 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps torchft==0.2.0
 .venv/bin/python -m pip install -q --disable-pip-version-check "opentelemetry-api>=1.39.0" \
     "opentelemetry-sdk>=1.39.0" "opentelemetry-exporter-otlp-proto-http>=1.39.0"
+# hsdp[float8] (torchao, 3.4 MB, about 2 s): --no-deps keeps pip from touching torch.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps torchao==0.18.0

@@ -1,6 +1,12 @@
 """hsdp: hybrid-sharded data parallel with the DP-outer reduction on its own stream."""
 
-from hsdp.api import clip_grad_norm_, fully_shard, microbatch, synchronize
+from hsdp.api import (
+    clip_grad_norm_,
+    fully_shard,
+    microbatch,
+    precompute_float8_scales,
+    synchronize,
+)
 from hsdp.checkpoint.dcp import CheckpointError, get_state_dict, load, save, set_state_dict
 from hsdp.checkpoint.full_state import full_state_dict, load_full_state_dict
 from hsdp.ft.outer import FaultTolerance, FaultToleranceError
@@ -28,6 +34,7 @@ __all__ = [
     "load_full_state_dict",
     "materialize",
     "microbatch",
+    "precompute_float8_scales",
     "register_forward_method",
     "save",
     "set_state_dict",

@@ -26,6 +26,7 @@ from hsdp.policy import (
 from hsdp.runtime.agreement import joined
 from hsdp.runtime.hooks import units_below
 from hsdp.runtime.unit import Unit
+from hsdp.sharding.float8 import float8_dtype
 from hsdp.sharding.group import ParamGroup, Slot, owner
 
 _UNIT_IDS = itertools.count()
@@ -80,7 +81,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
     shard_device = torch.device("meta") if params and all(meta) else device
     keyed: dict[tuple, tuple[list[nn.Parameter], list[list[Slot]]]] = {}
     for p, s in zip(params, slots):
-        ps, ss = keyed.setdefault((p.dtype, p.requires_grad), ([], []))
+        ps, ss = keyed.setdefault((p.dtype, p.requires_grad, float8_dtype(p)), ([], []))
         ps.append(p)
         ss.append(s)
     label = f"{type(inner).__name__}{next(_UNIT_IDS)}"  # same on every rank
@@ -194,6 +195,15 @@ def synchronize(model: nn.Module) -> None:
     if rt is not None:
         rt.synchronize()
     finish_saves()
+
+
+def precompute_float8_scales(model: nn.Module) -> None:
+    """Compute the scales of every torchao float8 weight of ``model`` (float8 all-gather
+    on) from the weights as they are now: one MAX all-reduce for all of them
+    (``sharding/float8.py``). hsdp does this itself after each ``optimizer.step()``; call
+    it on every rank after changing the weights any other way (loading a checkpoint,
+    editing them). torchao's ``precompute_float8_dynamic_scale_for_fsdp`` is FSDP2's."""
+    _root_unit(model).root_runtime().refresh_float8_scales()
 
 
 def _sharded_grads(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

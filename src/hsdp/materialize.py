@@ -74,6 +74,8 @@ class _Walk:
                 metas = [nn.Parameter(torch.empty(shape, dtype=g.orig_dtype, device="meta"),
                                       requires_grad=sp.requires_grad)
                          for shape, sp in zip(g.layout.shapes, g.sharded)]
+                if g.float8 is not None:  # still gathered in float8
+                    metas = g.float8.wrap(metas)
                 old, g = g, ParamGroup(g.label, metas, g.slots, g.comms, unit.device,
                                        g.outer_requested, g.mp)
                 self._replace(old, g)

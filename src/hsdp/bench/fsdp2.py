@@ -33,10 +33,11 @@ def shard_fsdp2(model: nn.Module, units: list[tuple[nn.Module, bool]], mesh: Dev
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def fsdp2_collectives(mesh: DeviceMesh, tracer: Tracer, fabric: Fabric | None = None,
+def fsdp2_collectives(mesh: DeviceMesh, tracer: Tracer, nbytes: dict[str, int],
+                      fabric: Fabric | None = None,
                       sleep: Callable[[float], None] = time.sleep) -> AbstractContextManager:
     """Within the block, FSDP2's collectives on ``mesh`` are delayed by ``fabric`` (if
-    given, using ``sleep``: a ``hsdp.bench.emulate.SleepClock`` on CUDA) and traced into
-    ``tracer``."""
+    given, using ``sleep``: a ``hsdp.bench.emulate.SleepClock`` on CUDA), traced into
+    ``tracer`` and their bytes counted in ``nbytes``."""
     axes = {id(mesh.get_group("inner")): "inner", id(mesh.get_group("outer")): "outer"}
-    return intercept(axes, tracer, fabric, sleep)
+    return intercept(axes, tracer, fabric, sleep, nbytes=nbytes)

@@ -83,11 +83,13 @@ class DelayedWork:
 @contextmanager
 def intercept(axes: dict[int, str], tracer: Tracer, fabric: Fabric | None = None,
               sleep: Callable[[float], None] = time.sleep,
-              coalescing: Sequence[ModuleType] = ()) -> Iterator[None]:
+              coalescing: Sequence[ModuleType] = (),
+              nbytes: dict[str, int] | None = None) -> Iterator[None]:
     """Within the block, collectives on the groups of ``axes`` are delayed by ``fabric`` (if
     given, using ``sleep``: a ``hsdp.bench.emulate.SleepClock`` on CUDA) and traced into
-    ``tracer``; the original functions are restored on exit."""
-    state = _State(axes, tracer, fabric, sleep)
+    ``tracer``, and their bytes added to ``nbytes["<kind>:<axis>"]`` (if given); the
+    original functions are restored on exit."""
+    state = _State(axes, tracer, fabric, sleep, nbytes)
     originals = {name: getattr(dist, name) for name in WRAPPED if hasattr(dist, name)}
     managers = [(m, m._coalescing_manager) for m in coalescing]
     try:
@@ -109,8 +111,9 @@ class _State:
     an open coalescing manager, the ops recorded there so far (stream, label, delayed)."""
 
     def __init__(self, axes: dict[int, str], tracer: Tracer, fabric: Fabric | None,
-                 sleep: Callable[[float], None]) -> None:
+                 sleep: Callable[[float], None], nbytes: dict[str, int] | None = None) -> None:
         self.axes = axes
+        self.nbytes = nbytes
         self.tracer = tracer
         self.fabric = fabric
         self.sleep = sleep
@@ -144,10 +147,13 @@ def _wrap(fn: Callable, kind: str, sized: str, state: _State) -> Callable:
         pending = state.coalescing.get(id(group))
         if pending is not None:  # recorded now, issued when the manager exits
             pending.append((stream, label))
+        size = buf.numel() * buf.element_size()
+        if state.nbytes is not None:
+            key = f"{kind}:{axis}"
+            state.nbytes[key] = state.nbytes.get(key, 0) + size
         with _traced(state.tracer, stream, label, buf.is_cuda, async_op or pending is not None):
             if state.fabric is not None:
-                state.sleep(state.fabric.seconds(kind, axis, buf.numel() * buf.element_size(),
-                                                 group.size()))
+                state.sleep(state.fabric.seconds(kind, axis, size, group.size()))
             work = fn(*args, **kwargs)
             if async_op and pending is None and state.fabric is not None and buf.is_cuda:
                 return DelayedWork(work, _record())

@@ -109,6 +109,7 @@ from hsdp.bench.trainee import (
     build_unsharded,
     synthetic_batches,
 )
+from hsdp.float8 import INSTALL as FLOAT8_INSTALL
 from hsdp.models import CHECKPOINT_MODES, GPTConfig, LlamaConfig, ModelConfig
 from hsdp.report.args import parse_mesh
 from hsdp.report.compare import CPU_NOTE, compare, describe
@@ -170,6 +171,9 @@ def add_arguments(p: argparse.ArgumentParser,
                    help="microbatches per step (outer reduction on the last only)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="parameter dtype for compute (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--float8", action="store_true",
+                   help="torchao float8 linears (tensorwise, float8 all-gather on) in every "
+                        "schedule; emulated matmuls on CPU (needs hsdp[float8])")
     p.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="fp32",
                    help="gradient reduction dtype")
     p.add_argument("--schedules", type=parse_schedules, default=parse_schedules(
@@ -265,6 +269,7 @@ class Config:
     cuda: bool
     share_gpus: bool = False
     fabric_fit: dict | None = None  # per axis: the fit's largest relative error
+    float8: bool = False  # torchao float8 linears (--float8)
 
     @property
     def global_tokens(self) -> int:
@@ -278,8 +283,8 @@ class Config:
         m = self.model
         kv = f" ({m.kv_heads} kv)" if isinstance(m, LlamaConfig) else ""
         return (f"{m.arch} {m.layers} layers, hidden {m.hidden}, ffn {m.ffn}, heads "
-                f"{m.heads}{kv}, vocab {m.vocab}, seq {m.seq}, mbs {self.mbs}, {self.dtype}: "
-                f"{m.num_params / 1e6:.1f} M params")
+                f"{m.heads}{kv}, vocab {m.vocab}, seq {m.seq}, mbs {self.mbs}, {self.dtype}"
+                f"{' + float8' if self.float8 else ''}: {m.num_params / 1e6:.1f} M params")
 
 
 def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
@@ -308,6 +313,13 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
         raise fail("need --steps >= 1, --warmup >= 1 (the first step records the unit "
                    "order and creates optimizer state), --record-steps >= 1, "
                    "--trace-steps >= 1 and --microbatches >= 1")
+    if args.float8:
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError:
+            raise fail(f"--float8 needs torchao: {FLOAT8_INSTALL}") from None
+    if args.float8 and "mfsdp" in args.schedules:
+        raise fail("--float8: schedule 'mfsdp' is not converted; leave it out")
     if "mfsdp" in args.schedules:
         try:
             import_mfsdp()
@@ -338,7 +350,7 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
                   args.dtype or ("bf16" if cuda else "fp32"), args.reduce_dtype,
                   tuple(args.schedules), args.steps, args.warmup, args.record_steps,
                   args.trace_steps, args.emulate, fabric,
-                  source, args.json, args.out_dir, cuda, share, fit)
+                  source, args.json, args.out_dir, cuda, share, fit, args.float8)
 
 
 # --------------------------------------------------------------------------- launch
@@ -427,7 +439,7 @@ def bench(cfg: Config, device: torch.device, mesh: DeviceMesh) -> dict:
         with _oom_guard(name, cfg):
             before = _allocated(device)
             trainees.append(build(name, cfg.model, cfg.mp, mesh, device, cfg.fabric,
-                                  cfg.emulate))
+                                  cfg.emulate, cfg.float8))
             trainees[-1].resident_bytes = _allocated(device) - before
         progress(f"built {name}")
     for t in trainees:
@@ -537,7 +549,7 @@ def _collective_free(cfg: Config, trainees: list[Trainee], batches: list[torch.T
                      device: torch.device) -> Trainee:
     """Interleaved steps without emulated delays, and the unsharded reference's steps."""
     with _oom_guard("unsharded", cfg):
-        ref = build_unsharded(cfg.model, cfg.mp, cfg.inner, device)
+        ref = build_unsharded(cfg.model, cfg.mp, cfg.inner, device, cfg.float8)
         for _ in range(cfg.warmup):
             ref.step(batches)
     for _ in range(cfg.steps):
@@ -706,6 +718,9 @@ def _results(cfg: Config, device: torch.device, trainees: list[Trainee],
             "side_ms_steps": t.side_ms or None,
             "device_marks_steps": _device_marks(t),
             "other_ranks": others[i],
+            # this rank's, per step (every step issues the same collectives)
+            "collective_bytes_per_step": {k: v // max(t.steps_run, 1)
+                                          for k, v in sorted(t.collective_bytes.items())},
         }
         entry["free_over_unsharded"] = (entry["t_free_ms"] / ref["t_step_ms"]
                                         if ref and entry["t_free_ms"] else None)

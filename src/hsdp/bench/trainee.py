@@ -32,8 +32,10 @@ import hsdp
 from hsdp.bench.emulate import DelayedCollectives, SleepClock, emulate
 from hsdp.bench.fsdp2 import fsdp2_collectives, shard_fsdp2
 from hsdp.bench.mfsdp import shard_mfsdp
+from hsdp.float8 import convert_to_float8
 from hsdp.models import ModelConfig, build_model, lm_loss, shard_units
 from hsdp.runtime.streams import Tracer
+from hsdp.sharding.comm import Collectives
 from hsdp.sim.fabric import Fabric
 
 
@@ -88,6 +90,9 @@ class Trainee:
     host_marks: list[list[list]] = field(default_factory=list)
     side_ms: list[list[list]] = field(default_factory=list)
     device_marks: list[list[list]] = field(default_factory=list)
+    # bytes of the collectives issued so far ("<kind>:<axis>"; hsdp and FSDP2) and steps
+    collective_bytes: dict[str, int] = field(default_factory=dict)
+    steps_run: int = 0
 
     def step(self, batches: list[torch.Tensor], delays: bool = True,
              mark: Callable[[str], None] = _no_mark) -> float:
@@ -109,16 +114,21 @@ class Trainee:
             mark("optimizer")
             host = time.perf_counter() - t0
             self.drain()
+        self.steps_run += 1
         return host
 
 
 def build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: DeviceMesh,
-          device: torch.device, fabric: Fabric | None, emulated: bool) -> Trainee:
+          device: torch.device, fabric: Fabric | None, emulated: bool,
+          float8: bool = False) -> Trainee:
     """The schedule's sharded model (seed 0) and its AdamW. ``fabric``: emulated collective
-    durations (``emulated``: torch's fake process group)."""
+    durations (``emulated``: torch's fake process group). ``float8``: torchao float8
+    linears with float8 all-gather (``float8_model``)."""
     torch.manual_seed(0)
     with torch.device(device):
         model = build_model(model_cfg)
+    if float8:
+        model = float8_model(model, device)
     units = shard_units(model)
     cuda = device.type == "cuda"
     schedule = SCHEDULES[name]
@@ -136,15 +146,24 @@ def build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Devi
         opt = _adamw(model.parameters())
         tracer = model._hsdp_unit.tracer
         runtime_drain = partial(hsdp.synchronize, model)
-        return Trainee(name, model, tracer, partial(_delays, model), partial(hsdp.microbatch,
-                       model), partial(_update, opt), _chain(runtime_drain, drain), error)
+        trainee = Trainee(name, model, tracer, partial(_delays, model),
+                          partial(hsdp.microbatch, model), partial(_update, opt),
+                          _chain(runtime_drain, drain), error)
+        _count_bytes(model._hsdp_unit.collectives, trainee.collective_bytes)
+        return trainee
     tracer = Tracer()
     if schedule.library == "fsdp2":
         shard_fsdp2(model, units, mesh, mp)
         opt = _adamw(model.parameters())
-        comm = partial(_peer_comm, partial(fsdp2_collectives, mesh, tracer), fabric, sleep)
-        return Trainee(name, model, tracer, comm, partial(_fsdp2_microbatch, model),
-                       partial(_update, opt), drain, error)
+        nbytes: dict[str, int] = {}
+        comm = partial(_peer_comm, partial(fsdp2_collectives, mesh, tracer, nbytes), fabric,
+                       sleep)
+        update = partial(_update, opt)
+        if float8:  # torchao's scale refresh for FSDP2, as torchtitan calls it
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+            update = _chain(update, partial(precompute_float8_dynamic_scale_for_fsdp, model))
+        return Trainee(name, model, tracer, comm, partial(_fsdp2_microbatch, model), update,
+                       drain, error, collective_bytes=nbytes)
     outer, inner = mesh.mesh.shape
     # Megatron-FSDP as its users run it: each block class a unit, the rest in the root.
     wrapped = shard_mfsdp(model, list(model.blocks), outer, inner, mp, device, _adamw)
@@ -154,13 +173,15 @@ def build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Devi
 
 
 def build_unsharded(model_cfg: ModelConfig, mp: hsdp.MixedPrecision, inner: int,
-                    device: torch.device) -> Trainee:
+                    device: torch.device, float8: bool = False) -> Trainee:
     """The reference of the module docstring (no collectives, nothing sharded but the
     optimizer's work)."""
     torch.manual_seed(0)
     with torch.device(device):
         model = build_model(model_cfg).to(mp.param_dtype or torch.float32)
         shards = [torch.zeros(math.ceil(p.numel() / inner)) for p in model.parameters()]
+    if float8:
+        model = float8_model(model, device)
     for s in shards:
         s.grad = torch.zeros_like(s)
     opt = _adamw(shards)
@@ -171,6 +192,29 @@ def build_unsharded(model_cfg: ModelConfig, mp: hsdp.MixedPrecision, inner: int,
 
     drain = torch.cuda.synchronize if device.type == "cuda" else _nothing
     return Trainee("unsharded", model, Tracer(), _no_context, _no_context, update, drain)
+
+
+def float8_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` with torchao float8 linears (tensorwise dynamic scaling, float8
+    all-gather on; emulated matmuls off CUDA), as ``hsdp.float8.convert_to_float8`` makes
+    them."""
+    from torchao.float8 import Float8LinearConfig
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True,
+                                emulate=device.type != "cuda")
+    return convert_to_float8(model, config)
+
+
+def _count_bytes(coll: Collectives, nbytes: dict[str, int]) -> None:
+    """Add the bytes of each collective ``coll`` issues to ``nbytes["<kind>:<axis>"]``."""
+    before = coll.before
+
+    def counted(kind: str, axis: str, size: int, group_size: int) -> None:
+        key = f"{kind}:{axis}"
+        nbytes[key] = nbytes.get(key, 0) + size
+        before(kind, axis, size, group_size)
+
+    coll.before = counted
 
 
 def synthetic_batches(vocab: int, mbs: int, seq: int, microbatches: int,

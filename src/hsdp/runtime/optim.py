@@ -13,6 +13,7 @@ from torch.optim.optimizer import (
 )
 
 from hsdp.runtime.hooks import in_backward
+from hsdp.sharding.float8 import refresh_scales
 from hsdp.sharding.group import owner
 from hsdp.sharding.pieces import adopt_state, same_layout
 
@@ -73,6 +74,10 @@ class OptimizerSteps:
             for g in self.trainable:
                 g.pack_state(optimizer.state)
             self._adopted_state[optimizer] = key
+        if self._in_grad_hooks:
+            self._stepped = True  # the float8 scales once, after the last hook
+        else:
+            self.refresh_float8_scales()
         # In-place foreach ops on DTensors bump no version counter: every group the
         # optimizer holds a parameter of counts as written (which only hfsdp's outer
         # all-gather reads: hsdp skips the walk over every parameter).
@@ -85,6 +90,27 @@ class OptimizerSteps:
                     managed[0].mark_written()
         if not self._in_grad_hooks:  # else once, after the last hook
             self._refresh_outer_shards()
+
+    def refresh_float8_scales(self) -> None:
+        """New scales for every float8 weight of the model from its current values (on
+        compute, after the writes that changed them), before any gather casts with them;
+        hfsdp's float8 inner shards are then gathered again with them. Why after each
+        optimizer step and not left to the user (torchao's FSDP2 way): a forgotten call
+        would cast grown weights with stale scales, saturating them without a word."""
+        if not self.float8_groups:
+            return
+        self.settle()
+
+        def reduce(t: torch.Tensor, group: dist.ProcessGroup) -> None:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+
+        refresh_scales([(g.float8, g.float8_pieces(), g.shard_outer)
+                        for g in self.float8_groups],
+                       (self.comms.host_inner, self.comms.host_outer), reduce)
+        for g in self.float8_groups:
+            g.float8.version = g.version()
+            if g.shard_outer:
+                g.mark_written()
 
 
 _CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()

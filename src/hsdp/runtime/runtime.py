@@ -89,6 +89,8 @@ class Runtime(Schedule, Gathering, Recovery, OptimizerSteps):
         self._backward_expected = False  # the last root forward's output needs a backward
         self.param_ids = {id(p) for u in self.units for g in u.groups for p in g.sharded}
         self.shards_outer = any(g.shard_outer for g in self.groups)  # hfsdp
+        self.float8_groups = [g for g in self.groups if g.float8 is not None]
+        self._stepped = False  # an optimizer stepped in the grad hooks now running
         for u in self.units:
             for g in u.groups:
                 g.on_all_grads = self._reduce

@@ -288,11 +288,14 @@ class Schedule:
         optimizer may step in them (optimizer-in-backward); hfsdp then refreshes the outer
         shards once, after the last hook."""
         self._in_grad_hooks = True
+        self._stepped = False
         try:
             for g in reduced:
                 g.run_grad_hooks()
         finally:
             self._in_grad_hooks = False
+        if self._stepped:
+            self.refresh_float8_scales()
         self._refresh_outer_shards()
 
     def _reset_units(self) -> None:

@@ -14,6 +14,8 @@ Buffers (S = inner shard, C = optimizer chunk, N = whole group; see ``layout.py`
                  hfsdp: ``inner_shard``, refreshed by the outer all-gather of ``main``.
 - ``gathered``   [N] param dtype, transient: allocated by the all-gather, freed by
                  ``reshard``; unsharded parameters are views into it.
+A group of torchao float8 weights (``float8.py``) gathers float8 bytes: ``gathered`` and
+hfsdp's ``inner_shard`` are float8, cast from ``main`` with the weights' global scales.
 - ``accum``      [S] original dtype: the inner reduce-scatter accumulates microbatches here;
                  hsdp's outer all-reduce runs on it in place, so it is also hsdp's grad.
 - ``grad_buf``   [C]: hfsdp's outer reduce-scatter output (hsdp: ``accum``).
@@ -34,6 +36,7 @@ from hsdp.mesh import CommGroups
 from hsdp.policy import MixedPrecision
 from hsdp.runtime.streams import Event
 from hsdp.sharding.chunks import attach_chunks
+from hsdp.sharding.float8 import Float8Weights, float8_dtype
 from hsdp.sharding.grad_state import GradientState
 from hsdp.sharding.group_comm import GroupCollectives
 from hsdp.sharding.group_state import GroupState
@@ -73,6 +76,9 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
         self.requires_grad = params[0].requires_grad
         self.orig_dtype = params[0].dtype
         self.param_dtype, self.reduce_dtype = mp.resolve(self.orig_dtype)
+        f8 = float8_dtype(params[0])  # the group key makes it the same for all
+        self.float8 = None if f8 is None else Float8Weights(params, f8)
+        gather_dtype = self.param_dtype if f8 is None else f8
         self.shard_outer = shard_outer and self.requires_grad
         self.layout = lay = FlatLayout.build([tuple(p.shape) for p in params],
                                              comms.inner_size, comms.outer_size,
@@ -89,15 +95,17 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
         if not self.shard_outer:
             self.ag_src = self.main
         else:
-            self.inner_shard = self._filled(sources, self.inner_lo, S, self.param_dtype, device)
+            self.inner_shard = self._filled(sources, self.inner_lo, S, gather_dtype, device)
             self.chunk_offset = owned_lo - self.inner_lo
-            if self.param_dtype == self.orig_dtype:  # main is a window of the inner shard
+            if gather_dtype == self.orig_dtype:  # main is a window of the inner shard
                 self.main = _alias(self.inner_shard, self.chunk_offset, C)
             self.ag_src = self.inner_shard
 
         self._make_sharded(owned_lo, owned_hi)
         self.synced_version: int | None = self.version()
-        self._make_unsharded(params, device)
+        if self.float8 is not None and not self.main.is_meta:
+            self.float8.version = self.synced_version  # scales of the weights as they are
+        self._make_unsharded(params, device, gather_dtype)
 
         self.has_grads = False  # gradient state (buffers, hooks) made
         # None: gradients are means over the DP ranks; f: sums divided by f (FSDP2's
@@ -143,15 +151,19 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
             self._slices.append((a, n))
             self.shard_starts.append(start)
 
-    def _make_unsharded(self, params: list[nn.Parameter], device: torch.device) -> None:
+    def _make_unsharded(self, params: list[nn.Parameter], device: torch.device,
+                        dtype: torch.dtype) -> None:
         """Unsharded parameters: windows of the gathered buffer, whose storage comes
         and goes; own version counters, so re-gathering for backward does not look like
-        an in-place change to autograd's saved tensors."""
-        self.gathered = torch.empty(self.layout.total, dtype=self.param_dtype, device=device)
-        self.unsharded = [
-            nn.Parameter(_alias(self.gathered, off, p.numel()).view(p.shape),
-                         requires_grad=self.requires_grad)
-            for p, off in zip(params, self.layout.offsets)]
+        an in-place change to autograd's saved tensors. Float8: torchao's float8
+        tensors over the windows."""
+        self.gathered = torch.empty(self.layout.total, dtype=dtype, device=device)
+        views = [_alias(self.gathered, off, p.numel()).view(p.shape)
+                 for p, off in zip(params, self.layout.offsets)]
+        self.unsharded = (
+            [nn.Parameter(v, requires_grad=self.requires_grad) for v in views]
+            if self.float8 is None else
+            self.float8.unsharded(views, self.param_dtype, self.requires_grad))
         self._gathered_bytes = self.layout.total * self.gathered.element_size()
         self.gathered.untyped_storage().resize_(0)
 
@@ -161,6 +173,20 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
         parameter's own counter). Foreach ops on DTensors bump nothing: the optimizer
         step hook calls ``mark_written`` instead."""
         return self.main._version + sum(p._version for p in self.sharded)
+
+    def check_float8_scales(self) -> None:
+        """Refuse to gather float8 weights whose values changed since their scales were
+        computed (a load, an edit by hand): the cast would saturate or lose precision."""
+        if self.float8 is not None and self.float8.version != self.version():
+            raise RuntimeError(
+                f"hsdp: the float8 weights of group {self.label} changed since their scales "
+                f"were computed (hsdp computes them after each optimizer.step()); call "
+                f"hsdp.precompute_float8_scales(model) after changing weights another way "
+                f"(loading a checkpoint, editing them), before the next forward")
+
+    def float8_pieces(self) -> list[torch.Tensor]:
+        """This rank's piece of each float8 weight (what its scale is computed from)."""
+        return [self.main[a:a + n] for a, n in self._slices]
 
     def mark_written(self) -> None:
         """hfsdp: the next refresh re-gathers the inner shard from every updated chunk."""
@@ -173,8 +199,15 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
     def _filled(self, sources: list[torch.Tensor], lo: int, numel: int, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
         """``numel`` elements of the flat layout starting at ``lo``, padding zeroed (and
-        where the source is on the meta device: no values yet)."""
+        where the source is on the meta device: no values yet); float8: cast with the
+        weights' scales."""
         out = torch.zeros(numel, dtype=dtype, device=device)
+        if self.float8 is not None and dtype == self.float8.dtype:
+            if any(src.is_meta for src in sources):  # no values, no scales yet
+                return out
+            self.float8.cast(out, self._filled(sources, lo, numel, self.orig_dtype, device),
+                             self.layout.pieces(lo, lo + numel))
+            return out
         for src, pc in zip(sources, self.layout.pieces(lo, lo + numel)):
             if pc is not None and not src.is_meta:
                 out[pc.range_offset:pc.range_offset + pc.length].copy_(
@@ -182,6 +215,8 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
         return out
 
     def use_unsharded(self) -> None:
+        if self.float8 is not None:
+            self.float8.show(self.unsharded, self.param_dtype)
         for slots, p in zip(self.slots, self.unsharded):
             for module, name in slots:
                 module._parameters[name] = p

@@ -9,6 +9,7 @@ import torch
 
 from hsdp.runtime.streams import Event, SideStream
 from hsdp.sharding.comm import Collectives
+from hsdp.sharding.float8 import as_bytes
 
 
 def _allocate(t: torch.Tensor) -> None:
@@ -24,11 +25,19 @@ class GroupCollectives:
 
     def unshard(self, stream: SideStream, coll: Collectives, after: Sequence[Event]) -> Event:
         """Allocate the gathered buffer on ``stream`` and inner all-gather into it."""
+        self.check_float8_scales()
+        cast = self.float8 is not None and self.ag_src.dtype != self.gathered.dtype
+
         def run() -> None:
             self.gathered.untyped_storage().resize_(self._gathered_bytes)
-            chunk = self.gathered[self.inner_lo:self.inner_lo + self.layout.shard_numel]
-            chunk.copy_(self.ag_src)  # cast to param dtype where it differs
-            coll.all_gather(self.gathered, chunk, self.comms.inner_ag, "inner")
+            lo, hi = self.inner_lo, self.inner_lo + self.layout.shard_numel
+            chunk = self.gathered[lo:hi]
+            if cast:  # hsdp float8: this rank's pieces of the weights, cast with their scales
+                self.float8.cast(chunk, self.ag_src, self.layout.pieces(lo, hi))
+            else:
+                chunk.copy_(self.ag_src)  # cast to param dtype where it differs
+            coll.all_gather(as_bytes(self.gathered), as_bytes(chunk), self.comms.inner_ag,
+                            "inner")
         self.gathered_event = stream.submit(run, after, f"AG:{self.label}")
         return self.gathered_event
 
@@ -40,12 +49,20 @@ class GroupCollectives:
 
     def outer_all_gather(self, stream: SideStream, coll: Collectives,
                          after: Sequence[Event]) -> Event:
-        """hfsdp: rebuild the inner shard from every outer rank's updated ``main`` chunk."""
+        """hfsdp: rebuild the inner shard from every outer rank's updated ``main`` chunk
+        (float8 weights: their float8 bytes, cast with their scales)."""
+        self.check_float8_scales()
+
         def run() -> None:
-            chunk = self.inner_shard[self.chunk_offset:self.chunk_offset + self.main.numel()]
-            if chunk.data_ptr() != self.main.data_ptr():
+            lo, n = self.chunk_offset, self.main.numel()
+            chunk = self.inner_shard[lo:lo + n]
+            if self.float8 is not None:
+                start = self.inner_lo + lo
+                self.float8.cast(chunk, self.main, self.layout.pieces(start, start + n))
+            elif chunk.data_ptr() != self.main.data_ptr():
                 chunk.copy_(self.main)  # cast to param dtype
-            coll.all_gather(self.inner_shard, chunk, self.comms.outer, "outer")
+            coll.all_gather(as_bytes(self.inner_shard), as_bytes(chunk), self.comms.outer,
+                            "outer")
         self.synced_version = self.version()
         self.params_ready = stream.submit(run, after, f"OUTER_AG:{self.label}")
         return self.params_ready

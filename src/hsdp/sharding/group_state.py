@@ -71,10 +71,21 @@ class GroupState:
 
     def load_flat(self, flat: torch.Tensor) -> None:
         """Take this rank's shards from ``flat``, the whole group in the original dtype
-        (identical on every rank; no communication)."""
+        (identical on every rank; no communication); float8 weights: their scales too,
+        from the whole weights."""
         lo, hi = self.layout.owned_range(self.comms.outer_rank, self.comms.inner_rank)
         before_write(self.sharded)
         self.main.copy_(flat[lo:hi])
+        if self.float8 is not None:
+            self.float8.set_amax(torch.stack([
+                flat[a:a + n].abs().max().float()
+                for a, n in zip(self.layout.offsets, self.layout.numels)]))
         if self.shard_outer:
-            self.inner_shard.copy_(flat[self.inner_lo:self.inner_lo + self.layout.shard_numel])
+            a, b = self.inner_lo, self.inner_lo + self.layout.shard_numel
+            if self.float8 is None:
+                self.inner_shard.copy_(flat[a:b])
+            else:
+                self.float8.cast(self.inner_shard, flat[a:b], self.layout.pieces(a, b))
         self.synced_version = self.version()  # the inner shard is up to date
+        if self.float8 is not None:
+            self.float8.version = self.synced_version

@@ -10,7 +10,7 @@ pytest.importorskip("torchtitan.train", reason="torchtitan is not installed: pip
                     "--no-deps per the hsdp[torchtitan] extra (README: Using hsdp in torchtitan)")
 
 from dist_utils import run_ranks  # noqa: E402
-from torchtitan_jobs import parity_job  # noqa: E402
+from torchtitan_jobs import checkpoint_job, parity_job  # noqa: E402
 
 
 def test_llama3_debugmodel_matches_one_process_and_fsdp2():
@@ -18,3 +18,11 @@ def test_llama3_debugmodel_matches_one_process_and_fsdp2():
     assert len(per_rank[0]) == 14
     bad = {k: e for r in per_rank for k, e in r.items() if not e < 1e-5}
     assert not bad, bad
+
+
+def test_checkpoint_manager_resumes_bit_for_bit_and_crosses_with_fsdp2(tmp_path):
+    per_rank = run_ranks(checkpoint_job, 4, str(tmp_path))
+    for r in per_rank:
+        assert r["hsdp resume equal"] and r["hfsdp resume equal"], r
+        bad = {k: e for k, e in r.items() if not isinstance(e, bool) and not e < 1e-5}
+        assert not bad, bad

@@ -46,9 +46,20 @@ def make_assets(root: Path) -> None:
             f.write("\n")
 
 
+def _torch_compat() -> None:
+    """torchtitan 0.3.0's trainer calls ``torch.distributed.set_timeout`` after its first
+    step, a name newer than torch 2.11 and 2.13 (which have ``_set_pg_timeout``)."""
+    import torch.distributed as dist
+
+    if not hasattr(dist, "set_timeout"):
+        dist.set_timeout = dist.distributed_c10d._set_pg_timeout
+
+
 def _config(flavor: str, use_hsdp: bool):
     from torchtitan.models.llama3 import model_registry
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    _torch_compat()
 
     def config():
         cfg = llama3_debugmodel()

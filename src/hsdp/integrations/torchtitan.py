@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig
@@ -49,10 +50,17 @@ def options_from_env() -> tuple[str, bool]:
     return strategy, overlap == "1"
 
 
-def _check_supported(parallel_dims: ParallelDims, training: TrainingConfig,
+def _check_supported(model: nn.Module, parallel_dims: ParallelDims, training: TrainingConfig,
                      parallelism: ParallelismConfig) -> None:
     """Refuse (before anything changes) what hsdp cannot do under torchtitan, naming what
     to use instead."""
+    converted = sorted({type(m).__name__ for m in model.modules()
+                        if any(c.__module__.startswith("torchao.") for c in type(m).__mro__)})
+    if converted:
+        raise ValueError(f"hsdp's torchtitan integration does not support torchao-converted "
+                         f"modules ({', '.join(converted)}: torchtitan's float8 / MX / NVFP4 "
+                         f"converters rely on FSDP2's all-gather hooks); drop the converter "
+                         f"or use torchtitan's own llama3 module (FSDP2)")
     refused = {
         "tensor_parallel_degree > 1": parallel_dims.tp_enabled,
         "pipeline_parallel_degree > 1": parallel_dims.pp_enabled,
@@ -82,7 +90,7 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
     hsdp unit per block (and one for the embedding unless it is tied to the output), the
     norm and output head in the root's. ``strategy`` / ``overlap_outer``: default from
     the environment (``options_from_env``)."""
-    _check_supported(parallel_dims, training, parallelism)
+    _check_supported(model, parallel_dims, training, parallelism)
     env_strategy, env_overlap = options_from_env()
     strategy = strategy or env_strategy
     overlap_outer = env_overlap if overlap_outer is None else overlap_outer
@@ -170,13 +178,18 @@ def _adopt_meta_init(model: nn.Module) -> None:
 
 def with_hsdp(config_fn: Callable) -> Callable:
     """``config_fn`` (a torchtitan config function) with its model spec parallelized by
-    hsdp: for config modules of your own."""
+    hsdp: for config modules of your own. torchtitan's ``ChunkedLossWrapper`` becomes its
+    inner loss (the same values): it calls the output head outside the model's forward,
+    relying on FSDP2 grouping ``[norm, lm_head]`` in a unit of their own, which hsdp's
+    ``fully_shard`` (one module per unit) does not do."""
     @functools.wraps(config_fn)
     def config():
         cfg = config_fn()
         cfg.model_spec = dataclasses.replace(cfg.model_spec, name=MODEL_NAME,
                                              parallelize_fn=parallelize_llama)
         cfg.parallelism.spmd_backend = "partial_dtensor"
+        if isinstance(cfg.loss, ChunkedLossWrapper.Config):
+            cfg.loss = cfg.loss.loss_fn
         return cfg
     return config
 

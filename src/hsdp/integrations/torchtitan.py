@@ -34,7 +34,7 @@ from torchtitan.models.llama3 import config_registry as _llama3_configs
 from torchtitan.protocols.module import Module as TitanModule
 
 import hsdp
-from hsdp.checkpoint import load_state_dict_hook
+from hsdp.checkpoint.dcp import load_state_dict_hook
 
 MODEL_NAME = "hsdp_llama3"
 

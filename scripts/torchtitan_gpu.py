@@ -6,7 +6,7 @@
 - As a torchtitan config module (``--module torchtitan_gpu --config NAME``, with this
   folder on ``PYTHONPATH``): ``{fsdp2,hsdp}_{debugmodel,1b}``, torchtitan's
   ``llama3_debugmodel`` trainer config with the ``debugmodel`` or ``1B`` Llama3 flavor
-  (flex attention), parallelized by torchtitan's FSDP2 or by hsdp.
+  (flex attention, unchunked loss), parallelized by torchtitan's FSDP2 or by hsdp.
 - ``python scripts/torchtitan_gpu.py summarize LOG``: the trainer's per-step log lines
   (loss, tokens/s, MFU, peak reserved memory) as JSON on stdout.
 """
@@ -65,6 +65,7 @@ def _config(flavor: str, use_hsdp: bool):
         cfg = llama3_debugmodel()
         cfg.model_spec = model_registry(flavor)
         cfg.validator.enable = False
+        cfg.loss = cfg.loss.loss_fn  # unchunked for both: hsdp's with_hsdp does it
         return cfg
 
     if use_hsdp:

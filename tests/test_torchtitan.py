@@ -16,7 +16,7 @@ pytest.importorskip("torchtitan.train", reason="torchtitan is not installed: pip
                     "--no-deps per the hsdp[torchtitan] extra (README: Using hsdp in torchtitan)")
 
 from dist_utils import run_ranks  # noqa: E402
-from torchtitan_jobs import _meta_model, _parallelize, checkpoint_job, parity_job  # noqa: E402
+from torchtitan_jobs import _meta_model, checkpoint_job, parity_job  # noqa: E402
 
 TESTS = str(Path(__file__).parent)
 ROOT = Path(__file__).parent.parent
@@ -84,6 +84,7 @@ def test_float8_converted_model_is_refused_before_sharding():
     float8 all-gather hsdp does not provide: a clear error, with nothing sharded."""
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
 
     from hsdp.integrations import torchtitan as hsdp_titan
@@ -94,5 +95,8 @@ def test_float8_converted_model_is_refused_before_sharding():
     dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=4,
                         spmd_backend="partial_dtensor")
     with pytest.raises(ValueError, match="float8 / MX / NVFP4 converters"):
-        _parallelize(hsdp_titan.parallelize_llama, model, dims, False, "default")
+        hsdp_titan.parallelize_llama(
+            model, parallel_dims=dims, training=TrainingConfig(),
+            parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+            compile_config=CompileConfig(), ac_config=None, dump_folder="")
     assert not any(hasattr(m, "_hsdp_unit") for m in model.modules())

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv with the small CPU build of torch (pinned) and hsdp with its dev tools.
+# Create .venv with the small CPU build of torch (pinned) and hsdp with its dev tools,
+# then the hsdp[torchtitan] extra (tests/test_torchtitan.py) with --no-deps: its packages'
+# own requirements would pull a CUDA torch (pyproject.toml lists exactly what they import).
 # On a GPU machine, install hsdp into the environment that already has CUDA torch instead:
 #   pip install -e '.[bench]'
 set -euo pipefail
@@ -11,5 +13,7 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps torchft==0.2.0
 .venv/bin/python -m pip install -q --disable-pip-version-check "opentelemetry-api>=1.39.0" \
     "opentelemetry-sdk>=1.39.0" "opentelemetry-exporter-otlp-proto-http>=1.39.0"
-# hsdp[float8] (torchao, 3.4 MB, about 2 s): --no-deps keeps pip from touching torch.
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps torchao==0.18.0
+# hsdp[torchtitan], which includes hsdp[float8] (torchao): --no-deps keeps pip from
+# touching torch.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps $(.venv/bin/python -c \
+  "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['torchtitan']))")

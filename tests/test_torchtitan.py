@@ -4,13 +4,22 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("torchtitan.train", reason="torchtitan is not installed: pip install "
                     "--no-deps per the hsdp[torchtitan] extra (README: Using hsdp in torchtitan)")
 
 from dist_utils import run_ranks  # noqa: E402
-from torchtitan_jobs import parity_job  # noqa: E402
+from torchtitan_jobs import _meta_model, checkpoint_job, parity_job  # noqa: E402
+
+TESTS = str(Path(__file__).parent)
+ROOT = Path(__file__).parent.parent
 
 
 def test_llama3_debugmodel_matches_one_process_and_fsdp2():
@@ -18,3 +27,76 @@ def test_llama3_debugmodel_matches_one_process_and_fsdp2():
     assert len(per_rank[0]) == 14
     bad = {k: e for r in per_rank for k, e in r.items() if not e < 1e-5}
     assert not bad, bad
+
+
+def test_checkpoint_manager_resumes_bit_for_bit_and_crosses_with_fsdp2(tmp_path):
+    per_rank = run_ranks(checkpoint_job, 4, str(tmp_path))
+    for r in per_rank:
+        assert r["hsdp resume equal"] and r["hfsdp resume equal"], r
+        bad = {k: e for k, e in r.items() if not isinstance(e, bool) and not e < 1e-5}
+        assert not bad, bad
+
+
+def _trainer(out: Path, config: str, nproc: int, *args: str) -> dict[int, tuple[float, ...]]:
+    """torchtitan's own ``torchtitan.train`` main on ``nproc`` gloo ranks with
+    ``--module titan_cpu_configs --config CONFIG``; (loss, grad norm) per step."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, str(ROOT / "src")]),
+           "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(out / "hf"),
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node", str(nproc), "-m", "torchtitan.train",
+           "--module", "titan_cpu_configs", "--config", config,
+           "--hf_assets_path", str(out / "assets" / "tokenizer"),
+           "--dataloader.dataset_path", str(out / "assets" / "data"),
+           "--debug.seed", "0", "--training.seq_len", "64", "--training.local_batch_size", "2",
+           "--metrics.log_freq", "1", "--metrics.disable_color_printing",
+           "--checkpoint.enable", "--checkpoint.folder", "ckpt", *args]
+    run = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    steps = {int(m[1]): (float(m[2]), float(m[3])) for m in re.finditer(
+        r"step:\s*(\d+)\s+loss:\s*([-\d.]+)\s+grad_norm:\s*([-\d.]+)\s+memory:\s*[\d.]+GiB"
+        r".*tps: [1-9]", run.stdout + run.stderr)}
+    return steps
+
+
+def test_torchtitan_trainer_main_with_hsdp_matches_its_fsdp2(tmp_path):
+    """torchtitan's trainer main, configured only through its CLI and a config module
+    (``hsdp.integrations.torchtitan.with_hsdp``), trains with hsdp on a 2x2 gloo mesh and
+    logs the losses and gradient norms of its FSDP2 run (to the 5 decimals it prints),
+    with its metrics (memory, tokens/s, MFU). Both start from one seed checkpoint: hsdp's
+    ``init_weights`` draws other random values than torchtitan's."""
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "torchtitan_gpu.py"), "assets",
+                    str(tmp_path / "assets")], check=True)
+    _trainer(tmp_path, "hsdp_debugmodel", 1, "--checkpoint.create_seed_checkpoint",
+             "--dump_folder", "seed")
+    mesh = ["--checkpoint.initial_load_path", str(tmp_path / "seed" / "ckpt" / "step-0"),
+            "--training.steps", "4", "--parallelism.data_parallel_replicate_degree", "2",
+            "--parallelism.data_parallel_shard_degree", "2"]
+    got = _trainer(tmp_path, "hsdp_debugmodel", 4, *mesh, "--dump_folder", "hsdp")
+    want = _trainer(tmp_path, "fsdp2_debugmodel", 4, *mesh, "--dump_folder", "fsdp2")
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    for step, (loss, norm) in want.items():
+        assert got[step] == pytest.approx((loss, norm), abs=1e-5), (step, got, want)
+
+
+def test_float8_converted_model_is_refused_before_sharding():
+    """torchtitan's float8 converter swaps Linear for torchao's Float8Linear, whose FSDP2
+    float8 all-gather hsdp does not provide: a clear error, with nothing sharded."""
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+
+    from hsdp.integrations import torchtitan as hsdp_titan
+
+    model = _meta_model()
+    ffn = model.layers["0"].feed_forward
+    ffn.w1 = Float8Linear.from_float(ffn.w1, config=Float8LinearConfig(emulate=True))
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=4,
+                        spmd_backend="partial_dtensor")
+    with pytest.raises(ValueError, match="float8 / MX / NVFP4 converters"):
+        hsdp_titan.parallelize_llama(
+            model, parallel_dims=dims, training=TrainingConfig(),
+            parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+            compile_config=CompileConfig(), ac_config=None, dump_folder="")
+    assert not any(hasattr(m, "_hsdp_unit") for m in model.modules())

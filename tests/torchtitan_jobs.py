@@ -11,8 +11,15 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import distribute_tensor
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.optimizer import (
+    LRSchedulersContainer,
+    OptimizersContainer,
+    ParamGroupConfig,
+)
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import parallel_dims as titan_dims_module
@@ -146,4 +153,122 @@ def parity_job(rank: int, world: int) -> dict[str, float]:
             out[f"{name} vs ref"] = _rel(got, want)
             out[f"{name} vs fsdp2"] = _rel(got, fsdp2_params)
             hsdp.synchronize(model)
+    return out
+
+
+class _TrainState(Stateful):
+    """The step counter, saved as torchtitan's trainer saves its ``train_state``."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.step = state_dict["step"]
+
+
+# AdamW through torchtitan's OptimizersContainer (it offers no SGD). eps=0.1 keeps the
+# update proportional to the gradient (lr * m / (sqrt(v) + eps)), so reduction-order
+# noise between FSDP2 and hsdp stays noise (testing.md: Adam at eps=1e-8 amplifies it).
+_OPTIMIZER = OptimizersContainer.Config(
+    implementation="foreach",
+    param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
+                                   optimizer_kwargs={"lr": 0.05, "betas": (0.9, 0.95),
+                                                     "eps": 0.1, "weight_decay": 0.1})])
+_LR = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
+                                   min_lr_factor=0.0)
+SAVE_AT = 5
+
+
+def _titan_run(model: nn.Module, rank: int, world: int, folder: str,
+               resume: bool) -> tuple[nn.Module, list[float]]:
+    """torchtitan's training loop pieces on ``model``: its optimizer container, LR
+    schedulers, ``clip_grad_norm_`` and ``CheckpointManager`` (DCP) saving at step
+    ``SAVE_AT`` into ``folder``, or, with ``resume``, loading from there and running
+    the steps after it. Returns the model and this rank's loss per step run."""
+    opt = _OPTIMIZER.build(model_parts=[model])
+    lr = _LR.build(optimizers=opt, training_steps=STEPS)
+    state = _TrainState()
+    ckpt = CheckpointManager.Config(
+        enable=True, interval=SAVE_AT, last_save_model_only=False, keep_latest_k=0,
+        exclude_from_loading=["dataloader"],
+    ).build(dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=lr,
+            states={"train_state": state}, sd_adapter=None, base_folder=folder)
+    if resume:
+        assert ckpt.load(step=SAVE_AT) and state.step == SAVE_AT
+    data = _batches(world, 1)
+    losses = []
+    for step in range(state.step + 1, STEPS + 1):
+        loss = _loss(model, data[step - 1, 0, rank], world * ROWS * SEQ)
+        loss.backward()
+        titan_dist.clip_grad_norm_(list(model.parameters()), MAX_NORM, foreach=True)
+        opt.step()
+        lr.step()
+        opt.zero_grad()
+        state.step = step
+        losses.append(loss.item())
+        if not resume:
+            ckpt.save(curr_step=step)
+    ckpt.close()
+    return model, losses
+
+
+def _hsdp_model(dims: ParallelDims, strategy: str) -> nn.Module:
+    model = _parallelize(hsdp_titan.parallelize_llama, _meta_model(), dims, True, "default",
+                         strategy=strategy, overlap_outer=strategy == "hsdp")
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model
+
+
+def _fsdp2_model(dims: ParallelDims) -> nn.Module:
+    """torchtitan's FSDP2 path, with the parameters hsdp's ``init_weights`` gives."""
+    init = list(_reference().parameters())
+    model = _parallelize(fsdp2_parallelize_llama, _meta_model(), dims, True, "default")
+    for m in model.modules():  # gloo has no PREMUL_SUM
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+        for p, q in zip(model.parameters(), init):
+            p.copy_(distribute_tensor(q.detach(), p.device_mesh, p.placements))
+    return model
+
+
+def checkpoint_job(rank: int, world: int, root: str) -> dict[str, float | bool]:
+    """torchtitan's ``CheckpointManager`` on hsdp models: a resume from step ``SAVE_AT``
+    equals the uninterrupted run bit for bit (both strategies), and checkpoints cross
+    between torchtitan's FSDP2 path and hsdp (each resumed run against the uninterrupted
+    run of the path that wrote the checkpoint, relative error)."""
+    titan_dims_module.device_type = "cpu"
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=world,
+                        spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    out: dict[str, float | bool] = {}
+    full: dict[str, list[torch.Tensor]] = {}
+    for strategy in ("hsdp", "hfsdp"):
+        model, losses = _titan_run(_hsdp_model(dims, strategy), rank, world,
+                                   f"{root}/{strategy}", resume=False)
+        full[strategy] = _full_params(model)
+        hsdp.synchronize(model)
+        model, resumed = _titan_run(_hsdp_model(dims, strategy), rank, world,
+                                    f"{root}/{strategy}", resume=True)
+        got = _full_params(model)
+        out[f"{strategy} resume equal"] = (resumed == losses[SAVE_AT:] and all(
+            torch.equal(a, b) for a, b in zip(got, full[strategy])))
+        hsdp.synchronize(model)
+    model, _ = _titan_run(_fsdp2_model(dims), rank, world, f"{root}/fsdp2", resume=False)
+    full["fsdp2"] = _full_params(model)
+    out["fsdp2 vs hsdp uninterrupted"] = _rel(full["fsdp2"], full["hsdp"])
+    model, _ = _titan_run(_hsdp_model(dims, "hsdp"), rank, world, f"{root}/fsdp2",
+                          resume=True)
+    out["fsdp2 ckpt -> hsdp"] = _rel(_full_params(model), full["fsdp2"])
+    hsdp.synchronize(model)
+    model, _ = _titan_run(_fsdp2_model(dims), rank, world, f"{root}/hsdp", resume=True)
+    out["hsdp ckpt -> fsdp2"] = _rel(_full_params(model), full["hsdp"])
     return out

@@ -22,15 +22,19 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
+from torchtitan.models.common.attention import FusedQKVLinear
 from torchtitan.models.llama3 import config_registry as _llama3_configs
 from torchtitan.protocols.module import Module as TitanModule
 
 import hsdp
+from hsdp.checkpoint.dcp import load_state_dict_hook
 
 MODEL_NAME = "hsdp_llama3"
 
@@ -46,10 +50,17 @@ def options_from_env() -> tuple[str, bool]:
     return strategy, overlap == "1"
 
 
-def _check_supported(parallel_dims: ParallelDims, training: TrainingConfig,
+def _check_supported(model: nn.Module, parallel_dims: ParallelDims, training: TrainingConfig,
                      parallelism: ParallelismConfig) -> None:
     """Refuse (before anything changes) what hsdp cannot do under torchtitan, naming what
     to use instead."""
+    converted = sorted({type(m).__name__ for m in model.modules()
+                        if any(c.__module__.startswith("torchao.") for c in type(m).__mro__)})
+    if converted:
+        raise ValueError(f"hsdp's torchtitan integration does not support torchao-converted "
+                         f"modules ({', '.join(converted)}: torchtitan's float8 / MX / NVFP4 "
+                         f"converters rely on FSDP2's all-gather hooks); drop the converter "
+                         f"or use torchtitan's own llama3 module (FSDP2)")
     refused = {
         "tensor_parallel_degree > 1": parallel_dims.tp_enabled,
         "pipeline_parallel_degree > 1": parallel_dims.pp_enabled,
@@ -79,7 +90,7 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
     hsdp unit per block (and one for the embedding unless it is tied to the output), the
     norm and output head in the root's. ``strategy`` / ``overlap_outer``: default from
     the environment (``options_from_env``)."""
-    _check_supported(parallel_dims, training, parallelism)
+    _check_supported(model, parallel_dims, training, parallelism)
     env_strategy, env_overlap = options_from_env()
     strategy = strategy or env_strategy
     overlap_outer = env_overlap if overlap_outer is None else overlap_outer
@@ -105,7 +116,31 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
     shard(model, reshard_after_forward=policy == "always")
     model.set_gradient_divide_factor(1.0)
     _adopt_meta_init(model)
+    _load_merged_qkv(model)
     return model
+
+
+def _load_merged_qkv(model: nn.Module) -> None:
+    """torchtitan's ``FusedQKVLinear`` checkpoints ``wqkv`` as ``wq`` / ``wk`` / ``wv`` and
+    merges them back in its own load pre-hook, which runs after hsdp's (registered on the
+    enclosing unit, above it) and yields a replicated DTensor: hand that full value to
+    hsdp's hook once the merge has made it."""
+    units = {name: m for name, m in model.named_modules() if hasattr(m, "_hsdp_unit")}
+    for name, m in model.named_modules():
+        if isinstance(m, FusedQKVLinear):
+            unit = max((u for u in units if u == "" or name.startswith(u + ".")), key=len)
+            m.register_load_state_dict_pre_hook(functools.partial(
+                _load_qkv_into_unit, unit=units[unit],
+                rel_len=len(name) - len(unit) - (unit != "")))
+
+
+def _load_qkv_into_unit(module: nn.Module, state_dict: dict, prefix: str, *_: object,
+                        unit: nn.Module, rel_len: int) -> None:
+    for key in (f"{prefix}wqkv.weight", f"{prefix}wqkv.bias"):
+        value = state_dict.get(key)
+        if isinstance(value, DTensor) and all(p.is_replicate() for p in value.placements):
+            state_dict[key] = value.to_local()
+    load_state_dict_hook(unit, state_dict, prefix[:len(prefix) - rel_len - 1])
 
 
 class _MetaInit:
@@ -141,19 +176,25 @@ def _adopt_meta_init(model: nn.Module) -> None:
     model.__class__ = _META_CLASSES[cls]
 
 
-def _with_hsdp(config_fn: Callable) -> Callable:
-    """A torchtitan config function whose model spec is parallelized by hsdp."""
+def with_hsdp(config_fn: Callable) -> Callable:
+    """``config_fn`` (a torchtitan config function) with its model spec parallelized by
+    hsdp: for config modules of your own. torchtitan's ``ChunkedLossWrapper`` becomes its
+    inner loss (the same values): it calls the output head outside the model's forward,
+    relying on FSDP2 grouping ``[norm, lm_head]`` in a unit of their own, which hsdp's
+    ``fully_shard`` (one module per unit) does not do."""
     @functools.wraps(config_fn)
     def config():
         cfg = config_fn()
         cfg.model_spec = dataclasses.replace(cfg.model_spec, name=MODEL_NAME,
                                              parallelize_fn=parallelize_llama)
         cfg.parallelism.spmd_backend = "partial_dtensor"
+        if isinstance(cfg.loss, ChunkedLossWrapper.Config):
+            cfg.loss = cfg.loss.loss_fn
         return cfg
     return config
 
 
-_CONFIGS = {name: _with_hsdp(fn) for name, fn in vars(_llama3_configs).items()
+_CONFIGS = {name: with_hsdp(fn) for name, fn in vars(_llama3_configs).items()
             if name.startswith("llama3_") and callable(fn)}
 
 

@@ -1,0 +1,231 @@
+"""Tensor parallelism inside hsdp units: a tiny Llama-style model with torchtitan's TP plan on
+an (outer, inner, tp) mesh, compared with one process and with FSDP2 + the same TP plan.
+
+Data: DP rank d = o * inner + i (the tp ranks of one (o, i) see the same rows) takes rows
+[d*b, (d+1)*b) of each global microbatch; its loss is the mean over its rows divided by the
+number of microbatches, so the mean of the DP ranks' gradients is the reference's.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+import hsdp
+
+VOCAB, DIM, HEADS, FFN, SEQ, LAYERS = 32, 16, 4, 32, 9, 2  # inputs: SEQ - 1 = 8 tokens
+ROWS_PER_RANK = 2
+STEPS = 3
+LR, MOMENTUM = 0.1, 0.9
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq, self.wk, self.wv = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
+        self.wo = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1: the heads this rank holds (all of them without TP, HEADS / tp with it)
+        q, k, v = (w(x).view(b, s, -1, DIM // HEADS).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(DIM, FFN, bias=False)
+        self.w2 = nn.Linear(FFN, DIM, bias=False)
+        self.w3 = nn.Linear(DIM, FFN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(DIM)
+        self.attention = Attention()
+        self.ffn_norm = nn.RMSNorm(DIM)
+        self.feed_forward = FeedForward()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = nn.RMSNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+        with torch.no_grad():  # norm weights away from 1: their gradients matter
+            for m in self.modules():
+                if isinstance(m, nn.RMSNorm):
+                    m.weight.uniform_(0.5, 1.5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def apply_tp(model: Llama, tp_mesh: DeviceMesh) -> None:
+    """torchtitan's Llama TP plan (sequence-parallel norms, no loss parallel)."""
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),),
+                                            desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+
+
+@dataclass(frozen=True)
+class TPCase:
+    strategy: str = "hsdp"  # "hsdp", "hfsdp", or "fsdp2" (torch's FSDP2 HSDP + TP)
+    overlap: bool = True
+    microbatches: int = 1
+
+
+def _tokens(step: int, micro: int, dp: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randint(0, VOCAB, (dp * ROWS_PER_RANK, SEQ), generator=g)
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def train(model: nn.Module, runner: str, microbatches: int, dp_rank: int, dp: int) -> None:
+    """STEPS steps of SGD with momentum. runner: "ref" (the whole batch), "hsdp", "fsdp2"."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    for step in range(STEPS):
+        for m in range(microbatches):
+            tokens = _tokens(step, m, dp)
+            if runner != "ref":
+                tokens = tokens[dp_rank * ROWS_PER_RANK:(dp_rank + 1) * ROWS_PER_RANK]
+            last = m == microbatches - 1
+            if runner == "hsdp":
+                with hsdp.microbatch(model, is_last=last):
+                    (_loss(model, tokens) / microbatches).backward()
+            else:
+                if runner == "fsdp2":
+                    model.set_requires_all_reduce(last, recurse=True)
+                (_loss(model, tokens) / microbatches).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (over DP and TP shards), on CPU."""
+    with torch.no_grad():
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+                for k, v in model.named_parameters()}
+
+
+def rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)).item() for k in a)
+
+
+def sharded_model(mesh: DeviceMesh, case: TPCase) -> Llama:
+    """The reference's initial model with the TP plan on mesh["tp"], then data-parallel
+    sharding by hsdp (every block, then the root) or by FSDP2 on mesh["outer", "inner"]."""
+    torch.manual_seed(0)
+    model = Llama()
+    apply_tp(model, mesh["tp"])
+    if case.strategy == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        for block in model.layers:
+            fully_shard(block, mesh=mesh["outer", "inner"])
+        fully_shard(model, mesh=mesh["outer", "inner"])
+        return model
+    for block in model.layers:
+        hsdp.fully_shard(block, mesh=mesh, strategy=case.strategy, overlap_outer=case.overlap)
+    hsdp.fully_shard(model, mesh=mesh, strategy=case.strategy, overlap_outer=case.overlap)
+    return model
+
+
+def mesh_errors() -> list[str]:
+    """init_mesh's errors for sizes that do not fit the world (8 ranks) or are not sizes."""
+    out = []
+    for sizes in ((3, 1, 2), (2, 2, 3), (2, 2, 0), (1, 2, 2)):
+        try:
+            hsdp.init_mesh(*sizes, "cpu")
+            out.append(f"{sizes}: no error")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def parity_job(rank: int, world: int, shape: tuple[int, int, int],
+               cases: list[TPCase]) -> dict:
+    """For each case: relative error of the trained parameters against one process, and
+    hsdp's against FSDP2 + TP (same microbatches). Also "mesh": the mesh's dims and ranks,
+    and "errors": ``mesh_errors()``."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    outer, inner, tp = shape
+    mesh = hsdp.init_mesh(outer, inner, tp, "cpu")
+    out: dict = {"mesh": (mesh.mesh_dim_names, mesh.mesh.tolist(), mesh["tp"].mesh.tolist()),
+                 "errors": mesh_errors()}
+    dp_rank = rank // tp
+    refs: dict[int, dict[str, torch.Tensor]] = {}
+    fsdp2: dict[int, dict[str, torch.Tensor]] = {}
+    for case in cases:
+        M = case.microbatches
+        if M not in refs:
+            torch.manual_seed(0)
+            ref = Llama()
+            train(ref, "ref", M, 0, outer * inner)
+            refs[M] = {k: v.detach().clone() for k, v in ref.named_parameters()}
+        model = sharded_model(mesh, case)
+        train(model, "fsdp2" if case.strategy == "fsdp2" else "hsdp", M, dp_rank,
+              outer * inner)
+        if case.strategy != "fsdp2":
+            hsdp.synchronize(model)
+        got = full_params(model)
+        errs = {"ref": rel_err(got, refs[M])}
+        if case.strategy == "fsdp2":
+            fsdp2[M] = got
+        elif M in fsdp2:
+            errs["fsdp2"] = rel_err(got, fsdp2[M])
+        out[case] = errs
+    return out

@@ -10,13 +10,15 @@ import itertools
 
 import pytest
 from dist_utils import run_ranks
-from tp_jobs import TPCase, parity_job
+from tp_jobs import CKPT_TARGETS, TPCase, checkpoint_job, errors_job, parity_job
 
 TOL = 1e-5  # fp32, SGD with momentum, 3 steps
 
 FSDP2_CASES = [TPCase("fsdp2", True, mb) for mb in (1, 3)]
 CASES = [TPCase(strategy, overlap, mb) for strategy, overlap, mb in itertools.product(
-    ("hsdp", "hfsdp"), (True, False), (1, 3))]
+    ("hsdp", "hfsdp"), (True, False), (1, 3))] + [
+    TPCase(strategy, True, 1, clip) for strategy, clip in (
+        ("hsdp", "torch-2"), ("hfsdp", "hsdp-2"), ("hfsdp", "torch-inf"), ("hsdp", "hsdp-inf"))]
 
 
 @pytest.fixture(scope="module")
@@ -45,5 +47,29 @@ def test_tp_parity(case: TPCase, results: list[dict]) -> None:
     errs = [r[case] for r in results]
     assert all(e == errs[0] for e in errs), f"ranks disagree: {errs}"
     assert errs[0]["ref"] < TOL, errs[0]
-    if case.strategy != "fsdp2":
+    if case.clip:  # the norm over every TP and DP shard, and clipping was active
+        assert errs[0]["clipped"] and errs[0]["norm"] < TOL, errs[0]
+    elif case.strategy != "fsdp2":
         assert errs[0]["fsdp2"] < TOL, errs[0]
+
+
+def test_tp_checkpoint_reshards(tmp_path) -> None:
+    """DCP save on (2, 2, 2), load on (1, 4, 2), on a 2-D (2, 4) mesh without TP and on
+    (1, 1, 8); two more steps equal one process. full_state_dict is whole over TP."""
+    per_rank = run_ranks(checkpoint_job, 8, str(tmp_path / "ckpt"))
+    errs = per_rank[0]
+    assert all(r == errs for r in per_rank), per_rank
+    assert errs["full_state_dict"] < TOL, errs
+    for outer, inner, tp, _ in CKPT_TARGETS:
+        assert errs[f"{outer}x{inner}x{tp}"] < TOL, errs
+
+
+def test_tp_errors() -> None:
+    """A DTensor parameter on a mesh without "tp", on a mesh other than mesh["tp"], with a
+    placement hsdp cannot flatten: a ValueError naming the fix, on every rank, before the
+    module changes."""
+    for errs in run_ranks(errors_job, 8):  # each names this rank's tp ranks
+        assert "has no 'tp' dim" in errs["2d"], errs
+        assert "pass mesh['tp']" in errs["not_tp"], errs
+        assert "cannot flatten" in errs["strided"], errs
+        assert "cannot flatten" in errs["partial"], errs

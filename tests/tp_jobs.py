@@ -2,8 +2,9 @@
 an (outer, inner, tp) mesh, compared with one process and with FSDP2 + the same TP plan.
 
 Data: DP rank d = o * inner + i (the tp ranks of one (o, i) see the same rows) takes rows
-[d*b, (d+1)*b) of each global microbatch; its loss is the mean over its rows divided by the
-number of microbatches, so the mean of the DP ranks' gradients is the reference's.
+[d*b, (d+1)*b) of each global microbatch of ROWS rows (b = ROWS / DP ranks); its loss is
+the mean over its rows divided by the number of microbatches, so the mean of the DP ranks'
+gradients is the reference's.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from torch.distributed.tensor.parallel import (
 
 import hsdp
 
-VOCAB, DIM, HEADS, FFN, SEQ, LAYERS = 32, 16, 4, 32, 9, 2  # inputs: SEQ - 1 = 8 tokens
-ROWS_PER_RANK = 2
+VOCAB, DIM, HEADS, FFN, SEQ, LAYERS = 32, 16, 8, 32, 9, 2  # inputs: SEQ - 1 = 8 tokens
+ROWS = 8  # global batch: every DP size up to 8 gets whole rows
 STEPS = 3
 LR, MOMENTUM = 0.1, 0.9
+CLIP = 0.05  # below every gradient norm of these runs: clipping is active
 
 
 class Attention(nn.Module):
@@ -120,11 +122,12 @@ class TPCase:
     strategy: str = "hsdp"  # "hsdp", "hfsdp", or "fsdp2" (torch's FSDP2 HSDP + TP)
     overlap: bool = True
     microbatches: int = 1
+    clip: str = ""  # "torch-2" / "hsdp-inf" ...: clip_grad_norm_ (whose, norm type) each step
 
 
-def _tokens(step: int, micro: int, dp: int) -> torch.Tensor:
+def _tokens(step: int, micro: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + micro)
-    return torch.randint(0, VOCAB, (dp * ROWS_PER_RANK, SEQ), generator=g)
+    return torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
 
 
 def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -134,14 +137,32 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def train(model: nn.Module, runner: str, microbatches: int, dp_rank: int, dp: int) -> None:
-    """STEPS steps of SGD with momentum. runner: "ref" (the whole batch), "hsdp", "fsdp2"."""
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    for step in range(STEPS):
+def _clip(model: nn.Module, clip: str, runner: str) -> float:
+    """Clip with torch's clip_grad_norm_ (the reference always does) or hsdp's; the total
+    norm before clipping."""
+    who, norm_type = clip.split("-")
+    if who == "hsdp" and runner == "hsdp":
+        return hsdp.clip_grad_norm_(model, CLIP, float(norm_type)).item()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, float(norm_type))
+    return norm.full_tensor().item() if isinstance(norm, DTensor) else norm.item()
+
+
+def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+def train(model: nn.Module, runner: str, microbatches: int, dp_rank: int, dp: int,
+          opt: torch.optim.Optimizer, steps: range = range(STEPS),
+          clip: str = "") -> list[float]:
+    """SGD with momentum. runner: "ref" (the whole batch), "hsdp", "fsdp2". Returns the
+    gradient norms clipping saw (with ``clip``)."""
+    rows = ROWS // dp
+    norms = []
+    for step in steps:
         for m in range(microbatches):
-            tokens = _tokens(step, m, dp)
+            tokens = _tokens(step, m)
             if runner != "ref":
-                tokens = tokens[dp_rank * ROWS_PER_RANK:(dp_rank + 1) * ROWS_PER_RANK]
+                tokens = tokens[dp_rank * rows:(dp_rank + 1) * rows]
             last = m == microbatches - 1
             if runner == "hsdp":
                 with hsdp.microbatch(model, is_last=last):
@@ -150,8 +171,11 @@ def train(model: nn.Module, runner: str, microbatches: int, dp_rank: int, dp: in
                 if runner == "fsdp2":
                     model.set_requires_all_reduce(last, recurse=True)
                 (_loss(model, tokens) / microbatches).backward()
+        if clip:
+            norms.append(_clip(model, clip, runner))
         opt.step()
         opt.zero_grad()
+    return norms
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -207,25 +231,110 @@ def parity_job(rank: int, world: int, shape: tuple[int, int, int],
     out: dict = {"mesh": (mesh.mesh_dim_names, mesh.mesh.tolist(), mesh["tp"].mesh.tolist()),
                  "errors": mesh_errors()}
     dp_rank = rank // tp
-    refs: dict[int, dict[str, torch.Tensor]] = {}
+    refs: dict[tuple, tuple[dict[str, torch.Tensor], list[float]]] = {}
     fsdp2: dict[int, dict[str, torch.Tensor]] = {}
     for case in cases:
         M = case.microbatches
-        if M not in refs:
+        if (M, case.clip) not in refs:
             torch.manual_seed(0)
             ref = Llama()
-            train(ref, "ref", M, 0, outer * inner)
-            refs[M] = {k: v.detach().clone() for k, v in ref.named_parameters()}
+            norms = train(ref, "ref", M, 0, 1, optimizer(ref), clip=case.clip)
+            refs[M, case.clip] = ({k: v.detach().clone() for k, v in ref.named_parameters()},
+                                  norms)
         model = sharded_model(mesh, case)
-        train(model, "fsdp2" if case.strategy == "fsdp2" else "hsdp", M, dp_rank,
-              outer * inner)
+        norms = train(model, "fsdp2" if case.strategy == "fsdp2" else "hsdp", M, dp_rank,
+                      outer * inner, optimizer(model), clip=case.clip)
         if case.strategy != "fsdp2":
             hsdp.synchronize(model)
         got = full_params(model)
-        errs = {"ref": rel_err(got, refs[M])}
+        ref_params, ref_norms = refs[M, case.clip]
+        errs = {"ref": rel_err(got, ref_params)}
+        if case.clip:  # clipping was active: the norms exceed the bound
+            errs["norm"] = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
+            errs["clipped"] = min(ref_norms) > CLIP
         if case.strategy == "fsdp2":
             fsdp2[M] = got
-        elif M in fsdp2:
+        elif M in fsdp2 and not case.clip:
             errs["fsdp2"] = rel_err(got, fsdp2[M])
         out[case] = errs
+    return out
+
+
+def _refused(build, mesh: DeviceMesh) -> str:
+    """fully_shard of ``build()``'s module on ``mesh``: the error, which must leave the
+    module as it was."""
+    module = build()
+    before = dict(module.named_parameters())
+    try:
+        hsdp.fully_shard(module, mesh=mesh)
+    except ValueError as e:
+        unchanged = (type(module) is nn.Linear and dict(module.named_parameters()) == before)
+        return str(e) if unchanged else f"changed: {e}"
+    return "no error"
+
+
+def errors_job(rank: int, world: int) -> dict[str, str]:
+    """What fully_shard refuses on TP parameters, each before anything changes."""
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.placement_types import _StridedShard
+    mesh = hsdp.init_mesh(2, 2, 2, "cpu")
+    mesh_2d = hsdp.init_mesh(2, 4, device_type="cpu")
+
+    def linear_on(sub: DeviceMesh) -> nn.Module:
+        torch.manual_seed(0)
+        module = nn.Linear(4, 4, bias=False)
+        parallelize_module(module, sub, ColwiseParallel())
+        return module
+
+    def with_placement(placement) -> nn.Module:
+        module = nn.Linear(4, 4, bias=False)
+        module.weight = nn.Parameter(DTensor.from_local(torch.randn(2, 4), mesh["tp"],
+                                                        [placement], run_check=False))
+        return module
+
+    return {"2d": _refused(lambda: linear_on(mesh["tp"]), mesh_2d),
+            "not_tp": _refused(lambda: linear_on(mesh["inner"]), mesh),
+            "strided": _refused(lambda: with_placement(_StridedShard(0, split_factor=2)), mesh),
+            "partial": _refused(lambda: with_placement(Partial()), mesh)}
+
+
+CKPT_TARGETS = ((1, 4, 2, "hfsdp"), (2, 4, 1, "hsdp"), (1, 1, 8, "hsdp"))
+MORE = range(STEPS, STEPS + 2)  # the steps after the checkpoint
+
+
+def checkpoint_job(rank: int, world: int, path: str) -> dict[str, float]:
+    """Save on (2, 2, 2) after STEPS steps; load on each of CKPT_TARGETS (outer, inner, tp
+    (1: a 2-D mesh, no TP plan), strategy) and train two more steps: relative error
+    against one process trained STEPS + 2 steps. Also hsdp.full_state_dict on (2, 2, 2)
+    against one process after STEPS steps."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.manual_seed(0)
+    ref = Llama()
+    opt = optimizer(ref)
+    train(ref, "ref", 1, 0, 1, opt)
+    at_save = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    train(ref, "ref", 1, 0, 1, opt, MORE)
+    final = {k: v.detach().clone() for k, v in ref.named_parameters()}
+
+    mesh = hsdp.init_mesh(2, 2, 2, "cpu")
+    model = sharded_model(mesh, TPCase("hsdp"))
+    opt = optimizer(model)
+    train(model, "hsdp", 1, rank // 2, 4, opt)
+    out = {"full_state_dict": rel_err(hsdp.full_state_dict(model), at_save)}
+    hsdp.save(path, model, opt)
+    hsdp.synchronize(model)
+    for outer, inner, tp, strategy in CKPT_TARGETS:
+        target = hsdp.init_mesh(outer, inner, tp, "cpu")
+        torch.manual_seed(1)  # other initial values: the checkpoint must replace them
+        model = Llama()
+        if tp > 1:
+            apply_tp(model, target["tp"])
+        for block in model.layers:
+            hsdp.fully_shard(block, mesh=target, strategy=strategy)
+        hsdp.fully_shard(model, mesh=target, strategy=strategy)
+        opt = optimizer(model)
+        hsdp.load(path, model, opt)
+        train(model, "hsdp", 1, rank // tp, outer * inner, opt, MORE)
+        hsdp.synchronize(model)
+        out[f"{outer}x{inner}x{tp}"] = rel_err(full_params(model), final)
     return out

@@ -89,9 +89,12 @@ class CommGroups:
         """The data-parallel ranks (outer x inner) of one tp index."""
         return self.outer_size * self.inner_size
 
-    def piece_groups(self, shard_outer: bool) -> tuple[dist.ProcessGroup, ...]:
-        """The host groups over which a parameter's pieces are spread (see ``Piece``)."""
-        return (self.host_inner, self.host_outer) if shard_outer else (self.host_inner,)
+    def piece_groups(self, shard_outer: bool,
+                     tp_sharded: bool = False) -> tuple[dist.ProcessGroup, ...]:
+        """The host groups over which a parameter's pieces are spread (see ``Piece``):
+        inner, outer with ``shard_outer``, tp for a parameter TP shards."""
+        return ((self.host_inner,) + ((self.host_outer,) if shard_outer else ())
+                + ((self.host_tp,) if tp_sharded else ()))
 
 
 def init_mesh(outer: int | None = None, inner: int | None = None, tp: int = 1,

@@ -66,10 +66,11 @@ def test_tp_checkpoint_reshards(tmp_path) -> None:
 
 def test_tp_errors() -> None:
     """A DTensor parameter on a mesh without "tp", on a mesh other than mesh["tp"], with a
-    placement hsdp cannot flatten: a ValueError naming the fix, on every rank, before the
-    module changes."""
+    placement hsdp cannot flatten, on the meta device: a ValueError naming the fix, on
+    every rank, before the module changes."""
     for errs in run_ranks(errors_job, 8):  # each names this rank's tp ranks
         assert "has no 'tp' dim" in errs["2d"], errs
         assert "pass mesh['tp']" in errs["not_tp"], errs
         assert "cannot flatten" in errs["strided"], errs
         assert "cannot flatten" in errs["partial"], errs
+        assert "meta device" in errs["meta"], errs

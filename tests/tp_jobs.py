@@ -286,6 +286,12 @@ def errors_job(rank: int, world: int) -> dict[str, str]:
         parallelize_module(module, sub, ColwiseParallel())
         return module
 
+    def on_meta() -> nn.Module:
+        with torch.device("meta"):
+            module = nn.Linear(4, 4, bias=False)
+        parallelize_module(module, mesh["tp"], ColwiseParallel())
+        return module
+
     def with_placement(placement) -> nn.Module:
         module = nn.Linear(4, 4, bias=False)
         module.weight = nn.Parameter(DTensor.from_local(torch.randn(2, 4), mesh["tp"],
@@ -295,7 +301,8 @@ def errors_job(rank: int, world: int) -> dict[str, str]:
     return {"2d": _refused(lambda: linear_on(mesh["tp"]), mesh_2d),
             "not_tp": _refused(lambda: linear_on(mesh["inner"]), mesh),
             "strided": _refused(lambda: with_placement(_StridedShard(0, split_factor=2)), mesh),
-            "partial": _refused(lambda: with_placement(Partial()), mesh)}
+            "partial": _refused(lambda: with_placement(Partial()), mesh),
+            "meta": _refused(on_meta, mesh)}
 
 
 CKPT_TARGETS = ((1, 4, 2, "hfsdp"), (2, 4, 1, "hsdp"), (1, 1, 8, "hsdp"))

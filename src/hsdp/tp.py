@@ -8,7 +8,8 @@ backward). A sharded parameter is a DTensor on the 3-D mesh whose last placement
 placement; its elements lie in this rank's TP block (``TPBlock``: the chunk along the TP
 Shard dim, as ``torch.chunk`` cuts it) at the flat range hsdp's piece gives. What hsdp
 refuses: a DTensor on any other mesh, a placement it cannot flatten (``_StridedShard``,
-``Partial``, more than one TP dim), a DTensor parameter on a mesh without a "tp" dim.
+``Partial``), a DTensor parameter on a mesh without a "tp" dim, TP parameters on the meta
+device (``hsdp.materialize`` does not rebuild DTensors).
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ def check_params(params: Sequence[torch.Tensor], names: Sequence[str],
                 f"ranks {p.device_mesh.mesh.tolist()}; hsdp shards tensor-parallel "
                 f"parameters on mesh['tp'] of its own mesh (ranks {tp_ranks} here) only: "
                 f"pass mesh['tp'] of the mesh given to fully_shard to parallelize_module")
+        if p.is_meta:
+            raise ValueError(
+                f"hsdp.fully_shard: parameter {name} is a tensor-parallel DTensor on the meta "
+                f"device; hsdp.materialize does not handle TP parameters yet: build the model "
+                f"on its device (or to_empty() and initialize it) before fully_shard")
         (pl,) = p.placements
         if not (type(pl) is Shard or pl.is_replicate()):
             raise ValueError(

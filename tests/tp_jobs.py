@@ -123,6 +123,7 @@ class TPCase:
     overlap: bool = True
     microbatches: int = 1
     clip: str = ""  # "torch-2" / "hsdp-inf" ...: clip_grad_norm_ (whose, norm type) each step
+    bf16: bool = False  # bf16 parameters for compute, fp32 reduction
 
 
 def _tokens(step: int, micro: int) -> torch.Tensor:
@@ -196,15 +197,16 @@ def sharded_model(mesh: DeviceMesh, case: TPCase) -> Llama:
     torch.manual_seed(0)
     model = Llama()
     apply_tp(model, mesh["tp"])
+    dtypes = (torch.bfloat16, torch.float32) if case.bf16 else (None, None)
     if case.strategy == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-        for block in model.layers:
-            fully_shard(block, mesh=mesh["outer", "inner"])
-        fully_shard(model, mesh=mesh["outer", "inner"])
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        for module in (*model.layers, model):
+            fully_shard(module, mesh=mesh["outer", "inner"],
+                        mp_policy=MixedPrecisionPolicy(*dtypes))
         return model
-    for block in model.layers:
-        hsdp.fully_shard(block, mesh=mesh, strategy=case.strategy, overlap_outer=case.overlap)
-    hsdp.fully_shard(model, mesh=mesh, strategy=case.strategy, overlap_outer=case.overlap)
+    for module in (*model.layers, model):
+        hsdp.fully_shard(module, mesh=mesh, strategy=case.strategy, overlap_outer=case.overlap,
+                         mp_policy=hsdp.MixedPrecision(*dtypes) if case.bf16 else None)
     return model
 
 
@@ -232,7 +234,7 @@ def parity_job(rank: int, world: int, shape: tuple[int, int, int],
                  "errors": mesh_errors()}
     dp_rank = rank // tp
     refs: dict[tuple, tuple[dict[str, torch.Tensor], list[float]]] = {}
-    fsdp2: dict[int, dict[str, torch.Tensor]] = {}
+    fsdp2: dict[tuple[int, bool], dict[str, torch.Tensor]] = {}
     for case in cases:
         M = case.microbatches
         if (M, case.clip) not in refs:
@@ -253,9 +255,9 @@ def parity_job(rank: int, world: int, shape: tuple[int, int, int],
             errs["norm"] = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
             errs["clipped"] = min(ref_norms) > CLIP
         if case.strategy == "fsdp2":
-            fsdp2[M] = got
-        elif M in fsdp2 and not case.clip:
-            errs["fsdp2"] = rel_err(got, fsdp2[M])
+            fsdp2[M, case.bf16] = got
+        elif (M, case.bf16) in fsdp2 and not case.clip:
+            errs["fsdp2"] = rel_err(got, fsdp2[M, case.bf16])
         out[case] = errs
     return out
 

@@ -39,7 +39,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "h200x2"  # the step runs of docs/benchmarks.md
 sys.path.insert(0, str(ROOT / "src"))
 
-from hsdp.sim.fabric import Fabric, Link  # noqa: E402
 from hsdp.sim.calibrate import (  # noqa: E402
     SCHEDULES,
     calibrate,
@@ -48,6 +47,7 @@ from hsdp.sim.calibrate import (  # noqa: E402
 )
 from hsdp.sim.costs import CostModel  # noqa: E402
 from hsdp.sim.engine import simulate  # noqa: E402
+from hsdp.sim.fabric import Fabric, Link  # noqa: E402
 
 PAIRS = (("overlap", "serial"), ("hfsdp", "hfsdp-serial"))
 BUSY = (("compute", "compute"), ("inner_ag", "inner AG"), ("inner_rs", "inner RS"),

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hsdp import hosts
-from hsdp.consensus import agree_in_store
+from hsdp.runtime.consensus import agree_in_store
 
 DIM_NAMES = ("outer", "inner")
 TP_DIM_NAMES = (*DIM_NAMES, "tp")

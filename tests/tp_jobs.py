@@ -215,7 +215,7 @@ def mesh_errors() -> list[str]:
     out = []
     for sizes in ((3, 1, 2), (2, 2, 3), (2, 2, 0), (1, 2, 2)):
         try:
-            hsdp.init_mesh(*sizes, "cpu")
+            hsdp.init_mesh(*sizes[:2], "cpu", tp=sizes[2])
             out.append(f"{sizes}: no error")
         except ValueError as e:
             out.append(str(e))
@@ -229,7 +229,7 @@ def parity_job(rank: int, world: int, shape: tuple[int, int, int],
     and "errors": ``mesh_errors()``."""
     warnings.filterwarnings("ignore", category=FutureWarning)
     outer, inner, tp = shape
-    mesh = hsdp.init_mesh(outer, inner, tp, "cpu")
+    mesh = hsdp.init_mesh(outer, inner, "cpu", tp=tp)
     out: dict = {"mesh": (mesh.mesh_dim_names, mesh.mesh.tolist(), mesh["tp"].mesh.tolist()),
                  "errors": mesh_errors()}
     dp_rank = rank // tp
@@ -279,7 +279,7 @@ def errors_job(rank: int, world: int) -> dict[str, str]:
     """What fully_shard refuses on TP parameters, each before anything changes."""
     from torch.distributed.tensor import Partial
     from torch.distributed.tensor.placement_types import _StridedShard
-    mesh = hsdp.init_mesh(2, 2, 2, "cpu")
+    mesh = hsdp.init_mesh(2, 2, "cpu", tp=2)
     mesh_2d = hsdp.init_mesh(2, 4, device_type="cpu")
 
     def linear_on(sub: DeviceMesh) -> nn.Module:
@@ -325,7 +325,7 @@ def checkpoint_job(rank: int, world: int, path: str) -> dict[str, float]:
     train(ref, "ref", 1, 0, 1, opt, MORE)
     final = {k: v.detach().clone() for k, v in ref.named_parameters()}
 
-    mesh = hsdp.init_mesh(2, 2, 2, "cpu")
+    mesh = hsdp.init_mesh(2, 2, "cpu", tp=2)
     model = sharded_model(mesh, TPCase("hsdp"))
     opt = optimizer(model)
     train(model, "hsdp", 1, rank // 2, 4, opt)
@@ -333,7 +333,7 @@ def checkpoint_job(rank: int, world: int, path: str) -> dict[str, float]:
     hsdp.save(path, model, opt)
     hsdp.synchronize(model)
     for outer, inner, tp, strategy in CKPT_TARGETS:
-        target = hsdp.init_mesh(outer, inner, tp, "cpu")
+        target = hsdp.init_mesh(outer, inner, "cpu", tp=tp)
         torch.manual_seed(1)  # other initial values: the checkpoint must replace them
         model = Llama()
         if tp > 1:

@@ -97,12 +97,12 @@ class CommGroups:
                 + ((self.host_tp,) if tp_sharded else ()))
 
 
-def init_mesh(outer: int | None = None, inner: int | None = None, tp: int = 1,
-              device_type: str | None = None, *, nccl: dict[str, NcclConfig] | None = None,
-              timeout: timedelta | None = None,
+def init_mesh(outer: int | None = None, inner: int | None = None,
+              device_type: str | None = None, *, tp: int = 1,
+              nccl: dict[str, NcclConfig] | None = None, timeout: timedelta | None = None,
               allow_inner_across_hosts: bool = False) -> DeviceMesh:
     """A 2-D DeviceMesh with dims ("outer", "inner") plus hsdp's three communicators; with
-    ``tp > 1`` a 3-D one, ("outer", "inner", "tp"), rank ``(o * inner + i) * tp + t``
+    ``tp > 1`` (keyword only) a 3-D one, ("outer", "inner", "tp"), rank ``(o * inner + i) * tp + t``
     (tp fastest, as torchtitan): give ``mesh["tp"]`` to torch's ``parallelize_module``,
     then the whole mesh to ``hsdp.fully_shard``.
 
@@ -265,7 +265,7 @@ def check_mesh(mesh: DeviceMesh) -> None:
         raise ValueError(f"hsdp needs a 2-D DeviceMesh with mesh_dim_names={DIM_NAMES} or "
                          f"{TORCHTITAN_DIM_NAMES[0]}, a 3-D one with {TP_DIM_NAMES}, or a "
                          f"1-D mesh (plain FSDP), got {names or None}; build it with "
-                         f"hsdp.init_mesh(outer, inner) or hsdp.init_mesh(outer, inner, tp)")
+                         f"hsdp.init_mesh(outer, inner) or hsdp.init_mesh(outer, inner, tp=tp)")
     if mesh.mesh.numel() != dist.get_world_size():
         raise ValueError(f"the mesh has {mesh.mesh.numel()} ranks but the world has "
                          f"{dist.get_world_size()}; hsdp's mesh must cover every rank")

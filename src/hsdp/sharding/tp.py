@@ -50,7 +50,7 @@ def check_params(params: Sequence[torch.Tensor], names: Sequence[str],
             raise ValueError(
                 f"hsdp.fully_shard: parameter {name} is a DTensor on mesh dims {dims} but "
                 f"hsdp's mesh has no 'tp' dim; for tensor parallelism build the mesh with "
-                f"hsdp.init_mesh(outer, inner, tp) and give mesh['tp'] to "
+                f"hsdp.init_mesh(outer, inner, tp=tp) and give mesh['tp'] to "
                 f"parallelize_module")
         coord = mesh.get_coordinate()
         tp_ranks = mesh.mesh[coord[0], coord[1]].tolist()

@@ -165,8 +165,8 @@ def _sizes_on_hosts(outer: int | None, inner: int | None, tp: int,
     if dist.get_backend() == "fake":
         return hosts.default_sizes(outer, inner, world // tp, [("", "")])
     on = hosts.all_hosts(host_group())
-    per_node = hosts.launcher_ranks_per_node()
-    if outer is None and inner is None and per_node is not None:
+    per_node = hosts.launcher_ranks_per_node()  # with TP: inner = per_node / tp
+    if tp > 1 and outer is None and inner is None and per_node is not None:
         if per_node % tp:
             raise ValueError(f"init_mesh: tp={tp} does not divide the {per_node} ranks per "
                              f"node; tensor parallelism runs inside a node: choose tp among "

@@ -28,6 +28,7 @@ from hsdp.runtime.hooks import units_below
 from hsdp.runtime.unit import Unit
 from hsdp.sharding.float8 import float8_dtype
 from hsdp.sharding.group import ParamGroup, Slot, owner
+from hsdp.sharding.tp import block_of, check_params
 
 _UNIT_IDS = itertools.count()
 _CLIPS: weakref.WeakKeyDictionary[Unit, itertools.count] = weakref.WeakKeyDictionary()
@@ -47,7 +48,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
     to its backward (no re-gather; more memory), as FSDP2's option of that name (its
     None means True here; its int is refused). ``mp_policy`` may also be torch's
     ``MixedPrecisionPolicy``; ``mesh`` a 1-D mesh (outer=1) or one with torchtitan's dim
-    names ``("dp_replicate", "dp_shard")``.
+    names ``("dp_replicate", "dp_shard")``, or hsdp's 3-D ("outer", "inner", "tp") mesh
+    after torch's ``parallelize_module`` on ``mesh["tp"]`` (hsdp shards each parameter's
+    TP-local tensor; see ``sharding/tp.py``).
 
     A module whose parameters are all on the meta device gets meta shards and buffers
     (no memory, no data): ``hsdp sim`` runs the schedule on such models.
@@ -73,6 +76,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
     # compiled region), the unit and the hsdp methods on the module it wraps.
     inner = module._orig_mod if isinstance(module, OptimizedModule) else module
     params, slots, ties = _owned_params(module)
+    check_params(params, _names(inner, slots), mesh)
     meta = [p.is_meta for p in params]
     if any(meta) and not all(meta):
         raise RuntimeError(f"fully_shard: some parameters of this {type(inner).__name__} are "
@@ -111,6 +115,12 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
 
 
 Tie = tuple[ParamGroup, int, Slot]
+
+
+def _names(module: nn.Module, slots: list[list[Slot]]) -> list[str]:
+    """Each parameter's first name under ``module``."""
+    path = {id(m): n for n, m in module.named_modules()}
+    return [f"{path.get(id(m), '?')}.{name}".lstrip(".") for (m, name), *_ in slots]
 
 
 def _describe(module: nn.Module, params: list[nn.Parameter], slots: list[list[Slot]],
@@ -206,25 +216,31 @@ def precompute_float8_scales(model: nn.Module) -> None:
     _root_unit(model).root_runtime().refresh_float8_scales()
 
 
-def _sharded_grads(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The local pieces of (grads replicated over outer, grads sharded over outer), each
-    element once (``parameters()`` yields a shared parameter once; an empty piece's
-    placeholder not at all, whatever in-place ops wrote into it)."""
-    rep, sharded = [], []
+Spread = tuple[bool, bool]  # (sharded over outer, sharded over tp)
+
+
+def _sharded_grads(model: nn.Module) -> dict[Spread, list[torch.Tensor]]:
+    """The local pieces of the gradients by how they are spread, each element once
+    (``parameters()`` yields a shared parameter once; an empty piece's placeholder not at
+    all, whatever in-place ops wrote into it)."""
+    out: dict[Spread, list[torch.Tensor]] = {(o, t): [] for o in (False, True)
+                                             for t in (False, True)}
     for p in model.parameters():
         managed = owner(p)
         if managed is None or p.grad is None:
             continue
         local = p.grad._local_tensor
         held = getattr(p.grad, "_hsdp_range", (0, local.numel()))[1]
-        (sharded if managed[0].shard_outer else rep).append(local.reshape(-1)[:held])
-    return rep, sharded
+        out[managed[0].shard_outer, block_of(p._spec) is not None].append(
+            local.reshape(-1)[:held])
+    return out
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float,
                     norm_type: float = 2.0) -> torch.Tensor:
-    """Clip gradients in place by their total norm over all shards, counting every
-    gradient element once (not once per outer replica). Returns the total norm."""
+    """Clip gradients in place by their total norm over all shards (DP and TP), counting
+    every gradient element once (not once per outer or tp replica). Returns the total
+    norm."""
     unit = _root_unit(model)
     rt = unit.runtime
     if rt is not None:
@@ -232,7 +248,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float,
     if rt is not None and (rt.phase == "backward" or rt.awaiting_last):
         raise RuntimeError("hsdp.clip_grad_norm_: gradients are not final yet (call it after "
                            "the last microbatch's backward)")
-    rep, sharded = _sharded_grads(model)
+    spread = _sharded_grads(model)
     comms = comm_groups(unit.mesh)
     inf = norm_type == float("inf")
 
@@ -246,12 +262,22 @@ def clip_grad_norm_(model: nn.Module, max_norm: float,
 
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
 
+    def over(part: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        dist.all_reduce(part, op=op, group=group)
+        return part
+
+    def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(a, b) if inf else a + b
+
     def reduce_norm() -> torch.Tensor:
-        part_sharded = local(sharded)
-        dist.all_reduce(part_sharded, op=op, group=comms.host_outer)
-        total = torch.maximum(local(rep), part_sharded) if inf else local(rep) + part_sharded
-        dist.all_reduce(total, op=op, group=comms.host_inner)
-        return total
+        # Each part over the dims it is sharded on (outer, then tp), all over inner.
+        total = add(over(local(spread[True, False]), comms.host_outer),
+                    local(spread[False, False]))
+        if comms.host_tp is not None:
+            tp_part = add(over(local(spread[True, True]), comms.host_outer),
+                          local(spread[False, True]))
+            total = add(total, over(tp_part, comms.host_tp))
+        return over(total, comms.host_inner)
 
     step = max(rt.log.step - 1, 0) if rt is not None else 0  # the step that made the grads
     key = f"hsdp/{unit.label}/clip/{next(_CLIPS.setdefault(unit, itertools.count()))}"
@@ -263,7 +289,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float,
         raise
     total = total if inf else total.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    grads = rep + sharded
+    grads = [g for gs in spread.values() for g in gs]
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return total

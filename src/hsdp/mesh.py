@@ -1,4 +1,8 @@
-"""The (outer, inner) data-parallel mesh and its three communicators.
+"""The (outer, inner) data-parallel mesh, with an optional "tp" dim, and its communicators.
+
+With tensor parallelism the mesh is 3-D, ("outer", "inner", "tp"), tp fastest (torchtitan's
+layout): torch's TP plans run on ``mesh["tp"]`` and hsdp's groups are the (outer, inner)
+grids of one tp index each, so hsdp shards and reduces each parameter's TP-local tensor.
 
 ``inner_ag`` and ``inner_rs`` are two communicators over the same inner ranks: NCCL runs the
 operations of one communicator in host launch order, so an all-gather and a
@@ -31,6 +35,7 @@ from hsdp.ft.outer import ElasticOuter, FaultTolerance, FaultToleranceError, mak
 from hsdp.runtime.consensus import agree_in_store
 
 DIM_NAMES = ("outer", "inner")
+TP_DIM_NAMES = (*DIM_NAMES, "tp")
 # torchtitan's names for the same two dims (replicate, shard), with and without context parallel
 TORCHTITAN_DIM_NAMES = (("dp_replicate", "dp_shard"), ("dp_replicate", "dp_shard_cp"))
 COMMUNICATORS = ("inner_ag", "inner_rs", "outer")
@@ -62,7 +67,8 @@ class NcclConfig:
 
 @dataclass(frozen=True)
 class CommGroups:
-    """This rank's view of the mesh: sizes, coordinates and the three communicators."""
+    """This rank's view of the mesh: sizes, coordinates and the three communicators
+    (over this rank's tp index: ``host_tp``, over its tp group, is None without TP)."""
 
     outer_size: int
     inner_size: int
@@ -84,27 +90,38 @@ class CommGroups:
         """The outer gradient all-reduce's communicator: torchft's managed group with
         fault tolerance, else ``outer``."""
         return self.outer if self.elastic is None else self.elastic
+    tp_size: int = 1
+    host_tp: dist.ProcessGroup | None = None
 
     @property
     def world(self) -> int:
+        """The data-parallel ranks (outer x inner) of one tp index."""
         return self.outer_size * self.inner_size
 
-    def piece_groups(self, shard_outer: bool) -> tuple[dist.ProcessGroup, ...]:
-        """The host groups over which a parameter's pieces are spread (see ``Piece``)."""
-        return (self.host_inner, self.host_outer) if shard_outer else (self.host_inner,)
+    def piece_groups(self, shard_outer: bool,
+                     tp_sharded: bool = False) -> tuple[dist.ProcessGroup, ...]:
+        """The host groups over which a parameter's pieces are spread (see ``Piece``):
+        inner, outer with ``shard_outer``, tp for a parameter TP shards."""
+        return ((self.host_inner,) + ((self.host_outer,) if shard_outer else ())
+                + ((self.host_tp,) if tp_sharded else ()))
 
 
 def init_mesh(outer: int | None = None, inner: int | None = None,
-              device_type: str | None = None, *, nccl: dict[str, NcclConfig] | None = None,
-              timeout: timedelta | None = None,
+              device_type: str | None = None, *, tp: int = 1,
+              nccl: dict[str, NcclConfig] | None = None, timeout: timedelta | None = None,
               allow_inner_across_hosts: bool = False,
               fault_tolerance: FaultTolerance | Any | None = None) -> DeviceMesh:
-    """A 2-D DeviceMesh with dims ("outer", "inner") plus hsdp's three communicators.
+    """A 2-D DeviceMesh with dims ("outer", "inner") plus hsdp's three communicators; with
+    ``tp > 1`` (keyword only) a 3-D one, ("outer", "inner", "tp"), rank ``(o * inner + i) * tp + t``
+    (tp fastest, as torchtitan): give ``mesh["tp"]`` to torch's ``parallelize_module``,
+    then the whole mesh to ``hsdp.fully_shard``. With ``fault_tolerance`` (strategy hsdp,
+    no tp), each replica group is its own torch world and the outer gradient all-reduce
+    goes through torchft (README: Surviving failures).
 
     Sizes left out come from the launch: outer = nodes, inner = ranks per node (torchrun's
-    ``LOCAL_WORLD_SIZE``, SLURM's tasks per node, else the ranks' hosts); one given, the
-    other is world / it. An inner group whose ranks run on more than one host is refused
-    unless ``allow_inner_across_hosts=True``.
+    ``LOCAL_WORLD_SIZE``, SLURM's tasks per node, else the ranks' hosts) / tp; one given,
+    the other is world / (tp * it). An inner group (with its tp groups) whose ranks run on
+    more than one host is refused unless ``allow_inner_across_hosts=True``.
 
     ``nccl`` maps "inner_ag" / "inner_rs" / "outer" to an ``NcclConfig``; it only applies to
     the NCCL backend. ``timeout``: how long any of hsdp's collectives may wait for a peer
@@ -123,6 +140,9 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
                for n in (outer, inner)):
         raise ValueError(f"init_mesh: outer and inner must be positive ints, "
                          f"got outer={outer!r} inner={inner!r}")
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"init_mesh: tp must be a positive int (1: no tensor parallelism), "
+                         f"got tp={tp!r}")
     nccl = dict(nccl or {})
     unknown = set(nccl) - set(COMMUNICATORS)
     if unknown:
@@ -132,20 +152,28 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
         raise TypeError(f"init_mesh: timeout must be a datetime.timedelta, got {timeout!r}")
     device_type = _check_device_type(device_type)
     _init_default_group(timeout)
-    _agree_on_arguments(outer, inner, device_type, nccl, timeout)
+    if dist.get_world_size() % tp:
+        raise ValueError(f"init_mesh: tp={tp} does not divide the world's "
+                         f"{dist.get_world_size()} ranks; choose a tp that does (the ranks "
+                         f"per node or a divisor of it)")
+    _agree_on_arguments(outer, inner, tp, device_type, nccl, timeout)
     if fault_tolerance is not None:
+        if tp > 1:
+            raise FaultToleranceError("init_mesh: fault_tolerance with tp > 1 is not "
+                                      "supported; use tp=1 or no fault tolerance")
         return _init_replica_group(outer, inner, device_type, nccl, timeout, fault_tolerance)
-    outer, inner = _sizes_on_hosts(outer, inner, allow_inner_across_hosts)
-    if dist.get_world_size() != outer * inner:
+    outer, inner = _sizes_on_hosts(outer, inner, tp, allow_inner_across_hosts)
+    if dist.get_world_size() != outer * inner * tp:
         raise ValueError(
-            f"init_mesh: outer*inner = {outer}*{inner} = {outer * inner} but the world has "
-            f"{dist.get_world_size()} ranks; choose outer and inner whose product is the "
+            f"init_mesh: outer*inner*tp = {outer}*{inner}*{tp} = {outer * inner * tp} but the "
+            f"world has {dist.get_world_size()} ranks; choose sizes whose product is the "
             f"world size")
     timeout = timeout or default_timeout()
-    cached = _groups().get((device_type, tuple(range(outer * inner)), (outer, inner)))
+    shape, names = ((outer, inner, tp), TP_DIM_NAMES) if tp > 1 else ((outer, inner), DIM_NAMES)
+    cached = _groups().get((device_type, tuple(range(outer * inner * tp)), shape))
     if cached is not None and (cached.nccl, cached.timeout) == (nccl, timeout):
         return cached.mesh
-    mesh = init_device_mesh(device_type, (outer, inner), mesh_dim_names=DIM_NAMES)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     _GROUPS[_key(mesh)] = _create_groups(mesh, nccl, timeout)
     return mesh
 
@@ -178,24 +206,35 @@ def _init_replica_group(outer: int | None, inner: int | None, device_type: str,
     return mesh
 
 
-def _sizes_on_hosts(outer: int | None, inner: int | None, allow_across: bool) -> tuple[int, int]:
-    """init_mesh's sizes, defaults filled in from the launch; checks every inner group
-    is on one host (a gather of the ranks' hosts; none in torch's one-process fake world)."""
+def _sizes_on_hosts(outer: int | None, inner: int | None, tp: int,
+                    allow_across: bool) -> tuple[int, int]:
+    """init_mesh's sizes, defaults filled in from the launch (as without TP, over groups of
+    ``tp`` consecutive ranks); checks every inner group with its tp groups (``inner * tp``
+    consecutive ranks) is on one host (a gather of the ranks' hosts; none in torch's
+    one-process fake world)."""
+    world = dist.get_world_size()
     if dist.get_backend() == "fake":
-        return hosts.default_sizes(outer, inner, dist.get_world_size(), [("", "")])
+        return hosts.default_sizes(outer, inner, world // tp, [("", "")])
     on = hosts.all_hosts(host_group())
-    outer, inner = hosts.default_sizes(outer, inner, len(on), on)
-    if not allow_across and outer * inner == len(on):
-        hosts.check_inner_on_one_host(outer, inner, on)
+    per_node = hosts.launcher_ranks_per_node()  # with TP: inner = per_node / tp
+    if tp > 1 and outer is None and inner is None and per_node is not None:
+        if per_node % tp:
+            raise ValueError(f"init_mesh: tp={tp} does not divide the {per_node} ranks per "
+                             f"node; tensor parallelism runs inside a node: choose tp among "
+                             f"its divisors")
+        inner = per_node // tp
+    outer, inner = hosts.default_sizes(outer, inner, world // tp, on[::tp])
+    if not allow_across and outer * inner * tp == world:
+        hosts.check_inner_on_one_host(outer, inner * tp, on)
     return outer, inner
 
 
-def _agree_on_arguments(outer: int, inner: int, device_type: str,
+def _agree_on_arguments(outer: int, inner: int, tp: int, device_type: str,
                         nccl: dict[str, NcclConfig], timeout: timedelta | None) -> None:
     """Raise on every rank, within the timeout, if the ranks called init_mesh with
     different arguments: their groups would not match and ``new_group`` would hang."""
     settings = ", ".join(f"{k}={v}" for k, v in sorted(nccl.items()))
-    agree_in_store("init_mesh", f"init_mesh(outer={outer}, inner={inner}, device_type="
+    agree_in_store("init_mesh", f"init_mesh(outer={outer}, inner={inner}, tp={tp}, device_type="
                    f"{device_type!r}, nccl={{{settings}}}, timeout={timeout})",
                    timeout or default_timeout(),
                    "Call init_mesh with the same arguments on every rank.")
@@ -259,7 +298,7 @@ def as_hsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     mesh (FSDP2: shard over all of it) -> outer=1, inner=its size. Others are returned
     as they are (``check_mesh`` judges them). Collective the first time per mesh."""
     names = tuple(mesh.mesh_dim_names or ()) if isinstance(mesh, DeviceMesh) else DIM_NAMES
-    if names == DIM_NAMES or not (mesh.ndim == 1 or names in TORCHTITAN_DIM_NAMES):
+    if names in (DIM_NAMES, TP_DIM_NAMES) or not (mesh.ndim == 1 or names in TORCHTITAN_DIM_NAMES):
         return mesh
     key = _key(mesh)
     if key not in _RENAMED:
@@ -273,10 +312,11 @@ def check_mesh(mesh: DeviceMesh) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"hsdp needs a DeviceMesh (see hsdp.init_mesh), got {type(mesh)}")
     names = tuple(mesh.mesh_dim_names or ())
-    if names != DIM_NAMES:
+    if names not in (DIM_NAMES, TP_DIM_NAMES):
         raise ValueError(f"hsdp needs a 2-D DeviceMesh with mesh_dim_names={DIM_NAMES} or "
-                         f"{TORCHTITAN_DIM_NAMES[0]}, or a 1-D mesh (plain FSDP), got "
-                         f"{names or None}; build it with hsdp.init_mesh(outer, inner)")
+                         f"{TORCHTITAN_DIM_NAMES[0]}, a 3-D one with {TP_DIM_NAMES}, or a "
+                         f"1-D mesh (plain FSDP), got {names or None}; build it with "
+                         f"hsdp.init_mesh(outer, inner) or hsdp.init_mesh(outer, inner, tp=tp)")
     if mesh.mesh.numel() != dist.get_world_size():
         raise ValueError(f"the mesh has {mesh.mesh.numel()} ranks but the world has "
                          f"{dist.get_world_size()}; hsdp's mesh must cover every rank")
@@ -319,9 +359,14 @@ def _key(mesh: DeviceMesh) -> tuple:
 def _create_groups(mesh: DeviceMesh, nccl: dict[str, NcclConfig],
                    timeout: timedelta) -> CommGroups:
     check_mesh(mesh)
-    ranks = mesh.mesh.tolist()  # ranks[o][i]
-    outer, inner = len(ranks), len(ranks[0])
-    by_inner = [[ranks[o][i] for o in range(outer)] for i in range(inner)]  # outer groups
+    grid = mesh.mesh if mesh.ndim == 3 else mesh.mesh.unsqueeze(-1)  # grid[o][i][t]
+    tp = grid.shape[2]
+    # Per tp index, the (outer, inner) grid of its ranks: the inner groups (rows) and the
+    # outer groups (columns) of every tp index in turn; and the tp groups.
+    ranks = [row for t in range(tp) for row in grid[:, :, t].tolist()]
+    by_inner = [col for t in range(tp) for col in grid[:, :, t].t().tolist()]
+    by_tp = grid.reshape(-1, tp).tolist()
+    outer, inner = grid.shape[0], grid.shape[1]
     me = dist.get_rank()
     backend = dist.get_backend()
     uses_nccl = mesh.device_type == "cuda" and "nccl" in str(backend)
@@ -330,8 +375,8 @@ def _create_groups(mesh: DeviceMesh, nccl: dict[str, NcclConfig],
                       f"{backend!r}", stacklevel=3)
     mine: dict[str, dist.ProcessGroup] = {}
     # Same creation order on every rank.
-    for name in (*COMMUNICATORS, "host_inner", "host_outer"):
-        members = by_inner if name in ("outer", "host_outer") else ranks
+    for name in (*COMMUNICATORS, "host_inner", "host_outer", *(("host_tp",) if tp > 1 else ())):
+        members = {"outer": by_inner, "host_outer": by_inner, "host_tp": by_tp}.get(name, ranks)
         for group_ranks in members:
             pg = new_communicator(group_ranks, mesh.device_type, nccl.get(name), timeout)
             if me in group_ranks:
@@ -342,7 +387,8 @@ def _create_groups(mesh: DeviceMesh, nccl: dict[str, NcclConfig],
     # Shard index = rank inside the group (new_group orders members by global rank).
     return CommGroups(outer, inner, dist.get_rank(mine["outer"]), dist.get_rank(mine["inner_ag"]),
                       mine["inner_ag"], mine["inner_rs"], mine["outer"], mine["host_inner"],
-                      mine["host_outer"], control, timeout, mesh, nccl)
+                      mine["host_outer"], control, timeout, mesh, nccl, tp,
+                      mine.get("host_tp"))
 
 
 def new_communicator(ranks: list[int], device_type: str, cfg: NcclConfig | None = None,

@@ -101,7 +101,7 @@ def _piece_of(key: str, p: nn.Parameter, value: Any) -> torch.Tensor:
     if value.shape != p.shape:
         raise ValueError(f"hsdp: {key} has shape {tuple(value.shape)}, the model's is "
                          f"{tuple(p.shape)}")
-    return value.reshape(-1)[start:start + length]
+    return group.piece_of(idx, value)
 
 
 # ---------------------------------------------------------------- state dicts
@@ -327,8 +327,8 @@ def _to_cpu(obj: Any) -> Any:
         return [_to_cpu(v) for v in obj]
     if isinstance(obj, DTensor):
         local = obj._local_tensor.detach().to("cpu", copy=True)
-        size, start, length = obj._local_tensor._hsdp_piece
-        attach_chunks(local, tuple(size), start, length)
+        _, start, length = obj._local_tensor._hsdp_piece
+        attach_chunks(local, obj._spec, start, length)
         return DTensor(local, obj._spec, requires_grad=False)
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)

@@ -73,11 +73,10 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False,
     coll = Collectives()
     for group, members in groups.items():
         flat = group.full_flat(coll)
-        if keep:
-            for key, idx in members:
-                off, shape = group.layout.offsets[idx], group.layout.shapes[idx]
-                n = group.layout.numels[idx]
-                out[key] = _keep(flat[off:off + n].view(shape), cpu_offload)
+        for key, idx in members:
+            whole = group.whole(flat, idx)  # a collective over tp where TP shards it
+            if keep:
+                out[key] = _keep(whole, cpu_offload)
         del flat  # before the next group's is gathered
     if not rank0_only:
         for key, t in entries.items():
@@ -127,9 +126,8 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None
             t.copy_(full)
             continue
         group, idx = managed
-        start, local = group.shard_starts[idx], group.local(idx)
         # In place: hfsdp sees the version bump and re-gathers its inner shard.
-        local.copy_(full.reshape(-1)[start:start + local.numel()])
+        group.local(idx).copy_(group.piece_of(idx, full))
 
 
 def _mismatch(entries: dict[str, torch.Tensor],
@@ -155,8 +153,8 @@ def _mesh(model: nn.Module) -> DeviceMesh | None:
 
 def _broadcast(full: torch.Tensor | None, like: torch.Tensor,
                mesh: DeviceMesh | None) -> torch.Tensor:
-    """Rank 0's tensor on every rank: along outer (to inner rank 0 of every row), then
-    along inner; on the mesh's device groups."""
+    """Rank 0's tensor on every rank: along outer (to the ranks whose later coordinates
+    are 0), then along inner, then along tp; on the mesh's device groups."""
     device = like._local_tensor.device if hasattr(like, "_local_tensor") else like.device
     out = (full.to(device=device, dtype=like.dtype) if dist.get_rank() == 0
            else torch.empty(like.shape, dtype=like.dtype, device=device))
@@ -164,9 +162,9 @@ def _broadcast(full: torch.Tensor | None, like: torch.Tensor,
         dist.broadcast(out, src=0)
         return out
     coords = mesh.get_coordinate()
-    for dim in ("outer", "inner"):
-        if dim == "outer" and coords[1] != 0:
-            continue  # rows get it from their inner rank 0 next
+    for k, dim in enumerate(mesh.mesh_dim_names):
+        if any(coords[k + 1:]):
+            continue  # gets it from the rank whose later coordinates are 0, later
         group = mesh.get_group(dim)
         dist.broadcast(out, src=dist.get_global_rank(group, 0), group=group)
     return out

@@ -28,6 +28,7 @@ import torch.distributed._state_dict_utils as sd_utils
 import torch.distributed.checkpoint.state_dict as torch_sd
 
 from hsdp.sharding.pieces import Piece
+from hsdp.sharding.tp import block_of
 
 
 def _mismatch(full_state_dict: dict[str, Any], local_state_dict: dict[str, Any],
@@ -45,8 +46,11 @@ def _mismatch(full_state_dict: dict[str, Any], local_state_dict: dict[str, Any],
 
 @torch.no_grad()
 def _fill(piece: Piece, full: torch.Tensor) -> None:
-    """Copy ``piece``'s range of the full tensor ``full`` into its local tensor."""
+    """Copy ``piece``'s range of the full tensor ``full`` (of its TP block, where TP
+    shards it) into its local tensor."""
     start, length = piece._hsdp_range
+    block = block_of(piece._spec)
+    full = full if block is None else block.local_of(full)
     piece._local_tensor.reshape(-1)[:length].copy_(full.reshape(-1)[start:start + length])
 
 

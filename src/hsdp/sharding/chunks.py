@@ -11,23 +11,30 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from hsdp.sharding.layout import boxes
+from hsdp.sharding.tp import TPBlock, block_of
 
 
 class Chunks:
-    """Elements ``[start, start + length)`` of the flattened tensor of ``shape`` as DCP
-    sees them: row-major boxes (``layout.boxes``), each a chunk of the global tensor; what
-    DCP's planners save from and load into (``local``: the piece, whose first ``length``
-    elements are those; a placeholder where ``length`` is 0)."""
+    """Elements ``[start, start + length)`` of the flattened tensor of ``shape`` (of its
+    TP ``block`` where TP shards it) as DCP sees them: row-major boxes (``layout.boxes``),
+    each a chunk of the global tensor; what DCP's planners save from and load into
+    (``local``: the piece, whose first ``length`` elements are those; a placeholder where
+    ``length`` is 0)."""
 
-    def __init__(self, shape: tuple[int, ...], start: int, length: int) -> None:
+    def __init__(self, shape: tuple[int, ...], start: int, length: int,
+                 block: TPBlock | None = None) -> None:
         self.size = torch.Size(shape)
-        self.boxes = boxes(tuple(shape), start, start + length)
+        flat = tuple(shape) if block is None else block.local_shape
+        self.boxes = boxes(flat, start, start + length)
+        self.offsets = [torch.Size(b.offsets if block is None else block.shift(b.offsets))
+                        for b in self.boxes]
 
     def chunk_list(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes))
-                for b in self.boxes]
+        return [ChunkStorageMetadata(o, torch.Size(b.sizes))
+                for o, b in zip(self.offsets, self.boxes)]
 
     def write_items(self, fqn: str, local: torch.Tensor) -> list[WriteItem]:
         props = TensorProperties.create_from_tensor(local)
@@ -37,18 +44,17 @@ class Chunks:
                 for c in self.chunk_list()]
 
     def shard(self, index: MetadataIndex, local: torch.Tensor) -> torch.Tensor:
-        for b in self.boxes:
-            if torch.Size(b.offsets) == index.offset:
+        for o, b in zip(self.offsets, self.boxes):
+            if o == index.offset:
                 return local.reshape(-1)[b.start:b.start + b.numel].view(b.sizes)
         raise ValueError(f"hsdp: no local chunk of {index.fqn} at offset {index.offset}")
 
 
-def attach_chunks(local: torch.Tensor, shape: tuple[int, ...], start: int,
-                  length: int) -> None:
-    """Give ``local`` (elements ``[start, start + length)`` of the flattened tensor of
-    ``shape``; more elements when it is a placeholder) DCP's chunk hooks, which a DTensor
-    consults before its own placements."""
-    chunks = Chunks(shape, start, length)
+def attach_chunks(local: torch.Tensor, dspec: DTensorSpec, start: int, length: int) -> None:
+    """Give ``local`` (elements ``[start, start + length)`` of the flattened tensor, or TP
+    block, of the shards whose spec is ``dspec``; more elements when it is a placeholder)
+    DCP's chunk hooks, which a DTensor consults before its own placements."""
+    chunks = Chunks(tuple(dspec.shape), start, length, block_of(dspec))
     ref = weakref.ref(local)  # no reference cycle through the tensor's own attributes
     local.__create_chunk_list__ = chunks.chunk_list
     local.__create_write_items__ = lambda fqn, _obj: chunks.write_items(fqn, ref())

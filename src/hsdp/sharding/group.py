@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from hsdp.mesh import CommGroups
 from hsdp.policy import MixedPrecision
@@ -42,6 +43,7 @@ from hsdp.sharding.group_comm import GroupCollectives
 from hsdp.sharding.group_state import GroupState
 from hsdp.sharding.layout import FlatLayout
 from hsdp.sharding.pieces import as_dtensor, placeholders_if_empty, spec
+from hsdp.sharding.tp import block_of, local_of, placement_of, unsharded_spec
 
 Slot = tuple[nn.Module, str]
 
@@ -80,6 +82,7 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
         self.float8 = None if f8 is None else Float8Weights(params, f8)
         gather_dtype = self.param_dtype if f8 is None else f8
         self.shard_outer = shard_outer and self.requires_grad
+        params = self._tp_locals(params)
         self.layout = lay = FlatLayout.build([tuple(p.shape) for p in params],
                                              comms.inner_size, comms.outer_size,
                                              self.shard_outer)
@@ -88,8 +91,6 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
         owned_lo, owned_hi = lay.owned_range(o, i)
         S, C = lay.shard_numel, lay.chunk_numel
         sources = [p.detach().reshape(-1) for p in params]
-        for idx, p in enumerate(params):  # the originals: for ties and stale optimizers
-            p._hsdp_moved_to = (self, idx)
 
         self.main = self._filled(sources, owned_lo, C, self.orig_dtype, device)
         if not self.shard_outer:
@@ -119,6 +120,19 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
         self.gathered_event: Event | None = None  # None: not gathered
         self.params_ready: Event | None = None  # hfsdp: last outer all-gather
 
+    def _tp_locals(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """Mark the original parameters (for ties and stale optimizers) and return what
+        hsdp shards of them: their TP-local tensors (see ``tp.py``). Keeps, per parameter,
+        the spec of its gathered DTensor on mesh["tp"] (None: a plain parameter) and the
+        TP placement of its shards (None without a tp dim)."""
+        for idx, p in enumerate(params):
+            p._hsdp_moved_to = (self, idx)
+        self.tp_specs = [unsharded_spec(p, self.param_dtype) if isinstance(p, DTensor)
+                         else None for p in params]
+        self._tp = [placement_of(p) if self.comms.tp_size > 1 else None for p in params]
+        self._shapes = [tuple(p.shape) for p in params]  # whole (over TP too)
+        return [local_of(p) for p in params]
+
     def _make_sharded(self, owned_lo: int, owned_hi: int) -> None:
         """Sharded parameters: DTensors over views of ``main``; registered on the
         modules."""
@@ -126,8 +140,10 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
         self._slices: list[tuple[int, int]] = []  # (offset in main, length) per parameter
         self._guard_hooks: list[int | None] = []  # id of _grad_on_shard's hook per parameter
         self.shard_starts: list[int] = []  # first element of each parameter held here
-        self.specs = [spec(self.comms.mesh, self.shard_outer, shape, self.orig_dtype)
-                      for shape in self.layout.shapes]
+        self.specs = [spec(self.comms.mesh, self.shard_outer, shape, self.orig_dtype, tp)
+                      for shape, tp in zip(self._shapes, self._tp)]
+        self._groups_of = [self.comms.piece_groups(self.shard_outer, block_of(s) is not None)
+                           for s in self.specs]
         owned = self.layout.pieces(owned_lo, owned_hi)
         # Hooks on the group's own tensors reach it weakly: a strong reference is a cycle
         # through autograd's C++ that gc cannot see (the model, and with it the process
@@ -135,12 +151,12 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
         me = weakref.ref(self)
         locals_ = placeholders_if_empty([self.main[pc.range_offset:pc.range_offset + pc.length]
                                          if pc else self.main[:0] for pc in owned])
-        for shape, dspec, piece, local in zip(self.layout.shapes, self.specs, owned, locals_):
+        for dspec, piece, local, groups in zip(self.specs, owned, locals_, self._groups_of):
             a, n = (piece.range_offset, piece.length) if piece else (0, 0)
             start = piece.param_start if piece else 0
-            sp = nn.Parameter(as_dtensor(local, dspec, start, n, self._piece_groups()),
+            sp = nn.Parameter(as_dtensor(local, dspec, start, n, groups),
                               requires_grad=self.requires_grad)
-            attach_chunks(sp._local_tensor, shape, start, n)  # state_dict(keep_vars=True)
+            attach_chunks(sp._local_tensor, dspec, start, n)  # state_dict(keep_vars=True)
             sp._hsdp_group = self  # marks the parameter as managed by hsdp (see owner())
             sp._hsdp_index = len(self.sharded)
             guard = (sp.register_post_accumulate_grad_hook(
@@ -156,12 +172,14 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
         """Unsharded parameters: windows of the gathered buffer, whose storage comes
         and goes; own version counters, so re-gathering for backward does not look like
         an in-place change to autograd's saved tensors. Float8: torchao's float8
-        tensors over the windows."""
+        tensors over the windows; a TP parameter: a DTensor on mesh["tp"] again."""
         self.gathered = torch.empty(self.layout.total, dtype=dtype, device=device)
         views = [_alias(self.gathered, off, p.numel()).view(p.shape)
                  for p, off in zip(params, self.layout.offsets)]
         self.unsharded = (
-            [nn.Parameter(v, requires_grad=self.requires_grad) for v in views]
+            [nn.Parameter(v if s is None else DTensor(v, s, requires_grad=False),
+                          requires_grad=self.requires_grad)
+             for v, s in zip(views, self.tp_specs)]
             if self.float8 is None else
             self.float8.unsharded(views, self.param_dtype, self.requires_grad))
         self._gathered_bytes = self.layout.total * self.gathered.element_size()
@@ -191,10 +209,6 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
     def mark_written(self) -> None:
         """hfsdp: the next refresh re-gathers the inner shard from every updated chunk."""
         self.synced_version = None
-
-    def _piece_groups(self) -> tuple:
-        """The host groups over which this group's pieces are spread (see ``Piece``)."""
-        return self.comms.piece_groups(self.shard_outer)
 
     def _filled(self, sources: list[torch.Tensor], lo: int, numel: int, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:

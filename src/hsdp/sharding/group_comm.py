@@ -10,6 +10,7 @@ import torch
 from hsdp.runtime.streams import Event, SideStream
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.float8 import as_bytes
+from hsdp.sharding.tp import grad_local
 
 
 def _allocate(t: torch.Tensor) -> None:
@@ -79,7 +80,8 @@ class GroupCollectives:
         for p in self.unsharded:
             p.grad = None
         dst = [views[j] for j, g in zip(self._param_segments, grads) if g is not None]
-        src = [g.reshape(-1) for g in grads if g is not None]
+        src = [grad_local(g, s).reshape(-1) for g, s in zip(grads, self.tp_specs)
+               if g is not None]
         zero = [views[j] for j in self._gap_segments]
         zero += [views[j] for j, g in zip(self._param_segments, grads) if g is None]
         self.used = [u or g is not None for u, g in zip(self.used, grads)]

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import torch
 
 from hsdp.sharding.pieces import Piece, checkpoint_view, piece_like
+from hsdp.sharding.tp import block_of
 from hsdp.sharding.write_guard import before_write
 
 
@@ -42,6 +43,22 @@ class GroupState:
         bump ``main``'s version counter, which ``version`` watches)."""
         a, n = self._slices[idx]
         return self.main[a:a + n]
+
+    def piece_of(self, idx: int, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of parameter ``idx`` in ``full``, the whole parameter (of
+        the global shape: its TP block first, where TP shards it)."""
+        block = block_of(self.specs[idx])
+        flat = (full if block is None else block.local_of(full)).reshape(-1)
+        start = self.shard_starts[idx]
+        return flat[start:start + self._slices[idx][1]]
+
+    def whole(self, flat: torch.Tensor, idx: int) -> torch.Tensor:
+        """Parameter ``idx`` whole, from ``full_flat``'s result: a collective over the tp
+        group where TP shards it (every rank must call it)."""
+        off, n = self.layout.offsets[idx], self.layout.numels[idx]
+        t = flat[off:off + n].view(self.layout.shapes[idx])
+        block = block_of(self.specs[idx])
+        return t if block is None else block.whole(t, self.comms.host_tp)
 
     def checkpoint_view(self, idx: int, local: torch.Tensor | None = None) -> torch.Tensor:
         """A DTensor for state dicts over ``local`` (by default parameter ``idx``'s piece),

@@ -37,6 +37,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from hsdp.mesh import registered_groups
 from hsdp.sharding.chunks import Chunks, attach_chunks
 from hsdp.sharding.reductions import DECLINED, SPECIAL, special
+from hsdp.sharding.tp import block_of
 from hsdp.sharding.write_guard import (
     DATA,
     PENDING,
@@ -47,14 +48,16 @@ from hsdp.sharding.write_guard import (
 )
 
 
-def placements(shard_outer: bool) -> tuple:
-    return (Shard(0) if shard_outer else Replicate(), Shard(0))
+def placements(shard_outer: bool, tp: Placement | None = None) -> tuple:
+    """Over ("outer", "inner") and, on a 3-D mesh, the parameter's TP placement ``tp``."""
+    dp = (Shard(0) if shard_outer else Replicate(), Shard(0))
+    return dp if tp is None else (*dp, tp)
 
 
 def spec(mesh: DeviceMesh, shard_outer: bool, shape: tuple[int, ...],
-         dtype: torch.dtype) -> DTensorSpec:
+         dtype: torch.dtype, tp: Placement | None = None) -> DTensorSpec:
     stride = torch.empty(shape, device="meta").stride()
-    return DTensorSpec(mesh, placements(shard_outer),
+    return DTensorSpec(mesh, placements(shard_outer, tp),
                        tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
 
 
@@ -184,8 +187,9 @@ class Piece(DTensor):
     the pieces). Elementwise foreach ops on Pieces return Pieces (``_on_locals``), other
     ops plain DTensors (torch's dispatch)."""
 
-    _hsdp_range: tuple[int, int]  # (start, length) in the flattened global tensor
-    _hsdp_groups: tuple[dist.ProcessGroup, ...]  # whose sum assembles the pieces
+    _hsdp_range: tuple[int, int]  # (start, length) in the flattened TP-local tensor
+    # whose sum assembles the pieces: inner, outer (hfsdp), tp (a TP-sharded parameter)
+    _hsdp_groups: tuple[dist.ProcessGroup, ...]
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -242,11 +246,14 @@ class Piece(DTensor):
                 "whole.")
         start, length = self._hsdp_range
         local = self._local_tensor
-        full = torch.zeros(self.numel(), dtype=local.dtype, device=local.device)
-        full[start:start + length] = local.detach().reshape(-1)[:length]
-        for group in self._hsdp_groups:  # every element is held by one rank: sum = gather
+        block = block_of(self._spec)  # None: this rank's tp ranks hold it whole
+        shape = self.shape if block is None else block.local_shape
+        full = torch.zeros(shape, dtype=local.dtype, device=local.device)
+        full.view(-1)[start:start + length] = local.detach().reshape(-1)[:length]
+        dp = self._hsdp_groups if block is None else self._hsdp_groups[:-1]
+        for group in dp:  # every element is held by one rank: sum = gather
             dist.all_reduce(full, group=group)
-        return full.view(self.shape)
+        return full if block is None else block.whole(full, self._hsdp_groups[-1])
 
     def redistribute(self, device_mesh: DeviceMesh | None = None,
                      placements: Sequence[Placement] | None = None, *,
@@ -267,7 +274,7 @@ class Piece(DTensor):
     # would say torch.chunk rows): for every Piece, also the optimizer state that torch's
     # ops made from one (whose local tensor has no chunk hooks, see ``attach_chunks``).
     def _chunks(self) -> Chunks:
-        return Chunks(tuple(self._spec.shape), *self._hsdp_range)
+        return Chunks(tuple(self._spec.shape), *self._hsdp_range, block_of(self._spec))
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return self._chunks().chunk_list()
@@ -307,7 +314,8 @@ def _rebuild(local: torch.Tensor, dspec: DTensorSpec, hsdp_range: tuple[int, int
             "hsdp's mesh with the same ranks in this process (hsdp.init_mesh, then "
             "fully_shard); for tensors that load anywhere save hsdp.full_state_dict(model)")
     out = as_dtensor(local, dspec, *hsdp_range,
-                     groups.piece_groups(dspec.placements[0].is_shard()))
+                     groups.piece_groups(dspec.placements[0].is_shard(),
+                                         block_of(dspec) is not None))
     if requires_grad:
         out.requires_grad_(True)
     return out
@@ -352,7 +360,7 @@ def checkpoint_view(like: Piece, local: torch.Tensor) -> Piece:
     """A Piece laid out like ``like`` over ``local`` that carries the chunk hooks (what
     state dicts hold: DCP writes from and loads into it in place)."""
     local = local.view(-1)  # a fresh alias: the hooks are attributes of the tensor object
-    attach_chunks(local, tuple(like.shape), *like._hsdp_range)
+    attach_chunks(local, like._spec, *like._hsdp_range)
     return piece_like(like, local)
 
 

@@ -1,0 +1,144 @@
+"""Tensor-parallel parameters: DTensors that torch's ``parallelize_module`` made on
+``mesh["tp"]`` of hsdp's ("outer", "inner", "tp") mesh.
+
+hsdp shards each parameter's TP-local tensor (its local tensor on ``mesh["tp"]``) over the
+data-parallel dims: the flat layout, the buffers and hsdp's collectives never see TP, and
+TP's own collectives stay torch's (on the compute stream, inside the modules' forward and
+backward). A sharded parameter is a DTensor on the 3-D mesh whose last placement is its TP
+placement; its elements lie in this rank's TP block (``TPBlock``: the chunk along the TP
+Shard dim, as ``torch.chunk`` cuts it) at the flat range hsdp's piece gives. What hsdp
+refuses: a DTensor on any other mesh, a placement it cannot flatten (``_StridedShard``,
+``Partial``), a DTensor parameter on a mesh without a "tp" dim, TP parameters on the meta
+device (``hsdp.materialize`` does not rebuild DTensors).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+TP_DIM = 2  # the index of "tp" in hsdp's 3-D mesh
+
+
+def placement_of(p: torch.Tensor) -> Placement:
+    """The TP placement hsdp gives ``p``'s shards: a plain tensor is whole on every tp rank."""
+    return p.placements[0] if isinstance(p, DTensor) else Replicate()
+
+
+def local_of(p: torch.Tensor) -> torch.Tensor:
+    """What hsdp shards of ``p``: its TP-local tensor (``p`` itself if plain)."""
+    return p._local_tensor if isinstance(p, DTensor) else p
+
+
+def check_params(params: Sequence[torch.Tensor], names: Sequence[str],
+                 mesh: DeviceMesh) -> None:
+    """Raise, before fully_shard changes anything, for a parameter hsdp cannot shard on
+    ``mesh``. The same model on every rank gives the same verdict on every rank."""
+    has_tp = mesh.mesh_dim_names is not None and "tp" in mesh.mesh_dim_names
+    for p, name in zip(params, names):
+        if not isinstance(p, DTensor):
+            continue
+        dims = p.device_mesh.mesh_dim_names
+        if not has_tp:
+            raise ValueError(
+                f"hsdp.fully_shard: parameter {name} is a DTensor on mesh dims {dims} but "
+                f"hsdp's mesh has no 'tp' dim; for tensor parallelism build the mesh with "
+                f"hsdp.init_mesh(outer, inner, tp=tp) and give mesh['tp'] to "
+                f"parallelize_module")
+        coord = mesh.get_coordinate()
+        tp_ranks = mesh.mesh[coord[0], coord[1]].tolist()
+        if dims != ("tp",) or p.device_mesh.mesh.tolist() != tp_ranks:
+            raise ValueError(
+                f"hsdp.fully_shard: parameter {name} is a DTensor on mesh dims {dims} with "
+                f"ranks {p.device_mesh.mesh.tolist()}; hsdp shards tensor-parallel "
+                f"parameters on mesh['tp'] of its own mesh (ranks {tp_ranks} here) only: "
+                f"pass mesh['tp'] of the mesh given to fully_shard to parallelize_module")
+        if p.is_meta:
+            raise ValueError(
+                f"hsdp.fully_shard: parameter {name} is a tensor-parallel DTensor on the meta "
+                f"device; hsdp.materialize does not handle TP parameters yet: build the model "
+                f"on its device (or to_empty() and initialize it) before fully_shard")
+        (pl,) = p.placements
+        if not (type(pl) is Shard or pl.is_replicate()):
+            raise ValueError(
+                f"hsdp.fully_shard: parameter {name} has TP placement {pl}, which hsdp "
+                f"cannot flatten into its shards; use Shard(dim) or Replicate() placements "
+                f"(ColwiseParallel, RowwiseParallel, SequenceParallel)")
+
+
+@dataclass(frozen=True)
+class TPBlock:
+    """This rank's TP block of a parameter of ``shape``: elements ``[offset, offset +
+    size)`` along ``dim``."""
+
+    shape: tuple[int, ...]
+    dim: int
+    offset: int
+    size: int
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self.shape[:self.dim] + (self.size,) + self.shape[self.dim + 1:]
+
+    def shift(self, offsets: Sequence[int]) -> tuple[int, ...]:
+        """Offsets inside the block -> offsets inside the parameter."""
+        return tuple(o + (self.offset if d == self.dim else 0) for d, o in enumerate(offsets))
+
+    def local_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's block of a whole parameter (a view)."""
+        return full.narrow(self.dim, self.offset, self.size)
+
+    def whole(self, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """The whole parameter from each tp rank's block ``local`` (a collective on
+        ``group``, the tp group: every element is held by one rank, so a sum gathers)."""
+        full = torch.zeros(self.shape, dtype=local.dtype, device=local.device)
+        self.local_of(full).copy_(local.view(self.local_shape))
+        dist.all_reduce(full, group=group)
+        return full
+
+
+@functools.lru_cache(maxsize=4096)
+def _block(shape: tuple[int, ...], dim: int, n: int, rank: int) -> TPBlock:
+    """``torch.chunk``'s cut (as DTensor's Shard): chunks of ceil(size / n), the last ones
+    shorter or empty."""
+    chunk = -(-shape[dim] // n)
+    lo = min(rank * chunk, shape[dim])
+    return TPBlock(shape, dim, lo, min(shape[dim], lo + chunk) - lo)
+
+
+def block_of(dspec: DTensorSpec) -> TPBlock | None:
+    """This rank's TP block of a parameter sharded by hsdp on a 3-D mesh (``dspec``: its
+    shards' spec); None when its tp ranks hold it whole (no TP, or Replicate)."""
+    if dspec.mesh.ndim <= TP_DIM:
+        return None
+    pl = dspec.placements[TP_DIM]
+    if not pl.is_shard():
+        return None
+    rank = dspec.mesh.get_coordinate()[TP_DIM]
+    return _block(tuple(dspec.shape), pl.dim, dspec.mesh.size(TP_DIM), rank)
+
+
+def unsharded_spec(p: DTensor, dtype: torch.dtype) -> DTensorSpec:
+    """The spec of ``p``'s gathered parameter, in the compute dtype ``dtype``."""
+    return DTensorSpec(p.device_mesh, tuple(p.placements),
+                       tensor_meta=TensorMeta(p.shape, p.stride(), dtype))
+
+
+def grad_local(grad: torch.Tensor, dspec: DTensorSpec | None) -> torch.Tensor:
+    """The TP-local gradient of a gathered parameter whose spec is ``dspec`` (None: a plain
+    parameter): autograd may leave it ``Partial`` (a replicated weight used on sequence
+    shards), which the TP all-reduce makes whole first, as FSDP2 does."""
+    if dspec is None:
+        return grad
+    if grad.placements != dspec.placements:
+        grad = grad.redistribute(placements=dspec.placements)
+    local = grad._local_tensor
+    wait = getattr(local, "wait", None)  # a functional collective's result
+    return wait() if callable(wait) else local

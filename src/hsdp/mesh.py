@@ -83,6 +83,8 @@ class CommGroups:
     timeout: timedelta
     mesh: DeviceMesh
     nccl: dict[str, NcclConfig]
+    tp_size: int = 1
+    host_tp: dist.ProcessGroup | None = None
     elastic: ElasticOuter | None = None  # fault tolerance: the replica groups (torchft)
 
     @property
@@ -90,8 +92,6 @@ class CommGroups:
         """The outer gradient all-reduce's communicator: torchft's managed group with
         fault tolerance, else ``outer``."""
         return self.outer if self.elastic is None else self.elastic
-    tp_size: int = 1
-    host_tp: dist.ProcessGroup | None = None
 
     @property
     def world(self) -> int:
@@ -387,8 +387,8 @@ def _create_groups(mesh: DeviceMesh, nccl: dict[str, NcclConfig],
     # Shard index = rank inside the group (new_group orders members by global rank).
     return CommGroups(outer, inner, dist.get_rank(mine["outer"]), dist.get_rank(mine["inner_ag"]),
                       mine["inner_ag"], mine["inner_rs"], mine["outer"], mine["host_inner"],
-                      mine["host_outer"], control, timeout, mesh, nccl, tp,
-                      mine.get("host_tp"))
+                      mine["host_outer"], control, timeout, mesh, nccl, tp_size=tp,
+                      host_tp=mine.get("host_tp"))
 
 
 def new_communicator(ranks: list[int], device_type: str, cfg: NcclConfig | None = None,

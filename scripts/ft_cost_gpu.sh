@@ -9,7 +9,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/ft_cost}
 mkdir -p "$OUT"
-python -c "import torchft" 2>/dev/null || pip install -q --no-index --find-links wheels torchft==0.2.0
+python -c "import torchft" 2>/dev/null || {
+    # --no-deps: torchft's torch requirement must not touch the CUDA torch already there
+    pip install -q --no-index --find-links wheels --no-deps torchft==0.2.0
+    pip install -q --no-index --find-links wheels opentelemetry-api opentelemetry-sdk \
+        opentelemetry-exporter-otlp-proto-http
+}
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 for seq in 1024 4096; do
     for run in 1 2; do

@@ -9,12 +9,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/ft_cost}
 mkdir -p "$OUT"
-python -c "import torchft" 2>/dev/null || {
-    # --no-deps: torchft's torch requirement must not touch the CUDA torch already there
-    pip install -q --no-index --find-links wheels --no-deps torchft==0.2.0
-    pip install -q --no-index --find-links wheels opentelemetry-api opentelemetry-sdk \
-        opentelemetry-exporter-otlp-proto-http
-}
+python -c "import torchft" 2>/dev/null ||
+    # --no-deps: torchft's torch requirement must not touch the CUDA torch already there;
+    # what it imports comes from wheels/ too
+    python -m pip install -q --no-index --no-deps wheels/torchft-0.2.0-*.whl \
+        wheels/opentelemetry_*.whl wheels/googleapis_common_protos-*.whl
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 for seq in 1024 4096; do
     for run in 1 2; do

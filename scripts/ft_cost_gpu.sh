@@ -12,8 +12,8 @@ mkdir -p "$OUT"
 python -c "import torchft" 2>/dev/null ||
     # --no-deps: torchft's torch requirement must not touch the CUDA torch already there;
     # what it imports comes from wheels/ too
-    python -m pip install -q --no-index --no-deps wheels/torchft-0.2.0-*.whl \
-        wheels/opentelemetry_*.whl wheels/googleapis_common_protos-*.whl
+    python -m pip install -q --no-index --no-deps --find-links wheels torchft==0.2.0 \
+        $(ls wheels | grep -E '^(opentelemetry|googleapis)' | cut -d- -f1 | tr _ -)
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 for seq in 1024 4096; do
     for run in 1 2; do

@@ -1,12 +1,14 @@
-"""Build docs/when_overlap_pays.md from an `hsdp sim --sweep` run.
+"""Build docs/when_overlap_pays.md from `hsdp sim --sweep` runs, one per model.
 
-    python scripts/when_overlap_pays.py                   # runs the sweep (long), writes all
-    python scripts/when_overlap_pays.py --from sweep.json  # only re-renders the page
-    python scripts/when_overlap_pays.py -- --tflops 540    # `hsdp sim` options after --
+    python scripts/when_overlap_pays.py                    # runs the sweeps (long), writes all
+    python scripts/when_overlap_pays.py --from a.json b.json  # only re-renders the page
 
-Runs (or reads) the sweep of the issue's grid, writes its JSON and plot next to the
-page, and renders the page: the arithmetic of the saving, the rule of thumb next to the
-simulated saving for every row, and one verdict line per row.
+Runs (or reads) the sweep of the grid for each of ``MODELS``, priced by the committed
+machine profile of one H200 (``PROFILE``: compute, host, memory, the collectives' waits
+beside compute) and the inner link measured on two H200s (``LINKS``' inner link and its
+latency, for every collective), writes the JSONs and plots next to the page, and renders
+it: the arithmetic of the saving, the rule of thumb next to the simulated saving for every
+row, one verdict line per row, and the profile's held-out error (docs/sim_vs_measured.md).
 """
 
 from __future__ import annotations
@@ -23,20 +25,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-GRID = ["nodes=2,8,32,128", "seq=1024,4096,8192", "microbatches=1,4,16",
-        "outer_gbps=12.5,25,50,100", "reduce=bf16,fp32"]
-MODEL = "llama-8b"
+GRID = ["nodes=2,16,128", "microbatches=1,4,16", "outer_gbps=12.5,25,50,100"]
+MODELS = ("llama-8b", "llama-70b")
+SEQ = 4096
+PROFILE = ROOT / "docs" / "results" / "h200" / "profile.json"
+LINKS = ROOT / "docs" / "results" / "h200x2" / "profile.json"
 
 
-def run(args: argparse.Namespace) -> dict:
+def sim_args(model: str) -> list[str]:
+    """`hsdp sim` options of a model's sweep: the profiles' (module doc)."""
+    inner = json.loads(LINKS.read_text())["links"]["inner"]
+    return ["--model", model, "--mesh", "2x8", "--seq", str(SEQ), "--reduce-dtype", "bf16",
+            "--profile", os.path.relpath(PROFILE, ROOT), "--inner-gbps",
+            f"{inner['bus_gbps']:.1f}", "--latency-us", f"{inner['latency_us']:.1f}"]
+
+
+def run(model: str) -> dict:
     from hsdp.__main__ import build_parser
     from hsdp.sim.cli import resolve
     from hsdp.sim.sweep import parse_sweep, run_sweep
 
-    cli = ["sim", "--model", MODEL, "--mesh", "2x8", *args.sim_args]
-    sim_args = build_parser().parse_args(cli)
-    setup, costs = resolve(sim_args)
-    return run_sweep(setup, costs, parse_sweep(GRID))
+    setup, costs = resolve(build_parser().parse_args(["sim", *sim_args(model)]))
+    report = run_sweep(setup, costs, parse_sweep(GRID))
+    report["meta"]["sim_args"] = sim_args(model)
+    return report
 
 
 def rule_of_thumb(r: dict, units: int) -> float:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import gzip
+import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,8 +34,9 @@ from hsdp.sim.calibrate import (
     with_host_marks,
 )
 from hsdp.sim.costs import CostModel, PhaseCost, phase_class
-from hsdp.sim.engine import Setup, evaluate, record, shard, train_step
+from hsdp.sim.engine import Setup, evaluate, record, shard, simulate, train_step
 from hsdp.sim.fabric import Fabric, Link
+from hsdp.sim.profile import MachineProfile, calibrate_profile, held_out
 
 TINY_GPT = GPTConfig(vocab=32, hidden=16, heads=2, ffn=32, layers=3, seq=8)
 TINY_LLAMA = LlamaConfig(vocab=32, hidden=16, heads=4, kv_heads=2, ffn=24, layers=3, seq=8)
@@ -791,3 +794,98 @@ def test_real_nccl_busy_times_keep_the_unprofiled_waits(tmp_path):
     del entry["side_ms_steps"]  # no unprofiled steps and no trace: the traced busy times
     assert measured_busy_ms(tmp_path / "run.json", data, "overlap") == {"inner_rs": 1.5,
                                                                  "outer": 3.5}
+
+
+# --------------------------------------------------------------------------- machine profile
+
+
+def _profiled_run(tmp_path: Path, setup: Setup, **extra) -> Path:
+    """A `bench step` JSON of ``setup`` with the trace of ``_llama_step`` beside it."""
+    _write_trace(tmp_path / "trace_overlap.json.gz", _llama_step())
+    return _bench_json(tmp_path, setup, {"compute": 50.0, **extra.pop("busy", {})},
+                       trace="trace_overlap.json.gz", t_host_ms=2.5, **extra)
+
+
+def _phase_ms(r, label: str) -> float:
+    return sum(iv.end_us - iv.start_us for iv in r.intervals if iv.label == label) / 1e3
+
+
+def test_profile_prices_another_setup_by_its_flops_and_ops(fake_world_8, tmp_path):
+    """A profile turns the run's measured phases into rates: each block's forward at the
+    run's TFLOP/s of that class on the FLOPs of the other setup (here twice the
+    sequence), its host time per op on the ops the other setup issues."""
+    setup = Setup(TINY_LLAMA, 2, 4)
+    profile = calibrate_profile(_profiled_run(tmp_path, setup), machine="test")
+    profile.save(tmp_path / "profile.json")
+    assert MachineProfile.load(tmp_path / "profile.json") == profile
+
+    def block_fwd(s: Setup) -> tuple[float, int]:
+        """FLOPs and ops of one block's forward."""
+        rec = record(s)
+        ops = [op for op in rec.program.ops[rec.start:]
+               if op.kind == "compute" and phase_class(op.label) == "FWD:LlamaBlock"]
+        n = len({op.phase for op in ops})
+        return sum(op.payload.flops for op in ops) / n, len(ops) // n
+
+    flops, n_ops = block_fwd(setup)
+    assert profile.class_tflops["FWD:LlamaBlock"] == pytest.approx(flops / 3e-3 / 1e12)
+    assert profile.class_host_us["FWD:LlamaBlock"] == pytest.approx(500.0 / n_ops)
+    longer = dataclasses.replace(setup, model=dataclasses.replace(TINY_LLAMA, seq=16))
+    flops16, n16 = block_fwd(longer)
+    assert flops16 > 2 * flops and n16 == n_ops
+    r = simulate(longer, profile.cost_model(Fabric()))
+    assert _phase_ms(r, "FWD:Block2") == pytest.approx(3.0 * flops16 / flops)
+    # the run's own setup: the measured phases again
+    assert _phase_ms(simulate(setup, profile.cost_model(Fabric())), "FWD:Block2") == (
+        pytest.approx(3.0))
+
+
+def test_collective_wait_follows_compute_not_the_link(fake_world_8, tmp_path):
+    """What a collective takes beyond its modelled transfer is a wait in mean compute
+    kernels (``comm_wait``): it reproduces the run's busy time, and on a 4x slower link
+    it stays the same ms per op rather than growing with the transfer (``comm_scale``)."""
+    setup = Setup(TINY_LLAMA, 2, 4)
+    fabric = {"inner": {"bus_gbps": 370.0, "latency_us": 0.0},
+              "outer": {"bus_gbps": 40.0, "latency_us": 0.0}}
+    path = _profiled_run(tmp_path, setup, busy={"outer": 2.0})
+    data = json.loads(path.read_text())
+    data["meta"]["fabric"] = fabric
+    path.write_text(json.dumps(data))
+    profile = calibrate_profile(path)
+    assert profile.comm_wait["outer"] > 0
+    run_fabric = Fabric(Link(370.0, 0.0), Link(40.0, 0.0))
+    slow = Fabric(Link(370.0, 0.0), Link(10.0, 0.0))
+    rec = record(setup)
+
+    def outer_ms(costs: CostModel) -> float:
+        return evaluate(rec, costs).metrics["busy_ms"]["by_kind"]["outer"]
+
+    assert outer_ms(profile.cost_model(run_fabric)) == pytest.approx(2.0)
+    plain = dataclasses.replace(profile.cost_model(run_fabric), comm_wait={})
+    extra = 2.0 - outer_ms(plain)
+    assert extra > 0
+    slow_plain = outer_ms(dataclasses.replace(plain, fabric=slow))
+    assert outer_ms(profile.cost_model(slow)) == pytest.approx(slow_plain + extra)
+
+
+def test_held_out_comparison_refuses_the_calibration_run(fake_world_8, tmp_path, monkeypatch):
+    setup = Setup(TINY_LLAMA, 2, 4)
+    path = _profiled_run(tmp_path, setup)
+    profile = calibrate_profile(path)
+    profile.save(tmp_path / "profile.json")
+    other = tmp_path / "other" / "step.json"
+    other.parent.mkdir()
+    other.write_text(path.read_text())
+    held_out(profile, [other])
+    with pytest.raises(ValueError, match="calibrated on"):
+        held_out(profile, [other, tmp_path / "." / "step.json"])
+    script = Path(__file__).resolve().parents[1] / "scripts" / "sim_vs_measured.py"
+    spec = importlib.util.spec_from_file_location("sim_vs_measured", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["sim_vs_measured.py", "--machine",
+                                      str(tmp_path / "profile.json"), str(other), str(path),
+                                      "--out", str(tmp_path / "page.md")])
+    with pytest.raises(SystemExit, match="calibrated on"):
+        module.main()
+    assert not (tmp_path / "page.md").exists()

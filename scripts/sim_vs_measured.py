@@ -41,7 +41,7 @@ from hsdp.sim.calibrate import (  # noqa: E402
 )
 from hsdp.sim.engine import simulate  # noqa: E402
 from hsdp.sim.fabric import Fabric  # noqa: E402
-from hsdp.sim.profile import MachineProfile, held_out  # noqa: E402
+from hsdp.sim.profile import MachineProfile, held_out, same_run  # noqa: E402
 
 WITHIN_PCT = 5.0
 KINDS = ("compute", "inner_ag", "inner_rs", "outer")
@@ -247,10 +247,17 @@ def main() -> int:
                           Path(args.profile).parent.name)
         print(f"wrote {args.predict}")
         return 0
-    runs = step_runs()
-    machines = ([(Path(m[0]), [Path(j) for j in m[1:]]) for m in args.machine]
-                if args.machine else [(RESULTS / k / "profile.json", runs[k]) for k in MACHINES])
-    profiles = [(path, MachineProfile.load(path), jsons) for path, jsons in machines]
+    if args.machine:
+        profiles = [(Path(m[0]), MachineProfile.load(m[0]), [Path(j) for j in m[1:]])
+                    for m in args.machine]
+    else:  # each committed profile and every other run of its machine kind
+        runs = step_runs()
+        profiles = [(RESULTS / k / "profile.json", MachineProfile.load(
+            RESULTS / k / "profile.json"), []) for k in MACHINES]
+        for path, profile, jsons in profiles:
+            made_from = profile.sources["step"] + profile.sources["collectives"]
+            jsons += [j for j in runs[path.parent.name]
+                      if not any(same_run(j, s) for s in made_from)]
     for path, profile, jsons in profiles:  # before any simulation
         try:
             held_out(profile, jsons)

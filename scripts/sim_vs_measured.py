@@ -283,7 +283,9 @@ def main() -> int:
         "without the profiler (each op's median; on real NCCL the least over the ranks). "
         "Simulated: from the step's start to every stream idle.",
         "",
-        "Regenerate: `python scripts/sim_vs_measured.py " + shlex.join(sys.argv[1:]) + "`",
+        "Regenerate: `python scripts/sim_vs_measured.py "
+        + " ".join("NOTE" if a == args.note else shlex.quote(a) for a in sys.argv[1:])
+        + "`" + (" (NOTE: the last section's text)" if args.note else ""),
         "",
     ]
     for path, profile, jsons in profiles:

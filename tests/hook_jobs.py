@@ -17,8 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hsdp
-from hsdp.comm import Collectives
-from hsdp.group import owner
+from hsdp.sharding.comm import Collectives
+from hsdp.sharding.group import owner
 
 ROWS = 2
 STEPS = 3

@@ -17,8 +17,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import hsdp
-from hsdp.group import owner
 from hsdp.models import GPT, GPTConfig, lm_loss
+from hsdp.sharding.group import owner
 
 ROWS_PER_RANK = 2
 STEPS = 4
@@ -286,8 +286,8 @@ def lagging_outer_job(rank: int, world: int, no_hold: bool = False) -> dict[str,
     this job sees the reuse it guards against)."""
     from hsdp.bench.emulate import emulate
     from hsdp.models import GPT, GPTConfig, lm_loss
+    from hsdp.runtime.cuda import CudaSideStream
     from hsdp.sim.fabric import Fabric, Link
-    from hsdp.streams import CudaSideStream
 
     if no_hold:
         CudaSideStream.hold = lambda self, t: None

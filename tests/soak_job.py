@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import hsdp
-from hsdp.comm import Collectives
+from hsdp.sharding.comm import Collectives
 
 DELAYED = (("ag",), ("rs",), ("outer",), ("ag", "rs", "outer"))
 MAX_DELAY_S = 1e-3

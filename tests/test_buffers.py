@@ -74,7 +74,7 @@ def test_optimizer_state_is_one_buffer_per_group_and_key(fake_world_8, strategy,
     again at the next step."""
     snapshots = []
 
-    def pack_and_check(self, state, pack=hsdp.group.ParamGroup.pack_state):
+    def pack_and_check(self, state, pack=hsdp.sharding.group.ParamGroup.pack_state):
         before = {(id(p), k): v._local_tensor.clone() for p in self.sharded if p in state
                   for k, v in state[p].items() if v.dim()}
         pack(self, state)
@@ -85,7 +85,7 @@ def test_optimizer_state_is_one_buffer_per_group_and_key(fake_world_8, strategy,
             torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8))
             for k in before))
 
-    monkeypatch.setattr(hsdp.group.ParamGroup, "pack_state", pack_and_check)
+    monkeypatch.setattr(hsdp.sharding.group.ParamGroup, "pack_state", pack_and_check)
     mesh = hsdp.init_mesh(2, 4, "cpu")
     # Small sizes: several pieces of odd lengths in this rank's part of the root.
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 40), nn.Tanh(),

@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import hsdp
-from hsdp.group import ParamGroup
+from hsdp.sharding.group import ParamGroup
 
 
 def _model() -> nn.Sequential:

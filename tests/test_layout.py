@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hsdp.layout import ALIGN_ELEMS, FlatLayout, boxes
+from hsdp.sharding.layout import ALIGN_ELEMS, FlatLayout, boxes
 
 SHAPES = [(7, 13), (13,), (1,), (5, 3, 2), (0,), (129,)]
 

@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 
 import hsdp
-from hsdp.group import owner
 from hsdp.models import GPT, GPTConfig
+from hsdp.sharding.group import owner
 
 
 def init_fn(m: nn.Module) -> None:

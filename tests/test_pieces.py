@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import hsdp
-from hsdp.pieces import Piece, as_dtensor, spec
+from hsdp.sharding.pieces import Piece, as_dtensor, spec
 
 SHAPES = [(6, 5), (7,), (3, 4, 2)]
 
@@ -79,7 +79,7 @@ def test_in_place_op_on_a_parameter_under_autograd_is_checked_as_torch_does(fake
 def test_runs_of_back_to_back_pieces():
     """``_runs``: consecutive 1-D views that continue one another in one storage, with the
     same dtype, form a run; a gap, a repeat, another dtype or meta tensors break it."""
-    from hsdp.pieces import _runs
+    from hsdp.sharding.pieces import _runs
     b = torch.zeros(10)
     assert _runs([b[0:2], b[2:5], b[5:6], b[7:8], b[8:10]]) == [3, 2]
     assert _runs([b[0:2], b[0:2]]) == [1, 1]

@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from hsdp.streams import StreamFailure, Streams
+from hsdp.runtime.cpu import StreamFailure
+from hsdp.runtime.stream_set import Streams
 
 
 def test_fifo_order_and_cross_stream_dependency():

@@ -1,12 +1,12 @@
 """hsdp: hybrid-sharded data parallel with the DP-outer reduction on its own stream."""
 
 from hsdp.api import clip_grad_norm_, fully_shard, microbatch, synchronize
-from hsdp.checkpoint import CheckpointError, get_state_dict, load, save, set_state_dict
+from hsdp.checkpoint.dcp import CheckpointError, get_state_dict, load, save, set_state_dict
+from hsdp.checkpoint.full_state import full_state_dict, load_full_state_dict
 from hsdp.materialize import materialize
 from hsdp.mesh import NcclConfig, init_mesh
 from hsdp.module import register_forward_method
 from hsdp.policy import MixedPrecision
-from hsdp.state import full_state_dict, load_full_state_dict
 
 __version__ = "0.1.0"
 

@@ -13,9 +13,7 @@ import torch.nn as nn
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.device_mesh import DeviceMesh
 
-from hsdp.agreement import joined
-from hsdp.checkpoint import finish_saves, load_state_dict_hook, state_dict_hook
-from hsdp.group import ParamGroup, Slot, owner
+from hsdp.checkpoint.dcp import finish_saves, load_state_dict_hook, state_dict_hook
 from hsdp.mesh import as_hsdp_mesh, comm_groups
 from hsdp.module import adopt
 from hsdp.policy import (
@@ -24,7 +22,10 @@ from hsdp.policy import (
     check_reshard_after_forward,
     check_strategy,
 )
-from hsdp.schedule import Unit, units_below
+from hsdp.runtime.agreement import joined
+from hsdp.runtime.hooks import units_below
+from hsdp.runtime.unit import Unit
+from hsdp.sharding.group import ParamGroup, Slot, owner
 
 _UNIT_IDS = itertools.count()
 _CLIPS: weakref.WeakKeyDictionary[Unit, itertools.count] = weakref.WeakKeyDictionary()

@@ -19,9 +19,10 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from hsdp.comm import Collectives
-from hsdp.group import ParamGroup, owner
-from hsdp.schedule import Unit, units_below
+from hsdp.runtime.hooks import units_below
+from hsdp.runtime.unit import Unit
+from hsdp.sharding.comm import Collectives
+from hsdp.sharding.group import ParamGroup, owner
 
 
 @torch.no_grad()

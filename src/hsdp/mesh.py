@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hsdp import hosts
-from hsdp.consensus import agree_in_store
+from hsdp.runtime.consensus import agree_in_store
 
 DIM_NAMES = ("outer", "inner")
 # torchtitan's names for the same two dims (replicate, shard), with and without context parallel

@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 
 from hsdp.policy import check_reshard_after_forward
-from hsdp.schedule import Unit, UnshardHandle, units_below
+from hsdp.runtime.hooks import UnshardHandle, units_below
+from hsdp.runtime.unit import Unit
 
 _CLASSES: dict[type, type] = {}
 

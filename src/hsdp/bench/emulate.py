@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hsdp.comm import Collectives
 from hsdp.mesh import init_mesh
+from hsdp.sharding.comm import Collectives
 from hsdp.sim.fabric import Fabric
 
 

@@ -115,8 +115,8 @@ from hsdp.report.compare import CPU_NOTE, compare, describe
 from hsdp.report.metrics import Interval, step_metrics
 from hsdp.report.table import print_table as print_rows
 from hsdp.report.timeline import plot_timeline
+from hsdp.runtime.streams import OpRecord
 from hsdp.sim.fabric import Fabric, Link, fit_link
-from hsdp.streams import OpRecord
 
 # (overlapped, serialized) pairs whose saving is reported
 PAIRS = (("overlap", "serial"), ("hfsdp", "hfsdp-serial"))

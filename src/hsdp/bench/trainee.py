@@ -33,8 +33,8 @@ from hsdp.bench.emulate import DelayedCollectives, SleepClock, emulate
 from hsdp.bench.fsdp2 import fsdp2_collectives, shard_fsdp2
 from hsdp.bench.mfsdp import shard_mfsdp
 from hsdp.models import ModelConfig, build_model, lm_loss, shard_units
+from hsdp.runtime.streams import Tracer
 from hsdp.sim.fabric import Fabric
-from hsdp.streams import Tracer
 
 
 @dataclass(frozen=True)

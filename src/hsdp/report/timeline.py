@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hsdp.report.metrics import Interval, op_kind
-from hsdp.streams import STREAM_NAMES
+from hsdp.runtime.streams import STREAM_NAMES
 
 COLORS = {"compute": "#4c72b0", "inner_ag": "#55a868", "inner_rs": "#dd8452",
           "outer": "#c44e52", "other": "#8c8c8c"}

@@ -30,12 +30,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils.flop_counter import flop_registry
 
 import hsdp
-from hsdp.comm import Collectives
 from hsdp.mesh import axis_groups
 from hsdp.models import ModelConfig, build_model, lm_loss, shard_units
 from hsdp.policy import check_strategy
 from hsdp.report.args import DTYPES
 from hsdp.report.metrics import Interval, step_metrics
+from hsdp.sharding.comm import Collectives
 from hsdp.sim.clock import Program, virtual_streams
 from hsdp.sim.costs import CostModel
 

@@ -9,9 +9,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hsdp.comm import Collectives
-from hsdp.group import ParamGroup, owner
 from hsdp.mesh import host_group
+from hsdp.sharding.comm import Collectives
+from hsdp.sharding.group import ParamGroup, owner
 
 
 def quiesce(model: nn.Module, what: str) -> None:

@@ -30,14 +30,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-import hsdp.torch_state_dict  # noqa: F401  (torch's full-state-dict loads on Pieces)
-from hsdp import ckpt_dirs, integrity
-from hsdp.ckpt_sync import CheckpointError, Meeting
-from hsdp.group import owner
+import hsdp.checkpoint.torch_state_dict  # noqa: F401  (torch's full-state-dict loads on Pieces)
+from hsdp.checkpoint import dirs, integrity
+from hsdp.checkpoint.full_state import clean_key, clean_keys, model_keys, quiesce
+from hsdp.checkpoint.sync import CheckpointError, Meeting
 from hsdp.mesh import host_group
-from hsdp.pieces import Piece, adopt_state, attach_chunks, before_write
-from hsdp.state import clean_key, clean_keys, model_keys, quiesce
-from hsdp.teardown import before_destroy
+from hsdp.runtime.teardown import before_destroy
+from hsdp.sharding.chunks import attach_chunks
+from hsdp.sharding.group import owner
+from hsdp.sharding.pieces import Piece, adopt_state
+from hsdp.sharding.write_guard import before_write
 
 ModelState = dict[str, Any]
 OptimState = dict[str, Any]
@@ -299,7 +301,7 @@ class _Reader(FileSystemReader):
             sums = integrity.load_sums(self._dir)
         except ValueError as e:
             raise CheckpointError(str(e)) from e
-        required = os.path.isfile(os.path.join(self._dir, ckpt_dirs.MARKER))  # hsdp wrote it
+        required = os.path.isfile(os.path.join(self._dir, dirs.MARKER))  # hsdp wrote it
         per_file: dict[str, list] = {}
         for item in plan.items:
             info = self.storage_data[item.storage_index]
@@ -368,7 +370,7 @@ def save(path: str | os.PathLike, model: nn.Module,
     A collective. The data goes to a new hidden sibling directory first; ``path`` (a
     symlink hsdp made) is switched to it atomically once every rank has written, so an
     interrupted save leaves the previous checkpoint at ``path`` intact. hsdp replaces and
-    removes only what it made (see ``ckpt_dirs``): anything else at ``path`` raises
+    removes only what it made (see ``checkpoint/dirs.py``): anything else at ``path`` raises
     ``FileExistsError`` on every rank before anything is written.
 
     ``async_save=True``: the state is copied to CPU, then written in the background while
@@ -379,14 +381,14 @@ def save(path: str | os.PathLike, model: nn.Module,
     path = os.path.abspath(os.fspath(path))
     group = host_group()
     meeting = Meeting("hsdp.save", path)
-    staging = meeting.agree(group, "start", lambda: ckpt_dirs.claim(path))
+    staging = meeting.agree(group, "start", lambda: dirs.claim(path))
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     writer = _Writer(staging, meeting)
 
     def publish() -> None:
         if dist.get_rank() == 0:
-            ckpt_dirs.publish(path, staging)
+            dirs.publish(path, staging)
 
     if async_save:  # DCP's upload thread gets a group of its own (see host_group)
         handle = SaveHandle(meeting, dcp.async_save(state, storage_writer=writer,

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed._state_dict_utils as sd_utils
 import torch.distributed.checkpoint.state_dict as torch_sd
 
-from hsdp.pieces import Piece
+from hsdp.sharding.pieces import Piece
 
 
 def _mismatch(full_state_dict: dict[str, Any], local_state_dict: dict[str, Any],

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from hsdp.mesh import forget_world, longest_timeout
-from hsdp.streams import quiesce_all
+from hsdp.runtime.stream_set import quiesce_all
 
 _BEFORE: list[Callable[[], None]] = []
 

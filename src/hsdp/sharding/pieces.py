@@ -21,7 +21,6 @@ pieces: they are ``Piece``s, whose ``full_tensor()`` assembles them and whose
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 
 import torch
@@ -29,15 +28,23 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
-    TensorProperties,
 )
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from hsdp.layout import boxes
 from hsdp.mesh import registered_groups
+from hsdp.sharding.chunks import Chunks, attach_chunks
+from hsdp.sharding.reductions import DECLINED, SPECIAL, special
+from hsdp.sharding.write_guard import (
+    DATA,
+    PENDING,
+    any_requires_grad,
+    before_write,
+    direct,
+    written,
+)
 
 
 def placements(shard_outer: bool) -> tuple:
@@ -63,58 +70,6 @@ _ELEMENTWISE_NAMES = (
     "zero_")
 _ELEMENTWISE = frozenset(f for f in (getattr(torch, n, None) or getattr(torch.Tensor, n, None)
                                      for n in _ELEMENTWISE_NAMES) if f is not None)
-_DECLINED = object()
-_DATA = torch.Tensor.data  # ``p.data``'s getter is ``_DATA.__get__``
-
-# Groups of parameters whose storage a background op may still read or write (hfsdp's
-# outer all-gather, issued by ``optimizer.step()``), each with the wait that orders a
-# write after that op. Keys are the groups (``p._hsdp_group`` of their parameters, set
-# by ``group.py``); values reference no group, so a dropped model is collected.
-PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def before_write(tensors: Sequence[torch.Tensor]) -> None:
-    """Make the caller's next ops (compute) wait for the background op of every group in
-    ``PENDING`` that one of ``tensors`` belongs to: a write into a parameter must not race
-    with the all-gather reading (and, in place, writing) its storage."""
-    for t in tensors:
-        group = getattr(t, "_hsdp_group", None)
-        wait = None if group is None else PENDING.pop(group, None)
-        if wait is not None:
-            wait()
-
-
-def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors an op writes into: the first argument of an in-place op (``mul_``,
-    ``copy_``, ``_foreach_lerp_``, ``p += x``), ``out=``; ``p.data`` counts as a write
-    (what is written through it bumps no version counter)."""
-    name = getattr(func, "__name__", "")
-    out = kwargs.get("out")
-    first = args[0] if args else None
-    inplace = (name.endswith("_") and not name.startswith("__")) or (
-        name == "__get__" and getattr(func, "__self__", None) is _DATA)
-    written = ([] if not inplace else list(first) if isinstance(first, (list, tuple))
-               else [first])
-    if out is not None:
-        written += list(out) if isinstance(out, (list, tuple)) else [out]
-    return written
-
-
-def direct() -> torch._C.DisableTorchFunctionSubclass:
-    """A context in which hsdp's own loops read and set its Pieces' attributes (``.grad``,
-    ``.requires_grad``) without the ``Piece.__torch_function__`` call each access makes
-    (about 1.4 us; hundreds per step)."""
-    return torch._C.DisableTorchFunctionSubclass()
-
-
-def _any_requires_grad(args: Sequence) -> bool:
-    """Whether a tensor among ``args`` (or in a list there) requires grad."""
-    with direct():
-        for a in args:
-            for t in (a if isinstance(a, (list, tuple)) else (a,)):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    return True
-    return False
 
 
 def _aligned(s: DTensorSpec, r: DTensorSpec | None) -> bool:
@@ -123,7 +78,7 @@ def _aligned(s: DTensorSpec, r: DTensorSpec | None) -> bool:
 
 
 def _on_locals(func, args: tuple, kwargs: dict):
-    """``func`` run on the local tensors of its DTensor arguments, or ``_DECLINED`` unless
+    """``func`` run on the local tensors of its DTensor arguments, or ``DECLINED`` unless
     every DTensor lines up with the others at its position (same placements, mesh and
     global shape; foreach lists position by position) and every plain tensor is a scalar.
     Then the local op is exactly the distributed one: elementwise over aligned pieces."""
@@ -140,7 +95,7 @@ def _on_locals(func, args: tuple, kwargs: dict):
             refs = [t._spec if isinstance(t, DTensor) else None for t in tensors]
             first = tensors
         if len(tensors) != len(refs):
-            return _DECLINED
+            return DECLINED
         # Fast path (the optimizer's lists: all DTensors, specs equal position by
         # position, mostly the same objects, which list equality checks first): two list
         # comprehensions instead of a Python loop with a call per tensor.
@@ -155,18 +110,18 @@ def _on_locals(func, args: tuple, kwargs: dict):
         for t, r in zip(tensors, refs):
             if isinstance(t, DTensor):
                 if not _aligned(t._spec, r):
-                    return _DECLINED
+                    return DECLINED
                 out.append(t._local_tensor)
             elif t.dim() == 0:
                 out.append(t)
             else:
-                return _DECLINED
+                return DECLINED
         return out[0] if isinstance(a, torch.Tensor) else out
 
     new_args = [unwrap(a) for a in args]
     new_kwargs = {k: unwrap(v) for k, v in kwargs.items()}
-    if any(a is _DECLINED for a in (*new_args, *new_kwargs.values())):
-        return _DECLINED
+    if any(a is DECLINED for a in (*new_args, *new_kwargs.values())):
+        return DECLINED
     if func.__name__.endswith("_"):  # in place: foreach -> None, single -> self
         out = func(*new_args, **new_kwargs)
         return args[0] if isinstance(args[0], DTensor) else out
@@ -221,193 +176,6 @@ def _by_runs(func, args: list, kwargs: dict) -> list[torch.Tensor] | torch.Tenso
     return out
 
 
-# Reductions over every element, computed here on the pieces: torch's DTensor would reduce
-# the local tensors as if they were ``torch.chunk`` rows, counting the placeholders of
-# empty pieces (a max of negative values gave 0) and averaging uneven pieces as even ones
-# (a mean gave half the value). name -> how the ranks' partial results combine.
-_REDUCTIONS = {"sum": "sum", "nansum": "sum", "mean": "sum", "nanmean": "sum",
-               "prod": "prod", "max": "max", "amax": "max", "min": "min", "amin": "min",
-               "all": "min", "any": "max", "count_nonzero": "sum", "norm": "norm",
-               "vector_norm": "norm"}
-# Ops whose result depends on where each element lies, which a Piece does not tell
-# DTensor: refused on every rank rather than computed from the wrong elements, raised on
-# some ranks only, or (where DTensor redistributes) run on local tensors of different sizes
-# on different ranks: a collective mismatch that aborts the process.
-_REFUSED = ("std", "var", "std_mean", "var_mean", "median", "nanmedian", "mode", "quantile",
-            "nanquantile", "kthvalue", "topk", "sort", "argsort", "msort", "argmax", "argmin",
-            "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "logsumexp", "aminmax",
-            "unique", "unique_consecutive", "histc", "bincount",
-            # views, indexing, joins and linear algebra: the local tensor is not the rows
-            # DTensor would index, join or multiply
-            "__getitem__", "__setitem__", "view", "view_as", "reshape", "reshape_as",
-            "flatten", "unflatten", "ravel", "squeeze", "unsqueeze", "t", "transpose",
-            "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "expand", "expand_as",
-            "broadcast_to", "repeat", "repeat_interleave", "tile", "narrow", "select",
-            "index_select", "masked_select", "take", "take_along_dim", "gather", "scatter",
-            "scatter_add", "index_add", "index_copy", "index_fill", "index_put",
-            "masked_scatter", "split", "chunk", "unbind", "tensor_split", "hsplit", "vsplit",
-            "cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack", "matmul",
-            "mm", "mv", "bmm", "dot", "vdot", "inner", "outer", "kron", "tensordot", "einsum",
-            "__matmul__", "__rmatmul__", "softmax", "log_softmax", "roll", "flip", "fliplr",
-            "flipud", "rot90", "tril", "triu", "diag", "diagonal", "trace", "nonzero",
-            "argwhere", "unfold", "as_strided", "diff", "cross", "index_put_", "scatter_",
-            "scatter_add_", "index_add_", "index_copy_", "index_fill_", "masked_scatter_",
-            "put_", "tril_", "triu_", "squeeze_", "unsqueeze_", "t_", "transpose_")
-
-
-def _functions(names) -> dict:
-    """torch function and Tensor method objects of ``names`` -> name."""
-    out = {}
-    for n in names:
-        for ns in (torch, torch.Tensor, torch.linalg):
-            f = getattr(ns, n, None)
-            if f is not None:
-                out[f] = n
-    return out
-
-
-# One lookup per op on the hot path (most ops are none of these): func -> (kind, name).
-_SPECIAL = {**{f: ("reduce", n) for f, n in _functions(_REDUCTIONS).items()},
-            **{f: ("refuse", n) for f, n in _functions(_REFUSED).items()},
-            torch._foreach_norm: ("norms", "_foreach_norm")}
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
-               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
-def _refuse(name: str) -> RuntimeError:
-    return RuntimeError(
-        f"hsdp: {name}() of a sharded parameter, gradient or optimizer state (or of a "
-        f"tensor computed elementwise from one) is not supported: its local tensor is a "
-        f"flat range of the tensor (a one-element placeholder where this rank holds none "
-        f"of it), not torch.chunk rows, so torch's DTensor would compute it from the wrong "
-        f"elements. Elementwise ops and reductions over all elements (sum, mean, max, min, "
-        f"prod, norm, all, any, count_nonzero) are supported; for anything else use "
-        f"t.full_tensor() (under torch.no_grad()), which gathers the whole tensor on every "
-        f"rank, or use the parameter inside its unit's forward, where it is whole.")
-
-
-def _torch_fn(name: str):
-    return torch.linalg.vector_norm if name == "vector_norm" else getattr(torch, name)
-
-
-def _whole(name: str, rest: tuple, kwargs: dict) -> tuple[float, torch.dtype | None] | None:
-    """``(norm order, dtype)`` when a call of reduction ``name`` (``rest``, ``kwargs``: its
-    arguments after the tensor) reduces over every element into one value; None when it
-    has another form (a ``dim``, ``keepdim``, ``out``; ``max(a, b)`` is not a reduction)."""
-    norm = _REDUCTIONS[name] == "norm"
-    names = ("p", "dim", "keepdim", "dtype") if norm else ("dim", "keepdim", "dtype")
-    if len(rest) > len(names) or any(isinstance(a, torch.Tensor) for a in rest):
-        return None
-    call = dict(zip(names, rest))
-    for k, v in kwargs.items():
-        call["p" if k == "ord" else k] = v
-    if isinstance(call.get("dim"), torch.dtype):  # sum(torch.float64): the dtype overload
-        call["dtype"] = call.pop("dim")
-    if (call.pop("dim", None) is not None or call.pop("keepdim", False)
-            or call.pop("out", None) is not None or set(call) - {"p", "dtype"}):
-        return None
-    order = call.get("p", 2.0)
-    return (2.0 if order in (None, "fro") else float(order)), call.get("dtype")
-
-
-def _reduce(piece: Piece, name: str, order: float, dtype: torch.dtype | None) -> DTensor:
-    """Reduction ``name`` (a key of ``_REDUCTIONS``; ``order``: a norm's) over every element
-    of ``piece``: each rank reduces the elements it holds, then the ranks that hold the
-    tensor's elements combine (``Piece._hsdp_groups``). The result is a replicated DTensor,
-    as torch's is once reduced."""
-    if torch.is_grad_enabled() and piece.requires_grad:
-        raise RuntimeError(
-            f"hsdp: {name}() of a sharded parameter is not differentiable (its gradient "
-            f"would miss hsdp's reduction). Call it under torch.no_grad() or on p.detach().")
-    length = piece._hsdp_range[1]
-    held = piece._local_tensor.reshape(-1)[:length]
-    kw = {} if dtype is None else {"dtype": dtype}
-    combine = _REDUCTIONS[name]
-    if piece.numel() == 0 or (name in ("mean", "nanmean", "norm", "vector_norm") and not (
-            held.is_floating_point() or held.is_complex()) and dtype is None):
-        # torch's own result (or error: an integer mean or norm) on the whole, empty, tensor
-        whole = (torch.linalg.vector_norm(held, order, **kw) if combine == "norm"
-                 else _torch_fn(name)(held, **kw))
-        return _replicated(whole, piece)
-    if combine == "norm":
-        magnitude = held.abs() if dtype is None else held.to(dtype).abs()
-        if order in (float("inf"), float("-inf")):
-            combine = "max" if order > 0 else "min"
-            part = (magnitude.amax() if order > 0 else magnitude.amin()) if length else (
-                _identity(magnitude, combine))
-            return _replicated(_combine(part, combine, piece), piece)
-        if order == 0:
-            return _replicated(_combine((magnitude != 0).sum().to(magnitude.dtype), "sum",
-                                        piece), piece)
-        total = _combine(magnitude.pow(order).sum(), "sum", piece)
-        return _replicated(total.pow(1.0 / order), piece)
-    if name in ("mean", "nanmean"):
-        total = _combine((torch.nansum if name == "nanmean" else torch.sum)(held, **kw), "sum",
-                         piece)
-        count = (piece.numel() if name == "mean"
-                 else _combine((~held.isnan()).sum(), "sum", piece))
-        return _replicated(total / count, piece)
-    if combine in ("max", "min") and name not in ("all", "any"):
-        part = _torch_fn(name)(held) if length else _identity(held, combine)
-    else:
-        part = _torch_fn(name)(held, **kw)
-    total = _combine(part, combine, piece)
-    return _replicated(total.bool() if part.dtype == torch.bool else total, piece)
-
-
-def _special(special: tuple[str, str], args: tuple, kwargs: dict):
-    """An op of ``_SPECIAL``: on a Piece, a reduction computed here (its result) or an op
-    refused; ``_foreach_norm``'s placeholders zeroed. ``_DECLINED``: the op goes on as
-    usual."""
-    kind, name = special
-    first = args[0] if args else None
-    if kind == "refuse" and isinstance(first, (list, tuple)) and any(
-            isinstance(t, Piece) for t in first):  # cat([p, q]), stack(...)
-        raise _refuse(name)
-    if kind == "norms" and isinstance(first, (list, tuple)):
-        # DTensor's norms count every local element: the placeholders must be zero
-        # (clip_grad_norm_), whatever in-place ops wrote into them.
-        empty = [t._local_tensor for t in first if isinstance(t, Piece) and not t._hsdp_range[1]]
-        if empty:
-            with torch.no_grad():
-                torch._foreach_zero_(empty)
-    if not isinstance(first, Piece) or kind == "norms":
-        return _DECLINED
-    if kind == "refuse":
-        raise _refuse(name)
-    whole = _whole(name, args[1:], kwargs)
-    if whole is not None:
-        return _reduce(first, name, *whole)
-    if any(isinstance(a, torch.Tensor) for a in args[1:]):  # max(a, b): elementwise
-        return _DECLINED
-    raise _refuse(f"{name}(dim=...)")
-
-
-def _identity(like: torch.Tensor, combine: str) -> torch.Tensor:
-    """The value a rank that holds no element contributes to a max / min."""
-    if like.is_floating_point():
-        value = float("-inf") if combine == "max" else float("inf")
-    elif like.dtype == torch.bool:
-        value = combine == "min"
-    else:
-        info = torch.iinfo(like.dtype)
-        value = info.min if combine == "max" else info.max
-    return torch.tensor(value, dtype=like.dtype, device=like.device)
-
-
-def _combine(part: torch.Tensor, combine: str, piece: Piece) -> torch.Tensor:
-    """``part`` combined over the ranks that hold ``piece``'s elements."""
-    wire = part.to(torch.int32) if part.dtype == torch.bool else part  # a new tensor
-    for group in piece._hsdp_groups:
-        dist.all_reduce(wire, op=_REDUCE_OPS[combine], group=group)
-    return wire
-
-
-def _replicated(total: torch.Tensor, piece: Piece) -> DTensor:
-    mesh = piece.device_mesh
-    return DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
-
-
 class Piece(DTensor):
     """A DTensor over one of hsdp's flat pieces: what parameters, their ``.grad`` and
     state-dict views are. ``full_tensor()`` assembles the pieces (a collective over the
@@ -430,21 +198,21 @@ class Piece(DTensor):
         # Not where autograd is involved (optimizers run under no_grad): an op on a tensor
         # that requires grad must meet autograd's checks and recording, which the local
         # op would skip.
-        if getattr(func, "__self__", None) is _DATA:
+        if getattr(func, "__self__", None) is DATA:
             group = getattr(args[0], "_hsdp_group", None)
             if group is not None:  # writes through .data bump no version counter
                 group.mark_written()
         if PENDING:
-            before_write(_written(func, args, kwargs or {}))
-        if func in _ELEMENTWISE and not (torch.is_grad_enabled() and _any_requires_grad(
+            before_write(written(func, args, kwargs or {}))
+        if func in _ELEMENTWISE and not (torch.is_grad_enabled() and any_requires_grad(
                 (*args, *(kwargs or {}).values()))):
             out = _on_locals(func, args, kwargs or {})
-            if out is not _DECLINED:
+            if out is not DECLINED:
                 return out
-        special = _SPECIAL.get(func)
-        if special is not None:
-            out = _special(special, args, kwargs or {})
-            if out is not _DECLINED:
+        kind = SPECIAL.get(func)
+        if kind is not None:
+            out = special(cls, kind, args, kwargs or {})
+            if out is not DECLINED:
                 return out
         out = torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
         if (type(out) is DTensor and args and isinstance(args[0], Piece)
@@ -578,47 +346,6 @@ def placeholders_if_empty(views: list[torch.Tensor]) -> list[torch.Tensor]:
         return views
     spare = iter(torch.zeros(k, dtype=views[0].dtype, device=views[0].device).split(1))
     return [v if v.numel() else next(spare) for v in views]
-
-
-class Chunks:
-    """Elements ``[start, start + length)`` of the flattened tensor of ``shape`` as DCP
-    sees them: row-major boxes (``layout.boxes``), each a chunk of the global tensor; what
-    DCP's planners save from and load into (``local``: the piece, whose first ``length``
-    elements are those; a placeholder where ``length`` is 0)."""
-
-    def __init__(self, shape: tuple[int, ...], start: int, length: int) -> None:
-        self.size = torch.Size(shape)
-        self.boxes = boxes(tuple(shape), start, start + length)
-
-    def chunk_list(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes))
-                for b in self.boxes]
-
-    def write_items(self, fqn: str, local: torch.Tensor) -> list[WriteItem]:
-        props = TensorProperties.create_from_tensor(local)
-        return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=c, properties=props,
-                                                      size=self.size))
-                for c in self.chunk_list()]
-
-    def shard(self, index: MetadataIndex, local: torch.Tensor) -> torch.Tensor:
-        for b in self.boxes:
-            if torch.Size(b.offsets) == index.offset:
-                return local.reshape(-1)[b.start:b.start + b.numel].view(b.sizes)
-        raise ValueError(f"hsdp: no local chunk of {index.fqn} at offset {index.offset}")
-
-
-def attach_chunks(local: torch.Tensor, shape: tuple[int, ...], start: int,
-                  length: int) -> None:
-    """Give ``local`` (elements ``[start, start + length)`` of the flattened tensor of
-    ``shape``; more elements when it is a placeholder) DCP's chunk hooks, which a DTensor
-    consults before its own placements."""
-    chunks = Chunks(shape, start, length)
-    ref = weakref.ref(local)  # no reference cycle through the tensor's own attributes
-    local.__create_chunk_list__ = chunks.chunk_list
-    local.__create_write_items__ = lambda fqn, _obj: chunks.write_items(fqn, ref())
-    local.__get_tensor_shard__ = lambda index: chunks.shard(index, ref())
-    local._hsdp_piece = (chunks.size, start, length)  # where it lies: loading checks it
 
 
 def checkpoint_view(like: Piece, local: torch.Tensor) -> Piece:

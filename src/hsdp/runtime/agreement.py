@@ -32,7 +32,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from hsdp.streams import Event
+from hsdp.runtime.streams import Event
 
 # Which communicator each logged kind of collective runs on.
 COMM_OF = {"AG": "inner_ag", "RS": "inner_rs", "OUTER": "outer", "OUTER_AG": "outer"}

@@ -1,0 +1,1 @@
+"""Checkpoints: state dicts, distributed save and load, their directories and integrity."""

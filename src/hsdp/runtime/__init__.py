@@ -1,0 +1,1 @@
+"""The runtime: streams, hooks, the overlap schedule, recovery and optimizer integration."""

@@ -1,0 +1,106 @@
+"""Gather and prefetch: a unit's all-gathers, their issue order, and freeing the buffers."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+from hsdp.runtime.hooks import UnshardHandle
+from hsdp.runtime.streams import Event, SideStream
+from hsdp.sharding.group import ParamGroup
+from hsdp.sharding.write_guard import PENDING
+
+if TYPE_CHECKING:
+    from hsdp.runtime.unit import Unit
+
+
+class Gathering:
+    """The all-gather part of ``Runtime``: which unit's parameters are gathered when."""
+
+    def _set_order(self, order: list[Unit]) -> None:
+        """Forward order; backward runs the root first, then the others in reverse."""
+        self.order = order
+        self._next_fwd = dict(zip(order, order[1:]))
+        bwd = order[:1] + order[1:][::-1]
+        self._next_bwd = dict(zip(bwd, bwd[1:]))
+
+    def _logged(self, kind: str, g: ParamGroup, stream: SideStream, event: Event) -> Event:
+        self.log.add(kind, self.gid[g], stream.name, event)
+        return event
+
+    def _issue_unshard(self, unit: Unit) -> None:
+        for g in unit.uses:
+            if g.gathered_event is None:
+                # ag waits: shards were last written on compute (optimizer) or, for hfsdp,
+                # by the outer all-gather.
+                after = [e for e in (self._params_written, g.params_ready) if e is not None]
+                self._logged("AG", g, self.streams.ag, g.unshard(self.streams.ag, self.coll, after))
+
+    def _prefetch(self, unit: Unit, direction: str) -> None:
+        """Issue the all-gathers of the units that run after ``unit`` (its explicit
+        prefetch list, else the next unit of the recorded order)."""
+        nxt = unit.prefetch[direction]
+        if nxt is None:
+            order = self._next_fwd if direction == "forward" else self._next_bwd
+            nxt = [order[unit]] if unit in order else []
+        for u in nxt:
+            self._issue_unshard(u)
+
+    def _unshard(self, unit: Unit) -> None:
+        self._issue_unshard(unit)
+        for g in unit.uses:
+            # compute waits: it reads the gathered parameters.
+            self.streams.compute.wait(g.gathered_event)
+            PENDING.pop(g, None)  # the wait covers the outer all-gather the gather read
+            self._holders[g].add(unit)
+        unit.swap(True)
+
+    def unshard(self, unit: Unit) -> UnshardHandle:
+        """Explicit ``module.unshard()``: gather ``unit`` now (shards as they are now)."""
+        if self.phase == "backward":
+            raise RuntimeError("hsdp: unshard() called during backward")
+        if self.phase == "idle":
+            self._refresh_outer_shards()
+            # ag waits: the shards may have been written on compute since the last forward.
+            self._params_written = self.streams.compute.record()
+        self._issue_unshard(unit)
+        return UnshardHandle(self, unit)
+
+    def reshard(self, unit: Unit) -> None:
+        """Explicit ``module.reshard()``: back to the sharded parameters, buffer freed."""
+        if self.phase == "backward":
+            raise RuntimeError("hsdp: reshard() called during backward")
+        unit.swap(False)
+        self._reshard(unit)
+
+    def _reshard(self, unit: Unit) -> None:
+        """Free the gathered groups ``unit`` uses, unless another running unit (a tie)
+        still holds them."""
+        free = []
+        for g in unit.uses:
+            self._holders[g].discard(unit)
+            if not self._holders[g] and g.gathered_event is not None:
+                free.append(g)
+        self._free(free)
+
+    def _free(self, groups: list[ParamGroup]) -> None:
+        if groups:
+            done = self.streams.compute.record()
+            for g in groups:
+                # ag waits: compute must be done reading the buffer before it is reused.
+                g.reshard(self.streams.ag, [done])
+
+    def _refresh_outer_shards(self) -> None:
+        """hfsdp: outer all-gather of every main chunk the optimizer changed, issued at
+        once so it overlaps whatever runs until the next forward needs it."""
+        stale = [g for u in self.order for g in u.groups
+                 if g.shard_outer and g.version() != g.synced_version]
+        if stale:
+            updated = self.streams.compute.record()
+            for g in stale:
+                # outer waits: it reads the main chunk updated on compute.
+                ready = self._logged("OUTER_AG", g, self.streams.outer,
+                                     g.outer_all_gather(self.streams.outer, self.coll, [updated]))
+                # compute waits, before a write into the group's parameters: the all-gather
+                # reads main and writes the inner shard that main is a window of.
+                PENDING[g] = functools.partial(self.streams.compute.wait, ready)

@@ -1,0 +1,123 @@
+"""Optimizer integration: checks before ``optimizer.step()``, state adoption after it."""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from hsdp.runtime.hooks import in_backward
+from hsdp.sharding.group import owner
+from hsdp.sharding.pieces import adopt_state, same_layout
+
+if TYPE_CHECKING:
+    from hsdp.runtime.runtime import Runtime
+
+RUNTIMES: weakref.WeakSet[Runtime] = weakref.WeakSet()
+
+
+
+class OptimizerSteps:
+    """The optimizer part of ``Runtime``."""
+
+    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        return any(id(p) in self.param_ids for pg in optimizer.param_groups for p in pg["params"])
+
+    def _check_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse, on every rank and before the step, optimizer state laid out for another
+        mesh or strategy (a per-rank ``optimizer.state_dict()`` loaded elsewhere). Checked
+        when the state changed size or was replaced (first steps, loads): one tiny
+        all-reduce then, none otherwise."""
+        key = (id(optimizer.state), len(optimizer.state))
+        if self._checked_state.get(optimizer) == key:
+            return
+        self._checked_state[optimizer] = key
+        bad = next((k for p, st in optimizer.state.items() if owner(p) is not None
+                    for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0
+                    and not same_layout(v, p)), None)
+        flag = torch.tensor([0.0 if bad is None else 1.0], device=self.root.device)
+        for dim in ("inner", "outer"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.root.mesh.get_group(dim))
+        if flag.item():
+            del self._checked_state[optimizer]
+            raise RuntimeError(
+                "hsdp: the optimizer state does not match this model's sharding (a per-rank "
+                "optimizer.state_dict() taken on another mesh or strategy?); the step was "
+                "not taken. Save and load with hsdp.save / hsdp.load (or hsdp.get_state_dict "
+                "/ hsdp.set_state_dict with torch.distributed.checkpoint), which reshard.")
+
+    def _before_optimizer_step(self) -> None:
+        if in_backward() and not self._in_grad_hooks:
+            raise RuntimeError("hsdp: optimizer.step() called during backward")
+        self.settle()
+        if self.awaiting_last:
+            raise RuntimeError(
+                "hsdp: optimizer.step() called while the gradient reduction is still "
+                "pending: the last backward ran inside hsdp.microbatch(model, is_last=False) "
+                "or with model.set_requires_gradient_sync(False). Run the step's final "
+                "microbatch with is_last=True (or outside any hsdp.microbatch context) and "
+                "gradient sync on before optimizer.step().")
+        self.streams.compute.begin(f"OPTIMIZER:{self.root.label}")
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.streams.compute.end(f"OPTIMIZER:{self.root.label}")
+        key = (id(optimizer.state), len(optimizer.state))
+        if self._adopted_state.get(optimizer) != key:  # new state (first steps, loads)
+            adopt_state(optimizer.state)
+            for g in self.trainable:
+                g.pack_state(optimizer.state)
+            self._adopted_state[optimizer] = key
+        # In-place foreach ops on DTensors bump no version counter: every group the
+        # optimizer holds a parameter of counts as written (which only hfsdp's outer
+        # all-gather reads: hsdp skips the walk over every parameter).
+        if not self.shards_outer:
+            return
+        for pg in optimizer.param_groups:
+            for p in pg["params"]:
+                managed = owner(p)
+                if managed is not None:
+                    managed[0].mark_written()
+        if not self._in_grad_hooks:  # else once, after the last hook
+            self._refresh_outer_shards()
+
+
+_CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+
+
+def _check_not_stale(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer built before fully_shard holds the replaced parameters: its steps
+    would change nothing the model uses."""
+    params = [p for pg in optimizer.param_groups for p in pg["params"]]
+    if _CHECKED.get(optimizer) == len(params):
+        return
+    stale = sum(getattr(p, "_hsdp_moved_to", None) is not None for p in params)
+    if stale:
+        raise RuntimeError(
+            f"hsdp: this optimizer holds {stale} parameter(s) that fully_shard has replaced by "
+            f"their shards, so its step would not change the model. Build the optimizer after "
+            f"fully_shard, from model.parameters().")
+    _CHECKED[optimizer] = len(params)
+
+
+def _optimizer_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _check_not_stale(optimizer)
+    for rt in list(RUNTIMES):
+        if rt._owns(optimizer):
+            rt._before_optimizer_step()
+            rt._check_optimizer_state(optimizer)
+
+
+def _optimizer_post_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for rt in list(RUNTIMES):
+        if rt._owns(optimizer):
+            rt._after_optimizer_step(optimizer)
+
+
+register_optimizer_step_pre_hook(_optimizer_pre_hook)
+register_optimizer_step_post_hook(_optimizer_post_hook)

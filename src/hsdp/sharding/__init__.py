@@ -1,0 +1,1 @@
+"""Sharding: flat layouts, parameter groups, their DTensor pieces and the real collectives."""

@@ -1,0 +1,192 @@
+"""One unit's parameter group: flat buffers, sharded / unsharded views, its collectives.
+
+A group holds the parameters of one unit that share a dtype and requires_grad. Its
+collectives are in ``group_comm.py`` (HOW to gather, reduce and swap one group;
+``runtime/schedule.py`` decides WHEN, on which stream and after which events), its
+gradient state in ``grad_state.py``, its state I/O in ``group_state.py``.
+
+Buffers (S = inner shard, C = optimizer chunk, N = whole group; see ``layout.py``):
+- ``main``       [C] original dtype: what the optimizer updates. ``model.parameters()``
+                 yields one DTensor per original parameter whose local tensor is a 1-D
+                 view of it (possibly empty); see ``pieces.py``.
+- ``ag_src``     [S] param dtype: the inner shard fed to the inner all-gather.
+                 hsdp: ``main`` itself (cast while copying into the gathered buffer).
+                 hfsdp: ``inner_shard``, refreshed by the outer all-gather of ``main``.
+- ``gathered``   [N] param dtype, transient: allocated by the all-gather, freed by
+                 ``reshard``; unsharded parameters are views into it.
+- ``accum``      [S] original dtype: the inner reduce-scatter accumulates microbatches here;
+                 hsdp's outer all-reduce runs on it in place, so it is also hsdp's grad.
+- ``grad_buf``   [C]: hfsdp's outer reduce-scatter output (hsdp: ``accum``).
+``accum`` and ``grad_buf`` exist from the step's first reduce-scatter until the user has
+cleared the gradients (``zero_grad``) and the next step starts: allocated by the stream
+that first writes them, freed by ``release_grads``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from hsdp.mesh import CommGroups
+from hsdp.policy import MixedPrecision
+from hsdp.runtime.streams import Event
+from hsdp.sharding.chunks import attach_chunks
+from hsdp.sharding.grad_state import GradientState
+from hsdp.sharding.group_comm import GroupCollectives
+from hsdp.sharding.group_state import GroupState
+from hsdp.sharding.layout import FlatLayout
+from hsdp.sharding.pieces import as_dtensor, placeholders_if_empty, spec
+
+Slot = tuple[nn.Module, str]
+
+
+
+def _alias(storage_of: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
+    """A tensor over part of another's storage with its OWN version counter: writes
+    through the base (collectives) do not bump it."""
+    return torch.empty(0, dtype=storage_of.dtype, device=storage_of.device).set_(
+        storage_of.untyped_storage(), storage_of.storage_offset() + offset, (numel,))
+
+
+
+def owner(p: torch.Tensor) -> tuple[ParamGroup, int] | None:
+    """(group, index in the group) of a sharded parameter hsdp manages, else None."""
+    group = getattr(p, "_hsdp_group", None)
+    return None if group is None else (group, p._hsdp_index)
+
+
+
+class ParamGroup(GradientState, GroupCollectives, GroupState):
+    """The parameters of one unit that share a dtype and requires_grad, flattened."""
+
+    def __init__(self, label: str, params: list[nn.Parameter], slots: list[list[Slot]],
+                 comms: CommGroups, device: torch.device, shard_outer: bool,
+                 mp: MixedPrecision) -> None:
+        self.label = label
+        self.slots = slots
+        self.comms = comms
+        self.mp = mp
+        self.outer_requested = shard_outer  # the strategy's (only trainable groups get it)
+        self.requires_grad = params[0].requires_grad
+        self.orig_dtype = params[0].dtype
+        self.param_dtype, self.reduce_dtype = mp.resolve(self.orig_dtype)
+        self.shard_outer = shard_outer and self.requires_grad
+        self.layout = lay = FlatLayout.build([tuple(p.shape) for p in params],
+                                             comms.inner_size, comms.outer_size,
+                                             self.shard_outer)
+        i, o = comms.inner_rank, comms.outer_rank
+        self.inner_lo, _ = lay.inner_range(i)
+        owned_lo, owned_hi = lay.owned_range(o, i)
+        S, C = lay.shard_numel, lay.chunk_numel
+        sources = [p.detach().reshape(-1) for p in params]
+        for idx, p in enumerate(params):  # the originals: for ties and stale optimizers
+            p._hsdp_moved_to = (self, idx)
+
+        self.main = self._filled(sources, owned_lo, C, self.orig_dtype, device)
+        if not self.shard_outer:
+            self.ag_src = self.main
+        else:
+            self.inner_shard = self._filled(sources, self.inner_lo, S, self.param_dtype, device)
+            self.chunk_offset = owned_lo - self.inner_lo
+            if self.param_dtype == self.orig_dtype:  # main is a window of the inner shard
+                self.main = _alias(self.inner_shard, self.chunk_offset, C)
+            self.ag_src = self.inner_shard
+
+        self._make_sharded(owned_lo, owned_hi)
+        self.synced_version: int | None = self.version()
+        self._make_unsharded(params, device)
+
+        self.has_grads = False  # gradient state (buffers, hooks) made
+        # None: gradients are means over the DP ranks; f: sums divided by f (FSDP2's
+        # set_gradient_divide_factor; 1.0 gives plain sums).
+        self.divide_factor: float | None = None
+        self.on_all_grads: Callable[[ParamGroup], None] | None = None
+        self.param_requires_grad = [p.requires_grad for p in params]
+        self.trainable_count = sum(self.param_requires_grad)
+        if self.requires_grad:
+            self._init_grad_state()
+        self.gathered_event: Event | None = None  # None: not gathered
+        self.params_ready: Event | None = None  # hfsdp: last outer all-gather
+
+    def _make_sharded(self, owned_lo: int, owned_hi: int) -> None:
+        """Sharded parameters: DTensors over views of ``main``; registered on the
+        modules."""
+        self.sharded: list[nn.Parameter] = []
+        self._slices: list[tuple[int, int]] = []  # (offset in main, length) per parameter
+        self._guard_hooks: list[int | None] = []  # id of _grad_on_shard's hook per parameter
+        self.shard_starts: list[int] = []  # first element of each parameter held here
+        self.specs = [spec(self.comms.mesh, self.shard_outer, shape, self.orig_dtype)
+                      for shape in self.layout.shapes]
+        owned = self.layout.pieces(owned_lo, owned_hi)
+        # Hooks on the group's own tensors reach it weakly: a strong reference is a cycle
+        # through autograd's C++ that gc cannot see (the model, and with it the process
+        # groups' threads and sockets, would never be freed).
+        me = weakref.ref(self)
+        locals_ = placeholders_if_empty([self.main[pc.range_offset:pc.range_offset + pc.length]
+                                         if pc else self.main[:0] for pc in owned])
+        for shape, dspec, piece, local in zip(self.layout.shapes, self.specs, owned, locals_):
+            a, n = (piece.range_offset, piece.length) if piece else (0, 0)
+            start = piece.param_start if piece else 0
+            sp = nn.Parameter(as_dtensor(local, dspec, start, n, self._piece_groups()),
+                              requires_grad=self.requires_grad)
+            attach_chunks(sp._local_tensor, shape, start, n)  # state_dict(keep_vars=True)
+            sp._hsdp_group = self  # marks the parameter as managed by hsdp (see owner())
+            sp._hsdp_index = len(self.sharded)
+            guard = (sp.register_post_accumulate_grad_hook(
+                         lambda p: me()._grad_on_shard(p))
+                     if self.requires_grad else None)
+            self._guard_hooks.append(None if guard is None else guard.id)
+            self.sharded.append(sp)
+            self._slices.append((a, n))
+            self.shard_starts.append(start)
+
+    def _make_unsharded(self, params: list[nn.Parameter], device: torch.device) -> None:
+        """Unsharded parameters: windows of the gathered buffer, whose storage comes
+        and goes; own version counters, so re-gathering for backward does not look like
+        an in-place change to autograd's saved tensors."""
+        self.gathered = torch.empty(self.layout.total, dtype=self.param_dtype, device=device)
+        self.unsharded = [
+            nn.Parameter(_alias(self.gathered, off, p.numel()).view(p.shape),
+                         requires_grad=self.requires_grad)
+            for p, off in zip(params, self.layout.offsets)]
+        self._gathered_bytes = self.layout.total * self.gathered.element_size()
+        self.gathered.untyped_storage().resize_(0)
+
+    def version(self) -> int:
+        """Changes when the sharded values were written through ``main`` (checkpoint
+        loading) or by a non-foreach in-place op on a DTensor parameter (which bumps the
+        parameter's own counter). Foreach ops on DTensors bump nothing: the optimizer
+        step hook calls ``mark_written`` instead."""
+        return self.main._version + sum(p._version for p in self.sharded)
+
+    def mark_written(self) -> None:
+        """hfsdp: the next refresh re-gathers the inner shard from every updated chunk."""
+        self.synced_version = None
+
+    def _piece_groups(self) -> tuple:
+        """The host groups over which this group's pieces are spread (see ``Piece``)."""
+        return self.comms.piece_groups(self.shard_outer)
+
+    def _filled(self, sources: list[torch.Tensor], lo: int, numel: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+        """``numel`` elements of the flat layout starting at ``lo``, padding zeroed (and
+        where the source is on the meta device: no values yet)."""
+        out = torch.zeros(numel, dtype=dtype, device=device)
+        for src, pc in zip(sources, self.layout.pieces(lo, lo + numel)):
+            if pc is not None and not src.is_meta:
+                out[pc.range_offset:pc.range_offset + pc.length].copy_(
+                    src[pc.param_start:pc.param_start + pc.length])
+        return out
+
+    def use_unsharded(self) -> None:
+        for slots, p in zip(self.slots, self.unsharded):
+            for module, name in slots:
+                module._parameters[name] = p
+
+    def use_sharded(self) -> None:
+        for slots, p in zip(self.slots, self.sharded):
+            for module, name in slots:
+                module._parameters[name] = p

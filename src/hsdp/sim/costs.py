@@ -68,6 +68,10 @@ from hsdp.sim.clock import Program, ProgramOp
 from hsdp.sim.fabric import Fabric
 
 MEMORY_PHASES = ("COPY_IN", "OPTIMIZER")
+# the models' causal attention as recorded, and the share of its counted FLOPs it does
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention",
+                 "aten::_scaled_dot_product_flash_attention_backward")
+CAUSAL_SHARE = 0.5
 Price = Callable[[ProgramOp], tuple[float, ...]]
 
 
@@ -86,6 +90,13 @@ def side_class(stream: str, label: str) -> str:
     """A side op's class, for its host cost: ("rs", "FREE_GRAD:LlamaBlock3/0") ->
     "rs:FREE_GRAD"."""
     return f"{stream}:{label.split(':', 1)[0]}"
+
+
+def work_flops(op: ProgramOp) -> float:
+    """The FLOPs an op's kernel does: the counted ones, causal attention's at half (torch's
+    formula counts every score; the models' attention is causal, and its kernel computes
+    only the lower triangle)."""
+    return op.payload.flops * (CAUSAL_SHARE if op.payload.name in ATTENTION_OPS else 1.0)
 
 
 def memory_bound(op: ProgramOp) -> bool:
@@ -141,7 +152,7 @@ class CostModel:
         if memory_bound(op):
             return op.payload.nbytes / (self.mem_gbps * 1e9)
         rate = self.class_tflops.get(phase_class(op.label), self.tflops)
-        return op.payload.flops / (rate * 1e12)
+        return work_flops(op) / (rate * 1e12)
 
     def mean_kernel_seconds(self, program: Program) -> float:
         """The mean device time of ``program``'s compute ops with FLOPs (the model's

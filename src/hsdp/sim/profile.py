@@ -31,7 +31,7 @@ from pathlib import Path
 
 from hsdp.report.metrics import Interval, op_kind
 from hsdp.sim.calibrate import calibrate, fabric_of, setup_from_results
-from hsdp.sim.costs import MEMORY_PHASES, CostModel, phase_class, phase_kind
+from hsdp.sim.costs import MEMORY_PHASES, CostModel, phase_class, phase_kind, work_flops
 from hsdp.sim.engine import Recording, evaluate, record
 from hsdp.sim.fabric import Fabric, Link, fit_collectives
 
@@ -110,7 +110,7 @@ def calibrate_profile(step: str | Path, collectives: list[str | Path] = (),
             c = per_class[phase_class(op.label)]
             c[0].add(op.phase)
             c[1] += 1
-            c[2] += op.payload.flops
+            c[2] += work_flops(op)
     class_tflops, class_host_us = {}, {}
     for cls, cost in costs.phases.items():
         if cls not in per_class:

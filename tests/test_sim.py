@@ -170,16 +170,18 @@ def test_zero_compute_serial_is_the_sum_overlap_the_max_of_the_chains(fake_world
 def test_compute_is_the_models_flops_at_the_given_throughput(fake_world_8):
     """Compute busy time = forward FLOPs x 3 (backward: two matmuls per matmul) at the
     given TFLOP/s, counted by hand: every weight matrix 2 x in x out per token, attention
-    4 x seq^2 x hidden per sequence (scores and weighted sum), the head included."""
+    4 x seq^2 x hidden per sequence (scores and weighted sum) of which a causal kernel
+    does half, the head included."""
     cfg = dataclasses.replace(TINY_GPT, hidden=64, ffn=96, vocab=128, seq=32)
     mbs, tflops = 2, 1e-3
     r = evaluate(record(Setup(cfg, 2, 4, mbs=mbs)), CostModel(tflops=tflops, mem_gbps=FREE))
     tokens = mbs * cfg.seq
     h, f = cfg.hidden, cfg.ffn
-    block = 2 * tokens * (4 * h * h + 2 * h * f) + 4 * mbs * cfg.seq ** 2 * h
+    attention = 0.5 * 4 * mbs * cfg.seq ** 2 * h  # causal: the lower triangle
+    block = 2 * tokens * (4 * h * h + 2 * h * f) + attention
     forward = cfg.layers * block + 2 * tokens * h * cfg.vocab
     # the fused attention's backward recomputes the scores: 2.5 x its forward, not 2 x
-    attention_extra = 0.5 * cfg.layers * 4 * mbs * cfg.seq ** 2 * h
+    attention_extra = 0.5 * cfg.layers * attention
     expected_ms = (3 * forward + attention_extra) / (tflops * 1e12) * 1e3
     assert r.metrics["busy_ms"]["by_kind"]["compute"] == pytest.approx(expected_ms, rel=1e-9)
 

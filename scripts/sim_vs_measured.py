@@ -45,7 +45,8 @@ from hsdp.sim.profile import MachineProfile, held_out, same_run  # noqa: E402
 
 WITHIN_PCT = 5.0
 KINDS = ("compute", "inner_ag", "inner_rs", "outer")
-MACHINES = {"h200": "one H200 (emulated meshes: one process on one GPU)",
+MACHINES = {"h200": "one H200 (emulated meshes: one process on one GPU; the runs under "
+                    "h200x2/ on a two-GPU host, those under h200/ on a one-GPU machine)",
             "h200x2": "two H200s of one host (real NCCL, one rank per GPU)"}
 # Runs not yet made, predicted in advance: name -> `bench step` arguments (the suite's
 # STEP_ARGS and the emulated 16x8 rows' defaults: 8 Llama-8B layers, fabric 370 / 47 GB/s).

@@ -33,7 +33,7 @@ from hsdp.sim.calibrate import (
     unprofiled_busy_ms,
     with_host_marks,
 )
-from hsdp.sim.costs import CostModel, PhaseCost, phase_class
+from hsdp.sim.costs import CostModel, PhaseCost, phase_class, work_flops
 from hsdp.sim.engine import Setup, evaluate, record, shard, simulate, train_step
 from hsdp.sim.fabric import Fabric, Link
 from hsdp.sim.profile import MachineProfile, calibrate_profile, held_out
@@ -597,9 +597,9 @@ def test_calibrate_from_json_and_trace(fake_world_8, tmp_path):
     n_side = sum(op.kind == "side" for op in rec.program.ops[rec.start:])
     assert more.host_us_per_side_op == pytest.approx(costs.host_us_per_side_op + 3e3 / n_side)
     assert evaluate(rec, more).metrics["host_busy_ms"] == pytest.approx(host + 3.0)
-    # TFLOP/s: the simulator's FLOPs of the measured model phases (the root's and the
+    # TFLOP/s: the FLOPs the kernels of the measured model phases do (the root's and the
     # blocks'; not the embedding's and head's, untraced here) over their device time
-    flops = sum(op.payload.flops for op in rec.program.ops[rec.start:]
+    flops = sum(work_flops(op) for op in rec.program.ops[rec.start:]
                 if op.kind == "compute" and phase_class(op.label) in ("FWD:Llama",
                                                                       "FWD:LlamaBlock"))
     assert costs.tflops == pytest.approx(flops / 9e-3 / 1e12)
@@ -827,7 +827,7 @@ def test_profile_prices_another_setup_by_its_flops_and_ops(fake_world_8, tmp_pat
         ops = [op for op in rec.program.ops[rec.start:]
                if op.kind == "compute" and phase_class(op.label) == "FWD:LlamaBlock"]
         n = len({op.phase for op in ops})
-        return sum(op.payload.flops for op in ops) / n, len(ops) // n
+        return sum(work_flops(op) for op in ops) / n, len(ops) // n
 
     flops, n_ops = block_fwd(setup)
     assert profile.class_tflops["FWD:LlamaBlock"] == pytest.approx(flops / 3e-3 / 1e12)

@@ -26,11 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-# per model: 70B with 16 microbatches (a program of ~250k ops, recorded twice per point)
-# takes hours on two shared cores
-GRIDS = {"llama-8b": ["nodes=2,16,128", "microbatches=1,4,16", "outer_gbps=12.5,25,50,100"],
-         "llama-70b": ["nodes=2,16,128", "microbatches=1,4", "outer_gbps=12.5,25,50,100"]}
-MODELS = tuple(GRIDS)
+GRID = ["nodes=2,16,128", "microbatches=1,4,16", "outer_gbps=12.5,25,50,100"]
+MODELS = ("llama-8b", "llama-70b")
 SEQ = 4096
 PROFILE = ROOT / "docs" / "results" / "h200" / "profile.json"
 LINKS = ROOT / "docs" / "results" / "h200x2" / "profile.json"
@@ -50,7 +47,7 @@ def run(model: str) -> dict:
     from hsdp.sim.sweep import parse_sweep, run_sweep
 
     setup, costs = resolve(build_parser().parse_args(["sim", *sim_args(model)]))
-    report = run_sweep(setup, costs, parse_sweep(GRIDS[model]))
+    report = run_sweep(setup, costs, parse_sweep(GRID))
     report["meta"]["sim_args"] = sim_args(model)
     return report
 
@@ -105,7 +102,8 @@ def intro(report: dict, command: str, note: str) -> list[str]:
         f"it was not calibrated on): {held_out_error()} of the measured step time. "
         f"{note}".rstrip(),
         "",
-        "Regenerate (an hour on two cores; `--from` re-renders saved sweeps):",
+        "Regenerate (hours on two shared cores: 70B with 16 microbatches records ~250k "
+        "ops per point; `--from` re-renders saved sweeps):",
         "",
         "```",
         command,

@@ -1,61 +1,80 @@
-"""Build docs/sim_vs_measured.md: `hsdp sim` next to measured `bench step` runs.
+"""Build docs/sim_vs_measured.md: `hsdp sim` predictions next to measured `bench step` runs
+that the machine profile was not calibrated on (held out).
 
-    python scripts/sim_vs_measured.py          # every run of docs/results/h200x2 (below)
-    python scripts/sim_vs_measured.py runs/*/*_s*.json --calibrate-from self
-    python scripts/sim_vs_measured.py runs/*/*_s*.json --calibrate-from runs/a/a.json
+    python scripts/sim_vs_measured.py                  # the committed machines (below)
+    python scripts/sim_vs_measured.py --machine docs/results/h200/profile.json runs/*/*.json
+    python scripts/sim_vs_measured.py --predict docs/results/h200/predictions/x.json
 
-Measuring the rows: ``python -m hsdp bench suite --out results/`` on two H200s (the
-bench's default model, 8 Llama-8B layers; 5 recorded and 3 profiled steps per schedule;
-``hsdp.bench.suite`` lists the runs). Each run's JSON holds the host marks and per-op
-stream times of the steps recorded without the profiler, and beside it lie the phases of
-its profiled steps' Chrome traces (``hsdp.sim.calibrate.save_phases``), which is all the
-calibration reads of a trace: the traces themselves stay under ``out/``.
+Each machine kind has one profile (``python -m hsdp sim calibrate``: one `bench step` run,
+and `bench collectives` of the same machine for its links), and every other step run of
+that machine kind is predicted from it and the run's setup alone (model, mesh, sequence,
+microbatches, dtypes; an emulated run's fabric, else the profile's measured links). A row
+whose JSON is one the profile was made from is refused (``hsdp.sim.profile.held_out``).
 
-Real NCCL (one rank per GPU): the fabric is the default one scaled to the run's measured
-collective times (``comm_scale``), or ``--fabric-json`` from ``bench collectives``.
+Machine kinds of the committed runs (docs/results): ``h200``, one H200: the emulated runs
+(one process on one GPU, collectives emulated on the run's fabric); ``h200x2``, two
+H200s of one host: the real-NCCL runs (one rank per GPU).
 
-For each JSON and each hsdp schedule in it, the simulator runs the same setup (model,
-mesh, microbatches, dtypes; the JSON's emulated fabric, else ``--fabric-json`` /
-the defaults) and its step time, saving and busy times are set next to the measured
-ones. Calibration (``hsdp.sim.calibrate``): ``self`` (default) fits each row to its own
-run (when its Chrome traces, or their saved phases, are found next to the JSON, the
-per-phase times: device time per phase class the least over the profiled steps, without
-what the collective kernels beside it cost it (its drag, also measured there), host time
-per phase and side op the median over the unprofiled recorded steps; else its compute
-busy time); a path fits every row to that one run. JSONs of older runs hold one profiled
-and one recorded step.
+``--predict`` writes the profile's predictions for runs not yet made (``PREDICTED``,
+with the exact `bench step` commands), to be set next to the runs once measured: the
+page shows them when their JSONs are under docs/results/<machine>/<run>/.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "docs" / "results" / "h200x2"  # the step runs of docs/benchmarks.md
+RESULTS = ROOT / "docs" / "results"
 sys.path.insert(0, str(ROOT / "src"))
 
 from hsdp.sim.calibrate import (  # noqa: E402
     SCHEDULES,
-    calibrate,
     fabric_of,
+    measured_busy_ms,
     setup_from_results,
 )
-from hsdp.sim.costs import CostModel  # noqa: E402
 from hsdp.sim.engine import simulate  # noqa: E402
-from hsdp.sim.fabric import Fabric, Link  # noqa: E402
+from hsdp.sim.fabric import Fabric  # noqa: E402
+from hsdp.sim.profile import MachineProfile, held_out, same_run  # noqa: E402
 
-PAIRS = (("overlap", "serial"), ("hfsdp", "hfsdp-serial"))
-BUSY = (("compute", "compute"), ("inner_ag", "inner AG"), ("inner_rs", "inner RS"),
-        ("outer", "outer"))
 WITHIN_PCT = 5.0
-# collectives that take no time (their own casts and copies still do): an emulated run's
-# collective-free steps (``t_free_ms``)
-INSTANT = Fabric(Link(1e15, 0.0), Link(1e15, 0.0))
+KINDS = ("compute", "inner_ag", "inner_rs", "outer")
+MACHINES = {"h200": "one H200 (emulated meshes: one process on one GPU; the runs under "
+                    "h200x2/ on a two-GPU host, those under h200/ on a one-GPU machine)",
+            "h200x2": "two H200s of one host (real NCCL, one rank per GPU)"}
+# Runs not yet made, predicted in advance: name -> `bench step` arguments (the suite's
+# STEP_ARGS and the emulated 16x8 rows' defaults: 8 Llama-8B layers, fabric 370 / 47 GB/s).
+BENCH = ("bench", "step", "--reduce-dtype", "bf16", "--record-steps", "5", "--trace-steps",
+         "3", "--warmup", "2", "--emulate", "--steps", "5")
+PREDICTED = {
+    "emu16x8_s2048": ("--mesh", "16x8", "--seq", "2048", "--schedules", "overlap,serial"),
+    "emu16x8_s8192_mb2": ("--mesh", "16x8", "--seq", "8192", "--microbatches", "2",
+                          "--schedules", "overlap,serial"),
+    "emu16x8_s2048_mb2": ("--mesh", "16x8", "--seq", "2048", "--microbatches", "2",
+                          "--schedules", "overlap,serial"),
+    "emu2x4_s2048_outer12.5": ("--mesh", "2x4", "--seq", "2048", "--outer-gbps", "12.5",
+                               "--schedules", "overlap,serial,hfsdp,hfsdp-serial"),
+}
+
+
+def step_runs() -> dict[str, list[Path]]:
+    """The committed `bench step` runs per machine kind (module doc), but the
+    Megatron-FSDP ones (their hsdp schedule is that run's second process)."""
+    out: dict[str, list[Path]] = {k: [] for k in MACHINES}
+    for folder in sorted(p for d in ("h200", "h200x2") for p in (RESULTS / d).iterdir()
+                         if p.is_dir()):
+        path = folder / f"{folder.name}.json"
+        if not path.exists() or folder.name.endswith("_mfsdp"):
+            continue
+        emulated = json.loads(path.read_text())["meta"].get("emulate", True)
+        out["h200" if emulated else "h200x2"].append(path)
+    return out
 
 
 def row_name(path: Path, meta: dict) -> str:
@@ -71,233 +90,216 @@ def row_name(path: Path, meta: dict) -> str:
     return f"{', '.join(bits)} (`{path.stem}`)"
 
 
-def default_runs() -> list[Path]:
-    """Each run folder's own JSON in ``RESULTS``, but the Megatron-FSDP runs (their hsdp
-    schedule is the same run's second process, without saved phases)."""
-    return sorted(d / f"{d.name}.json" for d in RESULTS.iterdir()
-                  if (d / f"{d.name}.json").exists() and not d.name.endswith("_mfsdp"))
+def predict(profile: MachineProfile, meta: dict, schedule: str, data: dict) -> dict:
+    """The profile's prediction of one schedule of a run described by ``data``."""
+    costs = profile.cost_model(fabric_of(meta, profile.fabric(Fabric())))
+    r = simulate(setup_from_results(data, schedule), costs)
+    return {"t_step_ms": r.t_step_ms, "host_ms": r.metrics["host_busy_ms"],
+            "busy_ms": {k: r.metrics["busy_ms"]["by_kind"][k] for k in KINDS},
+            "exposed_comm_ms": r.metrics["exposed_comm_ms"],
+            "outer_tail_ms": r.metrics["outer_tail_ms"]}
 
 
-def compare(path: Path, calibration: str, base: CostModel) -> list[dict]:
+def compare(profile: MachineProfile, path: Path) -> list[dict]:
     data = json.loads(path.read_text())
     meta = data["meta"]
-    costs = dataclasses.replace(base, fabric=fabric_of(meta, base.fabric))
     rows = []
-    for name, measured in data["schedules"].items():
-        if name not in SCHEDULES or measured.get("t_step_ms") is None:
+    for name, m in data["schedules"].items():
+        if name not in SCHEDULES or m.get("t_step_ms") is None:
             continue
-        source = path if calibration == "self" else Path(calibration)
-        lead = "overlap" if SCHEDULES[name][0] == "hsdp" else "hfsdp"
-        if calibration != "self" or lead not in data["schedules"]:
-            lead = "overlap"
-        own = name if calibration == "self" and name != lead else None
-        cal = calibrate(source, costs, lead, times_from=own)
-        setup = setup_from_results(data, name)
-        r = simulate(setup, cal)
-        cross = simulate(setup, calibrate(source, costs, lead)) if own else None
-        alone = simulate(setup, dataclasses.replace(cal, peers=())) if cal.peers else None
-        free = (simulate(setup, dataclasses.replace(cal, fabric=INSTANT))
-                if measured.get("t_free_ms") else None)
+        sim = predict(profile, meta, name, data)
+        busy = dict((m.get("metrics") or {}).get("busy_ms", {}).get("by_kind", {}))
+        busy |= measured_busy_ms(path, data, name, emulated=meta.get("emulate", True))
         rows.append({"json": path.name, "row": row_name(path, meta), "schedule": name,
-                     "run": {"date": meta.get("date"), "torch": meta.get("torch"),
-                             "gpu": (meta.get("hardware") or {}).get("gpu"),
-                             "emulate": meta.get("emulate")},
-                     "sim_ms": r.t_step_ms, "measured": measured, "metrics": r.metrics,
-                     "lead": lead, "sim_from_lead_ms": cross and cross.t_step_ms,
-                     "sim_rank0_alone_ms": alone and alone.t_step_ms,
-                     "sim_free_ms": free and free.t_step_ms,
-                     "calibration": {"tflops": cal.tflops, "mem_gbps": cal.mem_gbps,
-                                     "host_us_per_op": cal.host_us_per_op,
-                                     "phases": len(cal.phases),
-                                     "comm_scale": cal.comm_scale}})
-        print(f"{path.name} {name}: sim {r.t_step_ms:.1f} ms, measured "
-              f"{measured['t_step_ms']:.1f} ms", file=sys.stderr)
+                     "sim": sim, "measured": {"t_step_ms": m["t_step_ms"],
+                                              "min": m["t_step_min_ms"],
+                                              "max": m["t_step_max_ms"],
+                                              "host_ms": m.get("t_host_ms"), "busy_ms": busy}})
+        print(f"{path.name} {name}: sim {sim['t_step_ms']:.1f} ms, measured "
+              f"{m['t_step_ms']:.1f} ms", file=sys.stderr)
     return rows
 
 
-def _pct(sim: float, measured: float) -> str:
-    return f"{100.0 * (sim - measured) / measured:+.1f} %"
+def _err(sim: float, measured: float) -> float:
+    return 100.0 * (sim - measured) / measured
 
 
-def render(rows: list[dict], command: str, calibration: str, host_us: float,
-           note: str = "") -> str:
-    errors = [100.0 * (r["sim_ms"] - r["measured"]["t_step_ms"]) / r["measured"]["t_step_ms"]
-              for r in rows]
+def worst_terms(r: dict) -> str:
+    """The row's terms, sim minus measured (ms), largest first."""
+    s, m = r["sim"], r["measured"]
+    terms = {"host": s["host_ms"] - (m["host_ms"] or s["host_ms"])}
+    terms |= {f"{k} busy": s["busy_ms"][k] - m["busy_ms"].get(k, 0.0) for k in KINDS}
+    order = sorted(terms, key=lambda k: -abs(terms[k]))
+    return ", ".join(f"{k} {terms[k]:+.1f} ms" for k in order)
+
+
+def render_machine(kind: str, profile_path: Path, rows: list[dict]) -> list[str]:
+    profile = MachineProfile.load(profile_path)
+    errors = [_err(r["sim"]["t_step_ms"], r["measured"]["t_step_ms"]) for r in rows]
     within = sum(abs(e) <= WITHIN_PCT for e in errors)
-    worst = max(range(len(rows)), key=lambda i: abs(errors[i])) if rows else None
-    cal_text = (
-        "each row is fitted to its run's overlapped schedule (hsdp's `overlap`, "
-        "hfsdp's `hfsdp`), except for the host time per step and the collectives' busy "
-        "times, which are the row's own schedule's: with the Chrome traces, the "
-        "measured device time per phase (forward / backward / copy-in of each unit "
-        "class; the least over the profiled steps, a run of older code has one, each "
-        "without what the collective kernels beside it cost it) and the drag of each "
-        "class (the share of its compute's speed lost beside a collective kernel: the "
-        "slope of its instances' device time over their time beside one; the simulator "
-        "slows compute by it wherever its collectives run), the "
-        "memory bandwidth of the optimizer and copy-in, per collective kind the busy "
-        "time (each op's median over the steps recorded without the profiler when the "
-        "JSON has them) and the share of its own casts and copies that held compute up; "
-        "the host time per phase and per side-stream op from the host marks of the "
-        "steps recorded without the profiler when the JSON has them (the median over "
-        "them; the profiler slows the host unevenly), else from the trace, scaled to "
-        "the unprofiled host time `t_host_ms`; without a trace, only the achieved "
-        "TFLOP/s, fitted to the run's compute busy time. A run that recorded every rank "
-        "(real NCCL, `other_ranks`) gives each rank its own host times (device times are "
-        "rank 0's), and each collective's busy time is the least over the ranks; the "
-        "ranks are then simulated together, a collective starting when the last rank of "
-        "its group is ready for it, so that the skew of their hosts makes the waits "
-        "(column \"rank 0 alone\": every rank as rank 0)" if calibration == "self" else
-        f"every row is fitted to one run, `{calibration}` (its trace's per-phase table "
-        f"applies to rows of the same model, sequence and micro-batch size; the others "
-        f"use the fitted TFLOP/s, memory bandwidth and host cost per op)")
-    if host_us:
-        cal_text += (f". A JSON with neither a trace nor `t_host_ms` gets a host cost of "
-                     f"{host_us:g} us per compute op (`--host-us-per-op`)")
-    out = [
-        "# `hsdp sim` against measured step times",
-        "",
-        "<!-- generated by scripts/sim_vs_measured.py; do not edit by hand -->",
-        "",
-        "`hsdp sim` runs the runtime's own schedule (hooks, streams, events) on a "
-        "meta-device model and times it on a virtual clock (README, Tools). This page "
-        "sets its step time next to `bench step` measurements of the same setup: model, "
-        "mesh, microbatches, dtypes and, for emulated runs, the fabric the run emulated.",
-        "",
-        f"Calibration: {cal_text}. {note}".rstrip(),
-        "",
-        "Measured: median [min-max] of the timed steps (wall clock between barriers, "
-        "every stream idle at the end). Simulated: from the step's start to every stream "
-        "idle.",
-        "",
-        "What is fitted and what is predicted: calibrated on a run, the simulator "
-        "reproduces that run's compute busy time and, per collective kind, its busy time "
-        "(`comm_scale`: measured over modelled, which absorbs e.g. collectives slowed by "
-        "compute on the same GPU) by construction; with a trace, also each phase's host "
-        "and device time. What it predicts is how the schedule composes them: the step "
-        "time, the exposed communication and the outer tail, and for a serialized row the "
-        "schedule itself. The column \"from the overlapped run\" also takes the host time "
-        "and the collectives' busy times from the overlapped schedule (the what-if use); "
-        "emulated collectives of the same modelled time ran a few % apart between the "
-        "schedules of one run, host times up to 5 %. The column \"collective-free\" "
-        "sets the same calibration with collectives that take no time next to an "
-        "emulated run's steps without its delays (`t_free_ms`): it separates the model "
-        "of compute and host from the one of communication.",
-        "",
-        "Regenerate:",
-        "",
-        "```",
-        command,
-        "```",
-        "",
-        "## Step time",
-        "",
-        f"{within} of {len(rows)} schedules within {WITHIN_PCT:g} %"
-        + (f"; the largest error is {errors[worst]:+.1f} % ({rows[worst]['row']}, "
-           f"{rows[worst]['schedule']})." if rows else "."),
-        "",
-        "| row | schedule | sim ms | measured ms | error | from the overlapped run: sim ms "
-        "(error) | rank 0 alone: sim ms (error) | collective-free: sim / measured ms | "
-        "sim host ms | measured host ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    worst = max(range(len(rows)), key=lambda i: abs(errors[i]))
+    rel = profile_path.relative_to(ROOT) if profile_path.is_relative_to(ROOT) else profile_path
+    out = [f"## {kind}: {MACHINES.get(kind, kind)}", "",
+           f"Profile `{rel}`, calibrated on "
+           + ", ".join(f"`{s}`" for s in profile.sources["step"] + profile.sources["collectives"])
+           + f" ({profile.tflops:.0f} TFLOP/s over the measured phases, "
+           + ", ".join(f"{c} {v:.0f}" for c, v in sorted(profile.class_tflops.items()))
+           + f"; {profile.mem_gbps:.0f} GB/s; links: "
+           + (", ".join(f"{a} {v['bus_gbps']:.0f} GB/s + {v['latency_us']:.0f} us"
+                        for a, v in profile.links.items()) or "the run's emulated fabric")
+           + "). Predicted: every other run of this machine kind.", "",
+           f"**{within} of {len(rows)} held-out schedules within {WITHIN_PCT:g} %**; the worst "
+           f"is {errors[worst]:+.1f} % ({rows[worst]['row']}, {rows[worst]['schedule']}); its "
+           f"terms, predicted minus measured: {worst_terms(rows[worst])}.", "",
+           "| row | schedule | sim ms | measured ms | error | host sim / measured ms | "
+           + " | ".join(f"{k} busy sim / measured ms" for k in KINDS) + " |",
+           "|---|---|---|---|---|---|" + "---|" * len(KINDS)]
     for r, e in zip(rows, errors):
-        m = r["measured"]
-        host = m.get("t_host_ms")
+        s, m = r["sim"], r["measured"]
         flag = " **!**" if abs(e) > WITHIN_PCT else ""
-        cells = [("-" if v is None else f"{v:.1f} ({_pct(v, m['t_step_ms'])})")
-                 for v in (r["sim_from_lead_ms"], r["sim_rank0_alone_ms"])]
-        free = r["sim_free_ms"]
-        cells.append("-" if free is None else f"{free:.1f} / {m['t_free_ms']:.1f}")
-        out.append(f"| {r['row']} | {r['schedule']} | {r['sim_ms']:.1f} | "
-                   f"{m['t_step_ms']:.1f} [{m['t_step_min_ms']:.1f}-{m['t_step_max_ms']:.1f}] "
-                   f"| {e:+.1f} %{flag} | {' | '.join(cells)} | "
-                   f"{r['metrics']['host_busy_ms']:.1f} | "
-                   f"{'-' if host is None else f'{host:.1f}'} |")
-    no_host = sorted({r["row"] for r, e in zip(rows, errors) if abs(e) > WITHIN_PCT
-                      and r["measured"].get("t_host_ms") is None
-                      and not r["calibration"]["phases"] and not host_us})
-    if no_host:
-        out += ["", "Rows marked **!** whose JSON has neither the host time of the step "
-                "(`t_host_ms`) nor a trace with phase marks: the simulator had no host cost "
-                "to go on (the host is then never the bottleneck), so a host-bound step "
-                "(short sequences) comes out short. Re-measure with the current `bench "
-                "step` (it records both): " + "; ".join(no_host) + "."]
-    out += ["", "## Saving of the overlap", "",
-            "Serialized minus overlapped step time, ms (% of the serialized step).", "",
-            "| row | pair | sim | measured |", "|---|---|---|---|"]
-    by = {(r["json"], r["schedule"]): r for r in rows}
-    for r in rows:
-        for fast, slow in PAIRS:
-            if r["schedule"] != fast or (r["json"], slow) not in by:
-                continue
-            s = by[(r["json"], slow)]
-            sim = s["sim_ms"] - r["sim_ms"]
-            meas = s["measured"]["t_step_ms"] - r["measured"]["t_step_ms"]
-            out.append(f"| {r['row']} | {fast} vs {slow} | {sim:.2f} "
-                       f"({100 * sim / s['sim_ms']:.1f} %) | {meas:.2f} "
-                       f"({100 * meas / s['measured']['t_step_ms']:.1f} %) |")
-    out += ["", "## Busy time per resource", "",
-            "Overlapped schedules, sim / measured (ms; measured: the traced step).", "",
-            "| row | schedule | " + " | ".join(label for _, label in BUSY)
-            + " | exposed comm | outer tail |", "|---|---|" + "---|" * (len(BUSY) + 2)]
-    for r in rows:
-        if r["schedule"] not in ("overlap", "hfsdp"):
-            continue
-        sim, meas = r["metrics"], r["measured"].get("metrics") or {}
-        mb = (meas.get("busy_ms") or {}).get("by_kind", {})
+        host = "-" if m["host_ms"] is None else f"{m['host_ms']:.1f}"
+        busy = " | ".join(f"{s['busy_ms'][k]:.1f} / {m['busy_ms'].get(k, 0.0):.1f}"
+                          for k in KINDS)
+        out.append(f"| {r['row']} | {r['schedule']} | {s['t_step_ms']:.1f} | "
+                   f"{m['t_step_ms']:.1f} [{m['min']:.1f}-{m['max']:.1f}] | {e:+.1f} %{flag} | "
+                   f"{s['host_ms']:.1f} / {host} | {busy} |")
+    return out + [""]
 
-        def pair(a: float | None, b: float | None) -> str:
-            return f"{a:.1f} / {'-' if b is None else f'{b:.1f}'}"
 
-        cells = [pair(sim["busy_ms"]["by_kind"][k], mb.get(k)) for k, _ in BUSY]
-        cells += [pair(sim["exposed_comm_ms"], meas.get("exposed_comm_ms")),
-                  pair(sim["outer_tail_ms"], meas.get("outer_tail_ms"))]
-        out.append(f"| {r['row']} | {r['schedule']} | " + " | ".join(cells) + " |")
-    out += ["", "## Calibration per row", "",
-            "`comm_scale`: measured over modelled busy time of inner all-gathers, inner "
-            "reduce-scatters and outer collectives in the calibration run.", "",
-            "| row | schedule | TFLOP/s | memory GB/s | host us/op | measured phases | "
-            "comm_scale AG / RS / outer |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        c = r["calibration"]
-        scale = " / ".join(f"{c['comm_scale'].get(k, 1.0):.2f}"
-                           for k in ("inner_ag", "inner_rs", "outer"))
-        out.append(f"| {r['row']} | {r['schedule']} | {c['tflops']:.0f} | "
-                   f"{c['mem_gbps']:.0f} | {c['host_us_per_op']:.1f} | {c['phases']} | "
-                   f"{scale} |")
-    out += ["", "## Runs", "", "| JSON | date | GPU | torch | emulated |", "|---|---|---|---|---|"]
-    for r in {r["json"]: r for r in rows}.values():
-        run = r["run"]
-        out.append(f"| `{r['json']}` | {run['date']} | {run['gpu']} | {run['torch']} | "
-                   f"{run['emulate']} |")
-    return "\n".join(out) + "\n"
+def render_predicted(predictions: list[Path]) -> list[str]:
+    out = ["## Predicted before the run", "",
+           "Committed before the run was made (`--predict`): the file, its commit, and the "
+           "measured run once it is under docs/results/<machine>/<run>/.", "",
+           "| run | schedule | predicted ms | measured ms | error | predicted busy "
+           "compute / AG / RS / outer ms | measured |", "|---|---|---|---|---|---|---|"]
+    for path in predictions:
+        pred = json.loads(path.read_text())
+        for name, run in pred["runs"].items():
+            measured = RESULTS / pred["machine"] / name / f"{name}.json"
+            data = json.loads(measured.read_text()) if measured.exists() else None
+            for sched, p in run["schedules"].items():
+                m = (data or {}).get("schedules", {}).get(sched)
+                cells = ["not yet measured", "-", "-"]
+                if m and m.get("t_step_ms") is not None:
+                    mb = (m.get("metrics") or {}).get("busy_ms", {}).get("by_kind", {})
+                    mb |= measured_busy_ms(measured, data, sched,
+                                           emulated=data["meta"].get("emulate", True))
+                    cells = [f"{m['t_step_ms']:.1f}",
+                             f"{_err(p['t_step_ms'], m['t_step_ms']):+.1f} %",
+                             " / ".join(f"{mb.get(k, 0.0):.1f}" for k in KINDS)]
+                out.append(f"| `{name}` | {sched} | {p['t_step_ms']:.1f} | {cells[0]} | "
+                           f"{cells[1]} | "
+                           + " / ".join(f"{p['busy_ms'][k]:.1f}" for k in KINDS)
+                           + f" | {cells[2]} |")
+    return out + [""]
+
+
+def write_predictions(out: Path, profile_path: Path, machine: str) -> None:
+    """``PREDICTED``'s runs as the profile predicts them, with their commands."""
+    profile = MachineProfile.load(profile_path)
+    template = json.loads(Path(profile.sources["step"][0]).read_text())
+    runs = {}
+    for name, argv in PREDICTED.items():
+        args = dict(zip(argv[::2], argv[1::2]))
+        outer, inner = (int(v) for v in args["--mesh"].split("x"))
+        model = template["meta"]["model"] | {
+            "seq": int(args["--seq"]), "microbatches": int(args.get("--microbatches", 1))}
+        fabric = template["meta"]["fabric"] | {"outer": template["meta"]["fabric"]["outer"] | {
+            "bus_gbps": float(args.get("--outer-gbps", 47.0))}}
+        meta = template["meta"] | {"mesh": {"outer": outer, "inner": inner},
+                                   "model": model, "fabric": fabric}
+        data = {"meta": meta}
+        json_path = f"results/{machine}/{name}/{name}.json"
+        runs[name] = {
+            "command": shlex.join(["python", "-m", "hsdp", *BENCH, *argv, "--json", json_path,
+                                   "--out-dir", f"out/{name}"]),
+            "schedules": {s: predict(profile, meta, s, data)
+                          for s in args["--schedules"].split(",")}}
+        print(f"predicted {name}", file=sys.stderr)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine, "profile": str(profile_path),
+                               "profile_sources": profile.sources, "runs": runs},
+                              indent=1) + "\n")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("jsons", nargs="*",
-                   help=f"bench step JSONs (default: the runs of {RESULTS.relative_to(ROOT)})")
-    p.add_argument("--calibrate-from", default="self", help="'self' or one bench step JSON")
-    p.add_argument("--fabric-json", default=None,
-                   help="`bench collectives` JSON for runs on real NCCL (no emulated fabric)")
-    p.add_argument("--host-us-per-op", type=float, default=0.0,
-                   help="host cost per compute op for JSONs with neither a trace nor "
-                        "t_host_ms (default 0: the host is never the bottleneck)")
+    p.add_argument("--machine", nargs="+", action="append", metavar=("PROFILE", "JSON"),
+                   help="a machine profile and the `bench step` JSONs it predicts (again "
+                        "per machine); default: the committed ones (module doc)")
+    p.add_argument("--predictions", nargs="*", default=None,
+                   help="prediction JSONs to show (default: docs/results/*/predictions/)")
+    p.add_argument("--predict", metavar="OUT", default=None,
+                   help="write the predictions of PREDICTED's runs here, then stop")
+    p.add_argument("--profile", default=str(RESULTS / "h200" / "profile.json"),
+                   help="the profile --predict uses (default: docs/results/h200's)")
     p.add_argument("--out", default=str(ROOT / "docs" / "sim_vs_measured.md"))
-    p.add_argument("--note", default="", help="where given numbers come from")
+    p.add_argument("--note", default="", help="text after the tables")
     args = p.parse_args()
-    paths = [Path(j) for j in args.jsons] or default_runs()
-    base = CostModel(host_us_per_op=args.host_us_per_op)
-    if args.fabric_json:
-        from hsdp.bench.step import fabric_from_collectives  # the script, not sim
-
-        base = dataclasses.replace(base, fabric=fabric_from_collectives(args.fabric_json,
-                                                                        20.0))
-    rows = [r for path in paths for r in compare(path, args.calibrate_from, base)]
-    command = "python scripts/sim_vs_measured.py " + shlex.join(sys.argv[1:])
-    Path(args.out).write_text(render(rows, command.strip(), args.calibrate_from,
-                                     args.host_us_per_op, args.note))
+    for key in ("predict", "profile", "out"):  # paths as given; the profiles' from the root
+        if getattr(args, key):
+            setattr(args, key, str(Path(getattr(args, key)).resolve()))
+    args.machine = [[str(Path(x).resolve()) for x in m] for m in args.machine or []]
+    args.predictions = (None if args.predictions is None
+                        else [str(Path(x).resolve()) for x in args.predictions])
+    os.chdir(ROOT)
+    if args.predict:
+        write_predictions(Path(args.predict), Path(args.profile),
+                          Path(args.profile).parent.name)
+        print(f"wrote {args.predict}")
+        return 0
+    if args.machine:
+        profiles = [(Path(m[0]), MachineProfile.load(m[0]), [Path(j) for j in m[1:]])
+                    for m in args.machine]
+    else:  # each committed profile and every other run of its machine kind
+        runs = step_runs()
+        profiles = [(RESULTS / k / "profile.json", MachineProfile.load(
+            RESULTS / k / "profile.json"), []) for k in MACHINES]
+        for path, profile, jsons in profiles:
+            made_from = profile.sources["step"] + profile.sources["collectives"]
+            jsons += [j for j in runs[path.parent.name]
+                      if not any(same_run(j, s) for s in made_from)]
+    for path, profile, jsons in profiles:  # before any simulation
+        try:
+            held_out(profile, jsons)
+        except ValueError as e:
+            raise SystemExit(f"sim_vs_measured: {path}: {e}") from None
+    lines = [
+        "# `hsdp sim` against measured step times, held out",
+        "",
+        "<!-- generated by scripts/sim_vs_measured.py; do not edit by hand -->",
+        "",
+        "`hsdp sim` runs the runtime's own schedule (hooks, streams, events) on a "
+        "meta-device model and times it on a virtual clock (README, Tools). Each machine "
+        "kind has one profile (`python -m hsdp sim calibrate`: one `bench step` run and "
+        "`bench collectives` of the same machine; `hsdp.sim.profile`), and every other "
+        "run of that machine kind is predicted from the profile and the run's setup "
+        "alone: model, mesh, sequence, microbatches, dtypes, and an emulated run's fabric "
+        "(else the profile's measured links). No row below was calibrated on: the script "
+        "refuses a row whose run made the profile.",
+        "",
+        "Measured: median [min-max] of the timed steps (wall clock between barriers, every "
+        "stream idle at the end); host: the time to issue the step (`t_host_ms`); busy: "
+        "compute from the traced step, collectives per kind from the steps recorded "
+        "without the profiler (each op's median; on real NCCL the least over the ranks). "
+        "Simulated: from the step's start to every stream idle.",
+        "",
+        "Regenerate: `python scripts/sim_vs_measured.py "
+        + " ".join("NOTE" if a == args.note else shlex.quote(a) for a in sys.argv[1:])
+        + "`" + (" (NOTE: the last section's text)" if args.note else ""),
+        "",
+    ]
+    for path, profile, jsons in profiles:
+        rows = [r for j in jsons for r in compare(profile, j)]
+        kind = path.parent.name
+        lines += render_machine(kind, path, rows)
+    predictions = ([Path(x) for x in args.predictions] if args.predictions is not None
+                   else sorted(RESULTS.glob("*/predictions/*.json")))
+    if predictions:
+        lines += render_predicted(predictions)
+    if args.note:
+        lines += [args.note, ""]
+    Path(args.out).write_text("\n".join(lines))
     print(f"wrote {args.out}")
     return 0
 

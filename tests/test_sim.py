@@ -6,8 +6,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import gzip
+import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,9 +33,10 @@ from hsdp.sim.calibrate import (
     unprofiled_busy_ms,
     with_host_marks,
 )
-from hsdp.sim.costs import CostModel, PhaseCost, phase_class
-from hsdp.sim.engine import Setup, evaluate, record, shard, train_step
+from hsdp.sim.costs import CostModel, PhaseCost, phase_class, work_flops
+from hsdp.sim.engine import Setup, evaluate, record, shard, simulate, train_step
 from hsdp.sim.fabric import Fabric, Link
+from hsdp.sim.profile import MachineProfile, calibrate_profile, held_out
 
 TINY_GPT = GPTConfig(vocab=32, hidden=16, heads=2, ffn=32, layers=3, seq=8)
 TINY_LLAMA = LlamaConfig(vocab=32, hidden=16, heads=4, kv_heads=2, ffn=24, layers=3, seq=8)
@@ -167,16 +170,18 @@ def test_zero_compute_serial_is_the_sum_overlap_the_max_of_the_chains(fake_world
 def test_compute_is_the_models_flops_at_the_given_throughput(fake_world_8):
     """Compute busy time = forward FLOPs x 3 (backward: two matmuls per matmul) at the
     given TFLOP/s, counted by hand: every weight matrix 2 x in x out per token, attention
-    4 x seq^2 x hidden per sequence (scores and weighted sum), the head included."""
+    4 x seq^2 x hidden per sequence (scores and weighted sum) of which a causal kernel
+    does half, the head included."""
     cfg = dataclasses.replace(TINY_GPT, hidden=64, ffn=96, vocab=128, seq=32)
     mbs, tflops = 2, 1e-3
     r = evaluate(record(Setup(cfg, 2, 4, mbs=mbs)), CostModel(tflops=tflops, mem_gbps=FREE))
     tokens = mbs * cfg.seq
     h, f = cfg.hidden, cfg.ffn
-    block = 2 * tokens * (4 * h * h + 2 * h * f) + 4 * mbs * cfg.seq ** 2 * h
+    attention = 0.5 * 4 * mbs * cfg.seq ** 2 * h  # causal: the lower triangle
+    block = 2 * tokens * (4 * h * h + 2 * h * f) + attention
     forward = cfg.layers * block + 2 * tokens * h * cfg.vocab
     # the fused attention's backward recomputes the scores: 2.5 x its forward, not 2 x
-    attention_extra = 0.5 * cfg.layers * 4 * mbs * cfg.seq ** 2 * h
+    attention_extra = 0.5 * cfg.layers * attention
     expected_ms = (3 * forward + attention_extra) / (tflops * 1e12) * 1e3
     assert r.metrics["busy_ms"]["by_kind"]["compute"] == pytest.approx(expected_ms, rel=1e-9)
 
@@ -592,9 +597,9 @@ def test_calibrate_from_json_and_trace(fake_world_8, tmp_path):
     n_side = sum(op.kind == "side" for op in rec.program.ops[rec.start:])
     assert more.host_us_per_side_op == pytest.approx(costs.host_us_per_side_op + 3e3 / n_side)
     assert evaluate(rec, more).metrics["host_busy_ms"] == pytest.approx(host + 3.0)
-    # TFLOP/s: the simulator's FLOPs of the measured model phases (the root's and the
+    # TFLOP/s: the FLOPs the kernels of the measured model phases do (the root's and the
     # blocks'; not the embedding's and head's, untraced here) over their device time
-    flops = sum(op.payload.flops for op in rec.program.ops[rec.start:]
+    flops = sum(work_flops(op) for op in rec.program.ops[rec.start:]
                 if op.kind == "compute" and phase_class(op.label) in ("FWD:Llama",
                                                                       "FWD:LlamaBlock"))
     assert costs.tflops == pytest.approx(flops / 9e-3 / 1e12)
@@ -791,3 +796,98 @@ def test_real_nccl_busy_times_keep_the_unprofiled_waits(tmp_path):
     del entry["side_ms_steps"]  # no unprofiled steps and no trace: the traced busy times
     assert measured_busy_ms(tmp_path / "run.json", data, "overlap") == {"inner_rs": 1.5,
                                                                  "outer": 3.5}
+
+
+# --------------------------------------------------------------------------- machine profile
+
+
+def _profiled_run(tmp_path: Path, setup: Setup, **extra) -> Path:
+    """A `bench step` JSON of ``setup`` with the trace of ``_llama_step`` beside it."""
+    _write_trace(tmp_path / "trace_overlap.json.gz", _llama_step())
+    return _bench_json(tmp_path, setup, {"compute": 50.0, **extra.pop("busy", {})},
+                       trace="trace_overlap.json.gz", t_host_ms=2.5, **extra)
+
+
+def _phase_ms(r, label: str) -> float:
+    return sum(iv.end_us - iv.start_us for iv in r.intervals if iv.label == label) / 1e3
+
+
+def test_profile_prices_another_setup_by_its_flops_and_ops(fake_world_8, tmp_path):
+    """A profile turns the run's measured phases into rates: each block's forward at the
+    run's TFLOP/s of that class on the FLOPs of the other setup (here twice the
+    sequence), its host time per op on the ops the other setup issues."""
+    setup = Setup(TINY_LLAMA, 2, 4)
+    profile = calibrate_profile(_profiled_run(tmp_path, setup), machine="test")
+    profile.save(tmp_path / "profile.json")
+    assert MachineProfile.load(tmp_path / "profile.json") == profile
+
+    def block_fwd(s: Setup) -> tuple[float, int]:
+        """FLOPs and ops of one block's forward."""
+        rec = record(s)
+        ops = [op for op in rec.program.ops[rec.start:]
+               if op.kind == "compute" and phase_class(op.label) == "FWD:LlamaBlock"]
+        n = len({op.phase for op in ops})
+        return sum(work_flops(op) for op in ops) / n, len(ops) // n
+
+    flops, n_ops = block_fwd(setup)
+    assert profile.class_tflops["FWD:LlamaBlock"] == pytest.approx(flops / 3e-3 / 1e12)
+    assert profile.class_host_us["FWD:LlamaBlock"] == pytest.approx(500.0 / n_ops)
+    longer = dataclasses.replace(setup, model=dataclasses.replace(TINY_LLAMA, seq=16))
+    flops16, n16 = block_fwd(longer)
+    assert flops16 > 2 * flops and n16 == n_ops
+    r = simulate(longer, profile.cost_model(Fabric()))
+    assert _phase_ms(r, "FWD:Block2") == pytest.approx(3.0 * flops16 / flops)
+    # the run's own setup: the measured phases again
+    assert _phase_ms(simulate(setup, profile.cost_model(Fabric())), "FWD:Block2") == (
+        pytest.approx(3.0))
+
+
+def test_collective_wait_follows_compute_not_the_link(fake_world_8, tmp_path):
+    """What a collective takes beyond its modelled transfer is a wait in mean compute
+    kernels (``comm_wait``): it reproduces the run's busy time, and on a 4x slower link
+    it stays the same ms per op rather than growing with the transfer (``comm_scale``)."""
+    setup = Setup(TINY_LLAMA, 2, 4)
+    fabric = {"inner": {"bus_gbps": 370.0, "latency_us": 0.0},
+              "outer": {"bus_gbps": 40.0, "latency_us": 0.0}}
+    path = _profiled_run(tmp_path, setup, busy={"outer": 2.0})
+    data = json.loads(path.read_text())
+    data["meta"]["fabric"] = fabric
+    path.write_text(json.dumps(data))
+    profile = calibrate_profile(path)
+    assert profile.comm_wait["outer"] > 0
+    run_fabric = Fabric(Link(370.0, 0.0), Link(40.0, 0.0))
+    slow = Fabric(Link(370.0, 0.0), Link(10.0, 0.0))
+    rec = record(setup)
+
+    def outer_ms(costs: CostModel) -> float:
+        return evaluate(rec, costs).metrics["busy_ms"]["by_kind"]["outer"]
+
+    assert outer_ms(profile.cost_model(run_fabric)) == pytest.approx(2.0)
+    plain = dataclasses.replace(profile.cost_model(run_fabric), comm_wait={})
+    extra = 2.0 - outer_ms(plain)
+    assert extra > 0
+    slow_plain = outer_ms(dataclasses.replace(plain, fabric=slow))
+    assert outer_ms(profile.cost_model(slow)) == pytest.approx(slow_plain + extra)
+
+
+def test_held_out_comparison_refuses_the_calibration_run(fake_world_8, tmp_path, monkeypatch):
+    setup = Setup(TINY_LLAMA, 2, 4)
+    path = _profiled_run(tmp_path, setup)
+    profile = calibrate_profile(path)
+    profile.save(tmp_path / "profile.json")
+    other = tmp_path / "other" / "step.json"
+    other.parent.mkdir()
+    other.write_text(path.read_text())
+    held_out(profile, [other])
+    with pytest.raises(ValueError, match="calibrated on"):
+        held_out(profile, [other, tmp_path / "." / "step.json"])
+    script = Path(__file__).resolve().parents[1] / "scripts" / "sim_vs_measured.py"
+    spec = importlib.util.spec_from_file_location("sim_vs_measured", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["sim_vs_measured.py", "--machine",
+                                      str(tmp_path / "profile.json"), str(other), str(path),
+                                      "--out", str(tmp_path / "page.md")])
+    with pytest.raises(SystemExit, match="calibrated on"):
+        module.main()
+    assert not (tmp_path / "page.md").exists()

@@ -81,6 +81,7 @@ from hsdp.sim.costs import (
     phase_class,
     phase_kind,
     side_class,
+    work_flops,
 )
 from hsdp.sim.engine import Recording, Setup, evaluate, record
 from hsdp.sim.fabric import Fabric, Link
@@ -132,7 +133,7 @@ def fit_tflops(rec: Recording, busy_ms: float, mem_gbps: float) -> float:
     """TFLOP/s at which ``rec``'s simulated compute busy time is ``busy_ms``."""
     ops = _measured_step(rec)
     mem_s = sum(op.payload.nbytes for op in ops if memory_bound(op)) / (mem_gbps * 1e9)
-    flops = sum(op.payload.flops for op in ops if not memory_bound(op))
+    flops = sum(work_flops(op) for op in ops if not memory_bound(op))
     left = busy_ms * 1e-3 - mem_s
     if flops <= 0 or left <= 0:
         raise ValueError(f"cannot fit TFLOP/s: {flops:.3g} FLOPs in {busy_ms:.3f} ms of "
@@ -673,7 +674,7 @@ def _with_trace(base: CostModel, rec: Recording, measured: TracePhases,
     mem_bytes = sum(b for c, b in nbytes.items() if phase_kind(c) in MEMORY_PHASES)
     model_ms = sum(v[2] for c, v in measured.phases.items()
                    if c in n_ops and phase_kind(c) not in MEMORY_PHASES)
-    model_flops = sum(op.payload.flops for op in ops if phase_class(op.label) in measured.phases
+    model_flops = sum(work_flops(op) for op in ops if phase_class(op.label) in measured.phases
                       and phase_kind(op.label) not in MEMORY_PHASES)
     host_total = sum(v[1] for c, v in measured.phases.items() if c in n_ops) * scale
     ops_total = sum(n_ops[c] for c in measured.phases if c in n_ops)

@@ -4,7 +4,9 @@ The runtime's own schedule runs on a meta-device model over virtual streams (see
 ``hsdp.sim.engine``); every op is priced by the cost model (``hsdp.sim.costs``): the
 model's FLOPs at an achieved TFLOP/s, the optimizer and the gradient copy-in at a memory
 bandwidth, collectives on the fabric, host time per op. ``--calibrate-from`` fits the
-compute (and, from its traces, per-phase host and device times) to a ``bench step`` JSON.
+compute (and, from its traces, per-phase host and device times) to a ``bench step`` JSON;
+``hsdp sim calibrate`` turns one such run (and ``bench collectives`` of the same machine)
+into a machine profile (``hsdp.sim.profile``) that ``--profile`` prices any setup with.
 ``--sweep`` runs a grid and says, per row, whether the overlap pays.
 """
 
@@ -23,6 +25,7 @@ from hsdp.sim.calibrate import calibrate
 from hsdp.sim.costs import CostModel
 from hsdp.sim.engine import Setup, SimResult, simulate
 from hsdp.sim.fabric import Fabric, Link
+from hsdp.sim.profile import MachineProfile, calibrate_profile
 from hsdp.sim.sweep import parse_sweep, print_sweep, run_sweep
 
 # (overlapped, serialized) schedule names per strategy, as in ``bench step``
@@ -62,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cost.add_argument("--calibrate-from", metavar="JSON", default=None,
                       help="fit the compute and host costs to a `bench step` JSON (and the "
                            "Chrome traces it names, if found): overrides the five above")
+    cost.add_argument("--profile", metavar="JSON", default=None,
+                      help="price with a machine profile (`hsdp sim calibrate`): overrides "
+                           "the cost options above; its measured links replace the flags'")
     cost.add_argument("--inner-gbps", type=float, default=370.0, help="inner bus GB/s")
     cost.add_argument("--outer-gbps", type=float, default=47.0, help="outer bus GB/s")
     cost.add_argument("--latency-us", type=float, default=20.0, help="per collective, us")
@@ -72,6 +78,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--png", default=None, metavar="PATH",
                    help="write the timeline (single run) or the sweep plots (PATH, "
                         "PATH_ms, PATH_bound) here")
+    sub = p.add_subparsers(dest="sim_command", metavar="COMMAND")
+    cal = sub.add_parser("calibrate", help="write a machine profile from one `bench step` run",
+                         description="A machine profile (hsdp.sim.profile) from one `bench "
+                                     "step` JSON and `bench collectives` JSONs of the same "
+                                     "machine.")
+    cal.add_argument("step", help="`bench step` JSON (its traces' phases beside it)")
+    cal.add_argument("--collectives", nargs="*", default=[], metavar="JSON",
+                     help="`bench collectives` JSONs of the same machine: its links")
+    cal.add_argument("--machine", default="", help="a name for the machine (e.g. h200)")
+    cal.add_argument("--out", required=True, help="where the profile goes")
+    cal.set_defaults(run=run_calibrate)
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    try:
+        profile = calibrate_profile(args.step, args.collectives, args.machine)
+    except ValueError as e:
+        raise SystemExit(f"hsdp sim calibrate: {e}") from None
+    profile.save(args.out)
+    print(f"wrote {args.out}: {profile.tflops:.0f} TFLOP/s over {len(profile.class_tflops)} "
+          f"phase classes, {profile.mem_gbps:.0f} GB/s, links: "
+          f"{', '.join(profile.links) or 'none (emulated)'}")
+    return 0
 
 
 def resolve(args: argparse.Namespace) -> tuple[Setup, CostModel]:
@@ -90,8 +119,13 @@ def resolve(args: argparse.Namespace) -> tuple[Setup, CostModel]:
         costs = CostModel(fabric, args.tflops, args.mem_gbps, args.host_us_per_op,
                           args.host_us_per_side_op, exclusive=dict.fromkeys(
                               ("inner_ag", "inner_rs", "outer"), args.exclusive))
+        if args.calibrate_from and args.profile:
+            raise ValueError("--calibrate-from and --profile exclude each other")
         if args.calibrate_from:
             costs = calibrate(args.calibrate_from, costs)
+        if args.profile:
+            profile = MachineProfile.load(args.profile)
+            costs = profile.cost_model(profile.fabric(fabric))
     except ValueError as e:
         raise SystemExit(f"hsdp sim: {e}") from None
     return setup, costs

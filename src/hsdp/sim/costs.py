@@ -18,6 +18,12 @@
   at ``mem_gbps``; on one rank of an axis that is all there is), times
   ``comm_scale`` per kind (inner_ag / inner_rs / outer; a calibration's measured over
   modelled busy time: e.g. collectives slowed down by compute sharing the GPU).
+  ``comm_wait`` per kind instead adds to each of its ops that runs a collective that
+  many of the setup's mean FLOP kernels (``mean_kernel_seconds``; a machine profile's):
+  a collective's kernel launched while a compute kernel holds every SM starts when that
+  kernel's blocks retire, so the wait follows compute's kernel length (longer sequences,
+  longer waits), not the link's transfer time (in emulated 16x8 runs, 0.09 ms per
+  all-gather beside seq-1024 compute, 0.23 ms beside seq 4096).
   A side op's own tensor work competes with compute for the GPU's SMs: its share
   ``exclusive[kind]`` (default 1) runs between two compute ops and delays the next; the
   rest, and the collective itself, run beside compute (NCCL uses a few SMs; the
@@ -40,6 +46,10 @@
   many ranks is then simulated with every rank at once (``Program.evaluate_ranks``: a
   collective starts when the last rank of its group is ready for it); others with this
   model alone, as every rank alike.
+- ``class_tflops`` / ``class_host_us``: per phase class, its achieved TFLOP/s and host
+  us per op (a machine profile's, ``hsdp.sim.profile``: they transfer to other
+  sequences, meshes and microbatch counts); classes without one use ``tflops`` /
+  ``host_us_per_op``.
 - ``phases``: measured costs per phase class (``phase_class``: "BWD:LlamaBlock", ...)
   and instance, e.g. from a traced ``bench step`` (``hsdp.sim.calibrate``), valid for
   the setup they were measured on (``phases_key``). They replace the above for those
@@ -58,6 +68,10 @@ from hsdp.sim.clock import Program, ProgramOp
 from hsdp.sim.fabric import Fabric
 
 MEMORY_PHASES = ("COPY_IN", "OPTIMIZER")
+# the models' causal attention as recorded, and the share of its counted FLOPs it does
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention",
+                 "aten::_scaled_dot_product_flash_attention_backward")
+CAUSAL_SHARE = 0.5
 Price = Callable[[ProgramOp], tuple[float, ...]]
 
 
@@ -76,6 +90,13 @@ def side_class(stream: str, label: str) -> str:
     """A side op's class, for its host cost: ("rs", "FREE_GRAD:LlamaBlock3/0") ->
     "rs:FREE_GRAD"."""
     return f"{stream}:{label.split(':', 1)[0]}"
+
+
+def work_flops(op: ProgramOp) -> float:
+    """The FLOPs an op's kernel does: the counted ones, causal attention's at half (torch's
+    formula counts every score; the models' attention is causal, and its kernel computes
+    only the lower triangle)."""
+    return op.payload.flops * (CAUSAL_SHARE if op.payload.name in ATTENTION_OPS else 1.0)
 
 
 def memory_bound(op: ProgramOp) -> bool:
@@ -101,9 +122,12 @@ class CostModel:
     host_us_per_op: float = 0.0
     host_us_per_side_op: float = 0.0
     side_host_us: dict[str, float] = field(default_factory=dict)  # per ``side_class``
+    class_tflops: dict[str, float] = field(default_factory=dict)  # per ``phase_class``
+    class_host_us: dict[str, float] = field(default_factory=dict)  # per ``phase_class``
     phases: dict[str, PhaseCost] = field(default_factory=dict)
     phases_key: str = ""  # the setup they were measured on (``Setup.phase_key``)
     comm_scale: dict[str, float] = field(default_factory=dict)
+    comm_wait: dict[str, float] = field(default_factory=dict)  # per kind: mean kernels
     # Per side-op kind: the share of its own tensor work that holds the SMs (module doc).
     exclusive: dict[str, float] = field(default_factory=dict)
     # Per phase class: the share of its compute's speed lost beside a collective kernel.
@@ -111,11 +135,12 @@ class CostModel:
     peers: tuple[CostModel, ...] = ()  # ranks 1, 2, ... (module doc)
 
     def __post_init__(self) -> None:
-        if self.tflops <= 0 or self.mem_gbps <= 0:
+        if min(self.tflops, self.mem_gbps, *self.class_tflops.values()) <= 0:
             raise ValueError("sim: tflops and mem_gbps must be > 0")
         if any(v <= 0 for v in self.comm_scale.values()):
             raise ValueError("sim: comm_scale factors must be > 0")
-        if min(self.host_us_per_op, self.host_us_per_side_op, *self.side_host_us.values()) < 0:
+        if min(self.host_us_per_op, self.host_us_per_side_op, *self.side_host_us.values(),
+               *self.class_host_us.values()) < 0:
             raise ValueError("sim: host costs must be >= 0")
         if any(not 0 <= v <= 1 for v in self.exclusive.values()):
             raise ValueError("sim: exclusive shares must be within [0, 1]")
@@ -126,7 +151,15 @@ class CostModel:
         """An op's device time by the FLOP / bandwidth model."""
         if memory_bound(op):
             return op.payload.nbytes / (self.mem_gbps * 1e9)
-        return op.payload.flops / (self.tflops * 1e12)
+        rate = self.class_tflops.get(phase_class(op.label), self.tflops)
+        return work_flops(op) / (rate * 1e12)
+
+    def mean_kernel_seconds(self, program: Program) -> float:
+        """The mean device time of ``program``'s compute ops with FLOPs (the model's
+        matmuls and attention), by the FLOP model."""
+        times = [self.compute_seconds(op) for op in program.ops
+                 if op.kind == "compute" and op.payload.flops > 0]
+        return sum(times) / len(times) if times else 0.0
 
     def pricer(self, program: Program) -> Price:
         """``price(op) -> (host s, device s[, a side op's own tensor work s; a compute
@@ -134,6 +167,7 @@ class CostModel:
         shares = _Shares(program, self.phases) if self.phases else None
         host_op, host_side = self.host_us_per_op * 1e-6, self.host_us_per_side_op * 1e-6
         by_class = {c: us * 1e-6 for c, us in self.side_host_us.items()}
+        kernel_s = self.mean_kernel_seconds(program) if self.comm_wait else 0.0
         unknown = sum(by_class.values()) / len(by_class) if by_class else 0.0
 
         def price(op: ProgramOp) -> tuple[float, ...]:
@@ -142,7 +176,9 @@ class CostModel:
                 drag = self.drag.get(cls, 0.0)
                 measured = self.phases.get(cls) if shares else None
                 if measured is None:
-                    return host_op, self.compute_seconds(op), drag
+                    host = self.class_host_us.get(cls)
+                    return (host_op if host is None else host * 1e-6,
+                            self.compute_seconds(op), drag)
                 host_share, device_share = shares.of(op)
                 return (measured.host_ms * 1e-3 * host_share,
                         measured.device_ms * 1e-3 * device_share, drag)
@@ -151,8 +187,10 @@ class CostModel:
                 scale = self.comm_scale.get(kind, 1.0)
                 local = scale * op.local_bytes / (self.mem_gbps * 1e9)
                 host = host_side + by_class.get(side_class(op.stream, op.label), unknown)
-                return (host, scale * sum(self.fabric.seconds(*c) for c in op.payload)
-                        + local, local * self.exclusive.get(kind, 1.0))
+                busy = scale * sum(self.fabric.seconds(*c) for c in op.payload) + local
+                if op.payload:
+                    busy = max(0.0, busy + self.comm_wait.get(kind, 0.0) * kernel_s)
+                return host, busy, local * self.exclusive.get(kind, 1.0)
             return 0.0, 0.0
 
         return price

@@ -77,3 +77,19 @@ def fit_link(kind: str, group_size: int, samples: list[tuple[int, float]],
         raise ValueError(f"{kind} of the largest size took {t * 1e3:.4f} ms, not more than "
                          f"the latency {latency_us} us")
     return Link(x / moving, latency_us)
+
+
+def fit_collectives(data: dict, latency_us: float = 20.0) -> dict[str, Link]:
+    """The links a ``bench collectives`` JSON measured, per axis of two or more ranks:
+    inner from its reduce-scatters of ``size_bytes`` (the input) over the inner group,
+    outer from its all-reduces of ``size_bytes / inner`` (the reduce-scatter's output) over
+    the outer group (``fit_link``; ``latency_us`` where only the bandwidth fits)."""
+    meta = data["meta"]
+    links = {}
+    for axis, kind, n, key, div in (("inner", "reduce_scatter", meta["inner"], "t_rs_ms", 1),
+                                    ("outer", "all_reduce", meta["outer"], "t_ar_ms",
+                                     meta["inner"])):
+        if n >= 2:
+            samples = [(r["size_bytes"] // div, r[key] * 1e-3) for r in data["rows"]]
+            links[axis] = fit_link(kind, n, samples, latency_us)
+    return links

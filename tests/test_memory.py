@@ -42,7 +42,7 @@ rs_inputs = {"max": 0}  # other units' RS inputs alive when a unit's is allocate
 for m in model:
     for g in m._hsdp_unit.groups:
         def copy_in(orig=g.copy_in):
-            pending = model._hsdp_unit.runtime._pending_rs
+            pending = model._hsdp_unit.runtime.step.pending_rs
             rs_inputs["max"] = max(rs_inputs["max"], sum(p[1].numel() for p in pending))
             return orig()
         g.copy_in = copy_in

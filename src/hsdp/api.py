@@ -24,6 +24,7 @@ from hsdp.policy import (
 )
 from hsdp.runtime.agreement import joined
 from hsdp.runtime.hooks import units_below
+from hsdp.runtime.state import Phase
 from hsdp.runtime.unit import Unit
 from hsdp.sharding.group import ParamGroup, Slot, owner
 
@@ -213,7 +214,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float,
     rt = unit.runtime
     if rt is not None:
         rt.settle()
-    if rt is not None and (rt.phase == "backward" or rt.awaiting_last):
+    if rt is not None and (rt.step.phase is Phase.BACKWARD or rt.step.awaiting_last):
         raise RuntimeError("hsdp.clip_grad_norm_: gradients are not final yet (call it after "
                            "the last microbatch's backward)")
     rep, sharded = _sharded_grads(model)

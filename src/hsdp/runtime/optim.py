@@ -56,7 +56,7 @@ class OptimizerSteps:
         if in_backward() and not self._in_grad_hooks:
             raise RuntimeError("hsdp: optimizer.step() called during backward")
         self.settle()
-        if self.awaiting_last:
+        if self.step.awaiting_last:
             raise RuntimeError(
                 "hsdp: optimizer.step() called while the gradient reduction is still "
                 "pending: the last backward ran inside hsdp.microbatch(model, is_last=False) "

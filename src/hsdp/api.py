@@ -24,6 +24,7 @@ from hsdp.policy import (
 )
 from hsdp.runtime.agreement import joined
 from hsdp.runtime.hooks import units_below
+from hsdp.runtime.optim import watch_optimizers
 from hsdp.runtime.state import Phase
 from hsdp.runtime.unit import Unit
 from hsdp.sharding.group import ParamGroup, Slot, owner
@@ -60,6 +61,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
         raise RuntimeError(f"fully_shard was already applied to this {type(module).__name__}")
     mesh = as_hsdp_mesh(mesh)
     comms = comm_groups(mesh)
+    watch_optimizers()
     device = (torch.device("cuda", torch.cuda.current_device())
               if mesh.device_type == "cuda" else torch.device(mesh.device_type))
 

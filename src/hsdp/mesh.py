@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -242,6 +243,13 @@ _WORLD: list[dist.ProcessGroup] = []
 _GROUPS: dict[tuple, CommGroups] = {}
 _RENAMED: dict[tuple, DeviceMesh] = {}  # as_hsdp_mesh's meshes, by the user's mesh
 _HOST_GROUPS: dict[str, dist.ProcessGroup] = {}
+_ON_FIRST_USE: list[Callable[[], None]] = []
+
+
+def on_first_use(fn: Callable[[], None]) -> None:
+    """Run ``fn`` whenever hsdp starts making groups in a world (the teardown wrapper of
+    ``runtime/teardown.py`` is installed then; ``fn`` must be idempotent)."""
+    _ON_FIRST_USE.append(fn)
 
 
 def _groups() -> dict[tuple, CommGroups]:
@@ -250,6 +258,8 @@ def _groups() -> dict[tuple, CommGroups]:
     if not _WORLD or _WORLD[0] is not world:
         forget_world()
         _WORLD.append(world)
+        for fn in _ON_FIRST_USE:
+            fn()
     return _GROUPS
 
 

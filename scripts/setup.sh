@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv with the small CPU build of torch (pinned) and hsdp with its dev tools,
-# then the hsdp[torchtitan] extra (tests/test_torchtitan.py) with --no-deps: its packages'
+# then the hsdp[torchtitan] extra (tests/dist/test_torchtitan.py) with --no-deps: its packages'
 # own requirements would pull a CUDA torch (pyproject.toml lists exactly what they import).
 # On a GPU machine, install hsdp into the environment that already has CUDA torch instead:
 #   pip install -e '.[bench]'

@@ -174,7 +174,7 @@ def safety_job(rank: int, world: int, root: str) -> dict[str, object]:
     path = os.path.join(root, "async2")
     before = hsdp.full_state_dict(model)
     _steps(model, opt, range(K + 1, K + 2), rank, world)
-    writer = hsdp.checkpoint.dcp._Writer
+    writer = hsdp.checkpoint.dcp.CheckpointWriter
     original = writer.write_data
 
     def failing(self, plan, planner):
@@ -273,7 +273,7 @@ def gloo_releases_on_return() -> Iterator[None]:
     synchronous call has returned (a quarter of 20,000 all-gathers on 2 ranks, measured),
     so their frees would reach ``Allocations`` late, as if the caller still held them:
     wait until it has let go (an error after 10 s rather than a hang)."""
-    gather = hsdp.sharding.comm._all_gather
+    gather = hsdp.sharding.comm.torch_all_gather
 
     def settled(out: torch.Tensor, inp: torch.Tensor, **kwargs) -> None:
         held = out._use_count(), inp._use_count()
@@ -284,7 +284,7 @@ def gloo_releases_on_return() -> Iterator[None]:
                 raise TimeoutError("gloo still holds an all-gather's tensors after 10 s")
             time.sleep(0)
 
-    with mock.patch.object(hsdp.sharding.comm, "_all_gather", settled):
+    with mock.patch.object(hsdp.sharding.comm, "torch_all_gather", settled):
         yield
 
 

@@ -197,13 +197,13 @@ def corrupt_job(rank: int, world: int, root: str) -> dict[str, object]:
 
 def _slow_writes(seconds: float) -> None:
     """Each rank's data write takes ``seconds`` longer (a slow file system)."""
-    original = hsdp.checkpoint.dcp._Writer.write_data
+    original = hsdp.checkpoint.dcp.CheckpointWriter.write_data
 
     def slow(self, plan, planner):
         time.sleep(seconds)
         return original(self, plan, planner)
 
-    hsdp.checkpoint.dcp._Writer.write_data = slow
+    hsdp.checkpoint.dcp.CheckpointWriter.write_data = slow
 
 
 def async_job(rank: int, world: int, root: str) -> dict[str, object]:
@@ -214,7 +214,7 @@ def async_job(rank: int, world: int, root: str) -> dict[str, object]:
     model = _build(SIDE, 0)
     opt = _optimizer(model, "sgd")
     _steps(model, opt, range(K), rank, world)
-    original = hsdp.checkpoint.dcp._Writer.write_data
+    original = hsdp.checkpoint.dcp.CheckpointWriter.write_data
     _slow_writes(2.0)
     out["at_a"] = hsdp.full_state_dict(model)
     hsdp.save(os.path.join(root, "a"), model, opt, async_save=True)
@@ -226,12 +226,12 @@ def async_job(rank: int, world: int, root: str) -> dict[str, object]:
             raise OSError("disk full (injected)")
         return original(self, plan, planner)
 
-    hsdp.checkpoint.dcp._Writer.write_data = failing
+    hsdp.checkpoint.dcp.CheckpointWriter.write_data = failing
     hsdp.save(os.path.join(root, "f"), model, opt, async_save=True)
     out["failed"] = _outcome(lambda: hsdp.synchronize(model))
     out["f_absent"] = not os.path.lexists(os.path.join(root, "f"))
 
-    hsdp.checkpoint.dcp._Writer.write_data = original
+    hsdp.checkpoint.dcp.CheckpointWriter.write_data = original
     _slow_writes(2.0)
     _steps(model, opt, range(K, K + 1), rank, world)
     out["at_b"] = hsdp.full_state_dict(model)

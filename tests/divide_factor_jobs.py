@@ -1,4 +1,4 @@
-"""Multi-rank job for tests/test_divide_factor.py: ``set_gradient_divide_factor`` gives the
+"""Multi-rank job for tests/dist/test_divide_factor.py: ``set_gradient_divide_factor`` gives the
 sums of the DP ranks' gradients divided by the factor (FSDP2's meaning), against the
 same sums computed by one process, for both strategies, with and without microbatches,
 and when set on a meta-built model before ``hsdp.materialize``."""

@@ -1,4 +1,4 @@
-"""Multi-rank jobs for the FSDP2-style options (tests/test_drop_in.py): each case trains a
+"""Multi-rank jobs for the FSDP2-style options (tests/dist/test_drop_in.py): each case trains a
 small GPT on a 2x2 gloo mesh with one option in use and reports its relative error against
 a single-process reference (same data split as tests/parity_jobs.py)."""
 
@@ -320,7 +320,7 @@ def case_freeze(rank: int, world: int, mesh, strategy: str) -> dict[str, float]:
     weight decay: a zero gradient would still move a frozen weight."""
     cfg = GPTConfig()
     ref, model = _pair(cfg)
-    late = strategy == "hsdp"  # hfsdp refuses it (tests/test_errors.py)
+    late = strategy == "hsdp"  # hfsdp refuses it (tests/dist/test_errors.py)
     for m in (ref, model):
         m.blocks[2].requires_grad_(not late)
     _shard(model, mesh, strategy=strategy)

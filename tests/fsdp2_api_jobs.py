@@ -1,4 +1,4 @@
-"""Multi-rank job for FSDP2 / torchtitan spellings of hsdp's API (tests/test_fsdp2_api.py):
+"""Multi-rank job for FSDP2 / torchtitan spellings of hsdp's API (tests/dist/test_fsdp2_api.py):
 meshes, torch's MixedPrecisionPolicy, the FSDPModule methods and forward methods, each
 trained against a single-process reference (and FSDP2 where it has the same call)."""
 

@@ -37,7 +37,7 @@ class Case:
     mp: str = ""  # "" (fp32), or "bf16-fp32" / "bf16-bf16": param dtype - reduce dtype
     fsdp2: bool = False  # also train torch FSDP2 HSDP and compare
     clip: str = ""  # "torch-2" / "hsdp-inf" ...: clip_grad_norm_ (whose, norm type) each step
-    device: str = "cpu"  # "cuda": NCCL ranks, one GPU each (tests/test_multi_gpu.py)
+    device: str = "cpu"  # "cuda": NCCL ranks, one GPU each (tests/gpu/test_multi_gpu.py)
 
     @property
     def torch_device(self) -> torch.device:

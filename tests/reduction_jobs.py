@@ -1,4 +1,4 @@
-"""Multi-rank job for tests/test_reductions.py: torch reductions on an hsdp model's
+"""Multi-rank job for tests/dist/test_reductions.py: torch reductions on an hsdp model's
 parameters, gradients and tensors computed from them, against the same model unsharded;
 ops that depend on where elements lie (views, indexing, joins) refused on every rank.
 

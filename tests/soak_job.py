@@ -1,5 +1,5 @@
 """Soak job: many steps with random per-rank delays before collectives, against the same
-steps without them (tests/test_soak.py on CPU, tests/test_multi_gpu.py on GPUs).
+steps without them (tests/dist/test_soak.py on CPU, tests/gpu/test_multi_gpu.py on GPUs).
 
 Each rank delays the collectives of some streams by a random time before issuing them
 (rank r: the ag, rs or outer stream by r mod 3; the last rank all three), so that ranks

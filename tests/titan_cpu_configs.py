@@ -1,4 +1,4 @@
-"""A torchtitan config module for tests/test_torchtitan.py's trainer test: torchtitan's own
+"""A torchtitan config module for tests/dist/test_torchtitan.py's trainer test: torchtitan's own
 ``torchtitan.train`` main runs ``--module titan_cpu_configs --config {hsdp,fsdp2}_debugmodel``
 on CPU gloo ranks. The configs are torchtitan's ``llama3_debugmodel`` with SDPA attention
 (flex has no CPU backward), fp32, and AdamW at eps=0.1 (torchtitan_jobs.py says why).

@@ -1,4 +1,4 @@
-"""Multi-rank job for tests/test_torchtitan.py: torchtitan's Llama3 ``debugmodel`` (SDPA
+"""Multi-rank job for tests/dist/test_torchtitan.py: torchtitan's Llama3 ``debugmodel`` (SDPA
 attention, fp32) on a 2x2 gloo mesh through ``hsdp.integrations.torchtitan``, as
 torchtitan's trainer drives it (meta build, ``parallelize_fn``, ``to_empty``,
 ``init_weights``; loss summed over tokens and divided by the global token count; its

@@ -15,6 +15,7 @@ from hsdp.materialize import materialize
 from hsdp.mesh import NcclConfig, init_mesh
 from hsdp.module import register_forward_method
 from hsdp.policy import MixedPrecision
+from hsdp.runtime.optim import attach_optimizer
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "FaultToleranceError",
     "MixedPrecision",
     "NcclConfig",
+    "attach_optimizer",
     "clip_grad_norm_",
     "fault_tolerance",
     "full_state_dict",

@@ -25,6 +25,8 @@ from hsdp.policy import (
 )
 from hsdp.runtime.agreement import joined
 from hsdp.runtime.hooks import units_below
+from hsdp.runtime.optim import watch_optimizers
+from hsdp.runtime.state import Phase
 from hsdp.runtime.unit import Unit
 from hsdp.sharding.float8 import float8_dtype
 from hsdp.sharding.group import ParamGroup, Slot, owner
@@ -69,6 +71,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
             "fully_shard: strategy='hfsdp' cannot be made fault tolerant: its optimizer "
             "state is sharded over the outer axis, so a lost replica group takes state no "
             "other group holds. Use strategy='hsdp' with init_mesh(fault_tolerance=...)")
+    watch_optimizers()
     device = (torch.device("cuda", torch.cuda.current_device())
               if mesh.device_type == "cuda" else torch.device(mesh.device_type))
 
@@ -245,7 +248,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float,
     rt = unit.runtime
     if rt is not None:
         rt.settle()
-    if rt is not None and (rt.phase == "backward" or rt.awaiting_last):
+    if rt is not None and (rt.step.phase is Phase.BACKWARD or rt.step.awaiting_last):
         raise RuntimeError("hsdp.clip_grad_norm_: gradients are not final yet (call it after "
                            "the last microbatch's backward)")
     spread = _sharded_grads(model)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -328,6 +329,13 @@ _WORLD: list[dist.ProcessGroup] = []
 _GROUPS: dict[tuple, CommGroups] = {}
 _RENAMED: dict[tuple, DeviceMesh] = {}  # as_hsdp_mesh's meshes, by the user's mesh
 _HOST_GROUPS: dict[str, dist.ProcessGroup] = {}
+_ON_FIRST_USE: list[Callable[[], None]] = []
+
+
+def on_first_use(fn: Callable[[], None]) -> None:
+    """Run ``fn`` whenever hsdp starts making groups in a world (the teardown wrapper of
+    ``runtime/teardown.py`` is installed then; ``fn`` must be idempotent)."""
+    _ON_FIRST_USE.append(fn)
 
 
 def _groups() -> dict[tuple, CommGroups]:
@@ -336,6 +344,8 @@ def _groups() -> dict[tuple, CommGroups]:
     if not _WORLD or _WORLD[0] is not world:
         forget_world()
         _WORLD.append(world)
+        for fn in _ON_FIRST_USE:
+            fn()
     return _GROUPS
 
 

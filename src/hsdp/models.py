@@ -242,7 +242,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def _repeat_kv(x: torch.Tensor, times: int) -> torch.Tensor:
+def repeat_kv(x: torch.Tensor, times: int) -> torch.Tensor:
     """[batch, kv_heads, seq, d] -> [batch, kv_heads * times, seq, d], each head repeated
     ``times`` times in place (grouped-query attention), so that attention runs the fused
     kernels of equal head counts."""
@@ -284,8 +284,8 @@ class LlamaBlock(_Block):
         v = self.wv(y).view(b, t, cfg.kv_heads, -1).transpose(1, 2)
         cos, sin = self._rope_for(q)
         group = cfg.heads // cfg.kv_heads
-        q, k = _rope(q, cos, sin), _repeat_kv(_rope(k, cos, sin), group)
-        a = attention(q, k, _repeat_kv(v, group))
+        q, k = _rope(q, cos, sin), repeat_kv(_rope(k, cos, sin), group)
+        a = attention(q, k, repeat_kv(v, group))
         x = x + self.wo(a.transpose(1, 2).reshape(b, t, h))
         y = self.mlp_norm(x)
         return x + self.w2(F.silu(self.w1(y)) * self.w3(y))

@@ -59,6 +59,7 @@ from hsdp.bench.launch import (
 from hsdp.mesh import CommGroups, NcclConfig, comm_groups, init_mesh, new_communicator
 from hsdp.report.args import DTYPES, parse_mesh
 from hsdp.report.table import print_table as print_rows
+from hsdp.runtime.ops import OpKind, op_table
 from hsdp.runtime.stream_set import Streams
 from hsdp.runtime.streams import SideStream
 from hsdp.sharding.comm import Collectives
@@ -243,16 +244,25 @@ def variants(s: Streams, coll: Collectives, g: CommGroups,
     outer_rs = partial(coll.reduce_scatter, b.small, b.other, g.outer, "outer")
     ag = partial(coll.all_gather, b.full, b.shard, g.inner_ag, "inner")
     outer_ag = partial(coll.all_gather, b.other, b.small, g.outer, "outer")
+    overlapped, serialized = op_table(overlap_outer=True), op_table(overlap_outer=False)
+
+    def part(kind: OpKind, fn: Callable[[], None], table: dict = overlapped) -> Part:
+        """``fn`` on the stream and with the label the runtime's op table gives ``kind``."""
+        op = table[kind]
+        return getattr(s, op.stream), op.label, fn
+
+    k = OpKind
     return {
-        "rs": [(s.rs, "RS", rs)],
-        "ar": [(s.outer, "OUTER_AR", ar_shard)],
-        "serial": [(s.rs, "RS", rs), (s.rs, "OUTER_AR", ar_shard)],
-        "overlap": [(s.rs, "RS", rs), (s.outer, "OUTER_AR", ar_other)],
-        "outer_rs": [(s.outer, "OUTER_RS", outer_rs)],
-        "hfsdp_pair": [(s.rs, "RS", rs), (s.outer, "OUTER_RS", outer_rs)],
-        "ag": [(s.ag, "AG", ag)],
-        "outer_ag": [(s.outer, "OUTER_AG", outer_ag)],
-        "fwd_pair": [(s.ag, "AG", ag), (s.outer, "OUTER_AG", outer_ag)],
+        "rs": [part(k.REDUCE_SCATTER, rs)],
+        "ar": [part(k.OUTER_ALL_REDUCE, ar_shard)],
+        "serial": [part(k.REDUCE_SCATTER, rs, serialized),
+                   part(k.OUTER_ALL_REDUCE, ar_shard, serialized)],
+        "overlap": [part(k.REDUCE_SCATTER, rs), part(k.OUTER_ALL_REDUCE, ar_other)],
+        "outer_rs": [part(k.OUTER_REDUCE_SCATTER, outer_rs)],
+        "hfsdp_pair": [part(k.REDUCE_SCATTER, rs), part(k.OUTER_REDUCE_SCATTER, outer_rs)],
+        "ag": [part(k.GATHER, ag)],
+        "outer_ag": [part(k.OUTER_ALL_GATHER, outer_ag)],
+        "fwd_pair": [part(k.GATHER, ag), part(k.OUTER_ALL_GATHER, outer_ag)],
     }
 
 

@@ -269,7 +269,7 @@ def _finish_at_exit() -> None:
 before_destroy(finish_saves)
 
 
-class _Writer(FileSystemWriter):
+class CheckpointWriter(FileSystemWriter):
     """DCP's file writer that records checksums of what each rank wrote (``integrity``) and
     whose asynchronous staging keeps hsdp's chunk hooks (DCP's own CPU copy would drop them
     and fall back to the DTensor placements)."""
@@ -384,7 +384,7 @@ def save(path: str | os.PathLike, model: nn.Module,
     staging = meeting.agree(group, "start", lambda: dirs.claim(path))
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    writer = _Writer(staging, meeting)
+    writer = CheckpointWriter(staging, meeting)
 
     def publish() -> None:
         if dist.get_rank() == 0:

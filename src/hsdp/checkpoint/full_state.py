@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp.mesh import host_group
+from hsdp.runtime.state import Phase
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.group import ParamGroup, owner
 
@@ -20,7 +21,7 @@ def quiesce(model: nn.Module, what: str) -> None:
     unit = getattr(model, "_hsdp_unit", None)
     if unit is not None and unit.runtime is not None:
         unit.runtime.synchronize()
-        if unit.runtime.phase != "idle":
+        if unit.runtime.step.phase is not Phase.IDLE:
             raise RuntimeError(f"hsdp.{what}: called during forward or backward")
 
 

@@ -4,9 +4,11 @@ Names follow ``docs/design.md`` ("What is measured"). Intervals are in microseco
 in milliseconds. An op's kind comes from its stream and label, with the runtime's labels:
 
 - stream ``"compute"``: compute (kernels, or on CPU the compute thread while not waiting);
-- label ``"OUTER_..."`` (OUTER_AR / OUTER_RS / OUTER_AG): outer collective;
-- label ``"AG..."`` / ``"RS..."``: inner all-gather / reduce-scatter;
-- anything else (e.g. ``"drain"``): ``"other"``, counted per stream but in no kind.
+- otherwise the communicator of the op table's label the op's label starts with
+  (``hsdp.runtime.ops``: ``"OUTER_AR"`` / ``"OUTER_RS"`` / ``"OUTER_AG"``: outer;
+  ``"AG"``: inner_ag; ``"RS"``: inner_rs);
+- anything else (e.g. ``"drain"``, ``"FREE"``): ``"other"``, counted per stream but in no
+  kind.
 
 Communication is classified by label, not by stream: the serialized baseline runs the
 outer reduction on the ``rs`` stream.
@@ -17,11 +19,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from hsdp.mesh import COMMUNICATORS
+from hsdp.runtime.ops import OPS, communicator_of
+from hsdp.runtime.ops import OUTER_REDUCTIONS as OUTER_REDUCTION_KINDS
+
 Span = tuple[float, float]
 
 KINDS = ("compute", "inner", "outer")
-OUTER_REDUCTIONS = ("OUTER_AR", "OUTER_RS")
-OP_KINDS = ("compute", "inner_ag", "inner_rs", "outer", "other")
+OUTER_REDUCTIONS = tuple(OPS[k].label for k in OUTER_REDUCTION_KINDS)
+OP_KINDS = ("compute", *COMMUNICATORS, "other")
 
 
 @dataclass(frozen=True)
@@ -38,19 +44,14 @@ def op_kind(iv: Interval) -> str:
     """One of ``OP_KINDS`` (see the module docstring)."""
     if iv.stream == "compute":
         return "compute"
-    if iv.label.startswith("OUTER_"):
-        return "outer"
-    if iv.label.startswith("AG"):
-        return "inner_ag"
-    if iv.label.startswith("RS"):
-        return "inner_rs"
-    return "other"
+    return communicator_of(iv.label) or "other"
 
 
 def kind(iv: Interval) -> str:
-    """``op_kind`` with inner AG and RS merged into ``"inner"``."""
+    """``op_kind`` with a communicator replaced by its mesh axis (inner AG and RS merged
+    into ``"inner"``)."""
     k = op_kind(iv)
-    return "inner" if k in ("inner_ag", "inner_rs") else k
+    return k.split("_", 1)[0] if k in COMMUNICATORS else k
 
 
 # --------------------------------------------------------------------------- unions
@@ -148,8 +149,9 @@ def step_metrics(intervals: Iterable[Interval], window: Span | None = None) -> d
     by_stream = {s: total(busy(lambda iv, s=s: iv.stream == s))
                  for s in sorted({iv.stream for iv in ivs})}
     spans = {k: busy(lambda iv, k=k: kind(iv) == k) for k in KINDS}
-    for k in ("inner_ag", "inner_rs"):
-        spans[k] = busy(lambda iv, k=k: op_kind(iv) == k)
+    for k in COMMUNICATORS:
+        if k not in spans:  # "outer" is a communicator and an axis
+            spans[k] = busy(lambda iv, k=k: op_kind(iv) == k)
     comm = union(spans["inner"] + spans["outer"])
 
     # The tail is the gradient path's: hfsdp's outer all-gather after the optimizer step

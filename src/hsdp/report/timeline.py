@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hsdp.report.metrics import Interval, op_kind
+from hsdp.report.metrics import OP_KINDS, Interval, op_kind
 from hsdp.runtime.streams import STREAM_NAMES
 
-COLORS = {"compute": "#4c72b0", "inner_ag": "#55a868", "inner_rs": "#dd8452",
-          "outer": "#c44e52", "other": "#8c8c8c"}
-LEGEND = {"compute": "compute", "inner_ag": "inner AG", "inner_rs": "inner RS",
-          "outer": "outer", "other": "other"}
+# One colour per communicator of the op table (``OP_KINDS``), in its order.
+_PALETTE = ("#4c72b0", "#55a868", "#dd8452", "#c44e52", "#8c8c8c")
+COLORS = dict(zip(OP_KINDS, _PALETTE, strict=True))
+LEGEND = {k: k.replace("_", " ") for k in OP_KINDS}
 
 
 def plot_timeline(intervals_by_schedule: dict[str, list[Interval]], path: str | Path) -> Path:

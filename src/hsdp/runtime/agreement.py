@@ -32,17 +32,16 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from hsdp.mesh import COMMUNICATORS
+from hsdp.runtime.ops import OPS, OpKind
 from hsdp.runtime.streams import Event
 
-# Which communicator each logged kind of collective runs on.
-COMM_OF = {"AG": "inner_ag", "RS": "inner_rs", "OUTER": "outer", "OUTER_AG": "outer"}
-_COMMS = ("inner_ag", "inner_rs", "outer")
 SLOW_S = 1.0  # an agreement waiting this long leaves a note for blocked peers
-_FIELDS = ("step", "forwards", "microbatches", *(f"{c} collectives" for c in _COMMS),
-           *(f"{c} sequence" for c in _COMMS))
+_FIELDS = ("step", "forwards", "microbatches", *(f"{c} collectives" for c in COMMUNICATORS),
+           *(f"{c} sequence" for c in COMMUNICATORS))
 
 T = TypeVar("T")
-Desc = tuple[str, int, str]  # (kind, group id, stream name): the same on every rank
+Desc = tuple[OpKind, int, str]  # (kind, group id, stream name): the same on every rank
 
 
 @dataclass
@@ -60,19 +59,19 @@ class StepLog:
     microbatches: int = 0
     ops: list[Issued] = field(default_factory=list)
 
-    def add(self, kind: str, gid: int, stream: str, event: Event) -> None:
+    def add(self, kind: OpKind, gid: int, stream: str, event: Event) -> None:
         self.ops.append(Issued((kind, gid, stream), event))
 
     def descs(self) -> list[Desc]:
         return [op.desc for op in self.ops]
 
     def fields(self) -> list[int]:
-        counts = dict.fromkeys(_COMMS, 0)
-        crcs = dict.fromkeys(_COMMS, 0)
+        counts = dict.fromkeys(COMMUNICATORS, 0)
+        crcs = dict.fromkeys(COMMUNICATORS, 0)
         for kind, gid, stream in self.descs():
-            comm = COMM_OF[kind]
+            comm = OPS[kind].communicator  # the op table's: the same for every schedule
             counts[comm] += 1
-            crcs[comm] = zlib.crc32(f"{kind}:{gid}:{stream};".encode(), crcs[comm])
+            crcs[comm] = zlib.crc32(f"{kind.name}:{gid}:{stream};".encode(), crcs[comm])
         return [self.step, self.forwards, self.microbatches, *counts.values(), *crcs.values()]
 
     def forget(self) -> None:

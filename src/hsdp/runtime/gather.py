@@ -6,7 +6,9 @@ import functools
 from typing import TYPE_CHECKING
 
 from hsdp.runtime.hooks import UnshardHandle
-from hsdp.runtime.streams import Event, SideStream
+from hsdp.runtime.ops import OpKind
+from hsdp.runtime.state import Phase
+from hsdp.runtime.streams import Event
 from hsdp.sharding.group import ParamGroup
 from hsdp.sharding.write_guard import PENDING
 
@@ -24,8 +26,9 @@ class Gathering:
         bwd = order[:1] + order[1:][::-1]
         self._next_bwd = dict(zip(bwd, bwd[1:]))
 
-    def _logged(self, kind: str, g: ParamGroup, stream: SideStream, event: Event) -> Event:
-        self.log.add(kind, self.gid[g], stream.name, event)
+    def _logged(self, kind: OpKind, g: ParamGroup, event: Event) -> Event:
+        """``event`` of a collective of ``kind`` on ``g``, logged for the step agreement."""
+        self.log.add(kind, self.gid[g], self.ops[kind].stream, event)
         return event
 
     def _issue_unshard(self, unit: Unit) -> None:
@@ -34,7 +37,8 @@ class Gathering:
                 # ag waits: shards were last written on compute (optimizer) or, for hfsdp,
                 # by the outer all-gather.
                 after = [e for e in (self._params_written, g.params_ready) if e is not None]
-                self._logged("AG", g, self.streams.ag, g.unshard(self.streams.ag, self.coll, after))
+                self._logged(OpKind.GATHER, g, g.unshard(self.stream_of(OpKind.GATHER),
+                                                         self.coll, after))
 
     def _prefetch(self, unit: Unit, direction: str) -> None:
         """Issue the all-gathers of the units that run after ``unit`` (its explicit
@@ -57,9 +61,9 @@ class Gathering:
 
     def unshard(self, unit: Unit) -> UnshardHandle:
         """Explicit ``module.unshard()``: gather ``unit`` now (shards as they are now)."""
-        if self.phase == "backward":
+        if self.step.phase is Phase.BACKWARD:
             raise RuntimeError("hsdp: unshard() called during backward")
-        if self.phase == "idle":
+        if self.step.phase is Phase.IDLE:
             self._refresh_outer_shards()
             # ag waits: the shards may have been written on compute since the last forward.
             self._params_written = self.streams.compute.record()
@@ -68,7 +72,7 @@ class Gathering:
 
     def reshard(self, unit: Unit) -> None:
         """Explicit ``module.reshard()``: back to the sharded parameters, buffer freed."""
-        if self.phase == "backward":
+        if self.step.phase is Phase.BACKWARD:
             raise RuntimeError("hsdp: reshard() called during backward")
         unit.swap(False)
         self._reshard(unit)
@@ -88,7 +92,7 @@ class Gathering:
             done = self.streams.compute.record()
             for g in groups:
                 # ag waits: compute must be done reading the buffer before it is reused.
-                g.reshard(self.streams.ag, [done])
+                g.reshard(self.stream_of(OpKind.FREE_GATHERED), [done])
 
     def _refresh_outer_shards(self) -> None:
         """hfsdp: outer all-gather of every main chunk the optimizer changed, issued at
@@ -99,8 +103,8 @@ class Gathering:
             updated = self.streams.compute.record()
             for g in stale:
                 # outer waits: it reads the main chunk updated on compute.
-                ready = self._logged("OUTER_AG", g, self.streams.outer,
-                                     g.outer_all_gather(self.streams.outer, self.coll, [updated]))
+                ready = self._logged(OpKind.OUTER_ALL_GATHER, g, g.outer_all_gather(
+                    self.stream_of(OpKind.OUTER_ALL_GATHER), self.coll, [updated]))
                 # compute waits, before a write into the group's parameters: the all-gather
                 # reads main and writes the inner shard that main is a window of.
                 PENDING[g] = functools.partial(self.streams.compute.wait, ready)

@@ -1,4 +1,5 @@
-"""Optimizer integration: checks before ``optimizer.step()``, state adoption after it."""
+"""Optimizer integration: checks before ``optimizer.step()``, state adoption after it,
+through hooks on each optimizer that holds fully_shard-ed parameters."""
 
 from __future__ import annotations
 
@@ -7,10 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hsdp.runtime.hooks import in_backward
 from hsdp.sharding.float8 import refresh_scales
@@ -57,7 +55,7 @@ class OptimizerSteps:
         if in_backward() and not self._in_grad_hooks:
             raise RuntimeError("hsdp: optimizer.step() called during backward")
         self.settle()
-        if self.awaiting_last:
+        if self.step.awaiting_last:
             raise RuntimeError(
                 "hsdp: optimizer.step() called while the gradient reduction is still "
                 "pending: the last backward ran inside hsdp.microbatch(model, is_last=False) "
@@ -113,14 +111,25 @@ class OptimizerSteps:
                 g.mark_written()
 
 
-_CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+# optimizer -> its number of parameters when ``_detect`` last looked at it
+_SEEN: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_ATTACHED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_DETECTOR: list = []  # the handle of ``_detect``, once the first fully_shard installed it
 
 
-def _check_not_stale(optimizer: torch.optim.Optimizer) -> None:
-    """An optimizer built before fully_shard holds the replaced parameters: its steps
-    would change nothing the model uses."""
+def watch_optimizers() -> None:
+    """Find the optimizers that step fully_shard-ed parameters (the first fully_shard calls
+    this; importing hsdp installs nothing). One global pre-step hook looks at each
+    optimizer once (again when its parameters change): it refuses an optimizer built
+    before fully_shard and gives one that holds hsdp's parameters hsdp's own step hooks
+    (``attach_optimizer``), which run from that step on."""
+    if not _DETECTOR:
+        _DETECTOR.append(register_optimizer_step_pre_hook(_detect))
+
+
+def _detect(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     params = [p for pg in optimizer.param_groups for p in pg["params"]]
-    if _CHECKED.get(optimizer) == len(params):
+    if _SEEN.get(optimizer) == len(params):
         return
     stale = sum(getattr(p, "_hsdp_moved_to", None) is not None for p in params)
     if stale:
@@ -128,22 +137,30 @@ def _check_not_stale(optimizer: torch.optim.Optimizer) -> None:
             f"hsdp: this optimizer holds {stale} parameter(s) that fully_shard has replaced by "
             f"their shards, so its step would not change the model. Build the optimizer after "
             f"fully_shard, from model.parameters().")
-    _CHECKED[optimizer] = len(params)
+    _SEEN[optimizer] = len(params)
+    if any(owner(p) is not None for p in params):
+        attach_optimizer(optimizer)  # torch runs its hooks from this step on
 
 
-def _optimizer_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    _check_not_stale(optimizer)
+def attach_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Give ``optimizer`` hsdp's step hooks: before the step, abandon a failed step and
+    check the gradients are final and the state matches the sharding; after it, adopt the
+    state and (hfsdp) issue the outer all-gather. Done at the optimizer's first step;
+    calling it earlier puts hsdp's pre-step hook before hooks registered later."""
+    if optimizer not in _ATTACHED:
+        _ATTACHED.add(optimizer)
+        optimizer.register_step_pre_hook(_before_step)
+        optimizer.register_step_post_hook(_after_step)
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for rt in list(RUNTIMES):
         if rt._owns(optimizer):
             rt._before_optimizer_step()
             rt._check_optimizer_state(optimizer)
 
 
-def _optimizer_post_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for rt in list(RUNTIMES):
         if rt._owns(optimizer):
             rt._after_optimizer_step(optimizer)
-
-
-register_optimizer_step_pre_hook(_optimizer_pre_hook)
-register_optimizer_step_post_hook(_optimizer_post_hook)

@@ -8,9 +8,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from hsdp.runtime.agreement import COMM_OF, Verdict, agree, missing, post_note, read_note
+from hsdp.runtime.agreement import Verdict, agree, missing, post_note, read_note
 from hsdp.runtime.hooks import in_backward
-from hsdp.runtime.streams import Event, SideStream
+from hsdp.runtime.ops import OUTER_REDUCTIONS, OpKind
+from hsdp.runtime.state import Phase
+from hsdp.runtime.streams import Event
 from hsdp.sharding.group import ParamGroup
 
 
@@ -38,13 +40,13 @@ class Recovery:
             return
         kind, rank, forwards = note.split()
         if kind == "failed":
-            self._gave_up = True
+            self.step.gave_up = True
             raise RuntimeError(
                 f"hsdp: rank {rank} gave up step {self.log.step} (its forward or backward "
                 f"raised), so this rank stops waiting for it. Handle this like that rank's "
                 f"error: the next forward abandons the step on every rank and starts a new one.")
         if int(forwards) < self.log.forwards:
-            self._gave_up = True
+            self.step.gave_up = True
             raise RuntimeError(
                 f"hsdp: the ranks disagree on the structure of step {self.log.step}: rank "
                 f"{rank} ended it after {forwards} microbatch(es), this rank runs microbatch "
@@ -57,10 +59,10 @@ class Recovery:
         state dict, clip, synchronize) call this; every rank reaches one of them."""
         if self.broken is not None:
             raise RuntimeError(self.broken)
-        if self.phase == "idle" or in_backward():
+        if self.step.phase is Phase.IDLE or in_backward():
             return
         self._note("failed")
-        self._agree(failed="peer" if self._gave_up else "origin")
+        self._agree(failed="peer" if self.step.gave_up else "origin")
         self._abandon()
 
     def _abandon(self) -> None:
@@ -70,7 +72,7 @@ class Recovery:
         self.streams.compute.poll = None  # every rank is here now: waits will complete
         last: dict[str, Event] = {}
         for op in self.log.ops:
-            last[COMM_OF[op.desc[0]]] = op.event
+            last[self.ops[op.desc[0]].communicator] = op.event
         keep_alive = []
         try:
             extra = missing(self.log, self.comms.control)
@@ -78,12 +80,11 @@ class Recovery:
             self.streams.failed.append(exc)
             self.broken = str(exc)
             raise
-        for kind, gid, stream_name in extra:
-            g, stream = self.groups[gid], getattr(self.streams, stream_name)
-            comm = COMM_OF[kind]
+        for kind, gid, _ in extra:
+            comm = self.ops[kind].communicator
             # stream waits: collectives of one communicator must keep their order.
             after = [last[comm]] if comm in last else []
-            last[comm] = self._replay(kind, g, stream, after, keep_alive)
+            last[comm] = self._replay(kind, self.groups[gid], after, keep_alive)
         self.streams.drain()
         self.streams.compute.record().synchronize()
         keep_alive.clear()
@@ -95,27 +96,22 @@ class Recovery:
         for g in self.trainable:
             g.abandon_step()
         self._release_cleared_grads()
-        self._pending_rs.clear()
-        self._outer_events.clear()
-        self._reduced.clear()
+        self.step.reset()
         self._reset_units()
         if self._recording is not None:
             self._recording = []
-        self.first_microbatch, self.awaiting_last, self.is_last = True, False, True
-        self.rs_first = True
-        self.phase = "idle"
-        self._gave_up = False
         self.log.next_step()
 
-    def _replay(self, kind: str, g: ParamGroup, stream: SideStream, after: list[Event],
+    def _replay(self, kind: OpKind, g: ParamGroup, after: list[Event],
                 keep_alive: list) -> Event:
-        """Issue a collective another rank issued in the abandoned step, on real buffers
-        (their contents are discarded)."""
-        if kind == "AG":
+        """Issue a collective another rank issued in the abandoned step, on the stream the
+        op table names, on real buffers (their contents are discarded)."""
+        stream = self.stream_of(kind)
+        if kind is OpKind.GATHER:
             return g.unshard(stream, self.coll, after)
-        if kind == "OUTER":
+        if kind in OUTER_REDUCTIONS:
             return g.outer_reduce(stream, self.coll, after)
-        if kind == "OUTER_AG":
+        if kind is OpKind.OUTER_ALL_GATHER:
             return g.outer_all_gather(stream, self.coll, after)
         rs_in = torch.zeros(g.layout.total, dtype=g.reduce_dtype, device=g.main.device)
         keep_alive.append(rs_in)

@@ -7,19 +7,19 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING
 
-import torch
-
 import hsdp.runtime.teardown  # noqa: F401  (destroy_process_group waits for hsdp's streams)
 from hsdp.mesh import CommGroups, comm_groups
 from hsdp.runtime.agreement import StepLog
 from hsdp.runtime.consensus import agree_on_group
 from hsdp.runtime.gather import Gathering
 from hsdp.runtime.hooks import units_below
+from hsdp.runtime.ops import OpKind, op_table
 from hsdp.runtime.optim import RUNTIMES, OptimizerSteps
 from hsdp.runtime.recovery import Recovery
 from hsdp.runtime.schedule import Schedule
+from hsdp.runtime.state import StepState
 from hsdp.runtime.stream_set import Streams
-from hsdp.runtime.streams import Event
+from hsdp.runtime.streams import Event, SideStream
 from hsdp.sharding.group import ParamGroup
 
 if TYPE_CHECKING:
@@ -68,23 +68,14 @@ class Runtime(Schedule, Gathering, Recovery, OptimizerSteps):
             u.runtime = self
         self.coll = root.collectives
         self.streams = root.streams or Streams.for_device(root.device)
-        self.overlap = root.overlap_outer
+        self.ops = op_table(root.overlap_outer)  # the one place streams are chosen
         self._set_order(list(self.units))  # module order: a first guess until step 1 ends
         self._recording: list[Unit] | None = []
-        self.phase = "idle"
-        self.first_microbatch = True  # the next backward starts a new step's accumulation
-        self.rs_first = True  # the next reduce-scatter overwrites the inner accumulation
-        self.awaiting_last = False  # a non-last microbatch ran; grads are not final
-        self.sync = True  # this backward communicates (else: local accumulation only)
-        self.is_last = True  # this backward's gradients are final (outer reduction)
-        self._pending_rs: list[tuple[ParamGroup, torch.Tensor, Event]] = []
-        self._outer_events: list[Event] = []
-        self._reduced: list[ParamGroup] = []  # this backward's reductions, in issue order
+        self.step = StepState()
         self._in_grad_hooks = False  # running the users' post-accumulate-grad hooks
         self._params_written: Event | None = None
         self._holders: dict[ParamGroup, set[Unit]] = {g: set() for g in self.groups}
         self.log = StepLog()
-        self._gave_up = False  # this step raised because another rank gave it up
         self.broken: str | None = None  # why hsdp's communicators cannot be used any more
         self._backward_expected = False  # the last root forward's output needs a backward
         self.param_ids = {id(p) for u in self.units for g in u.groups for p in g.sharded}
@@ -97,6 +88,10 @@ class Runtime(Schedule, Gathering, Recovery, OptimizerSteps):
         self._checked_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._adopted_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         RUNTIMES.add(self)
+
+    def stream_of(self, kind: OpKind) -> SideStream:
+        """The side stream ops of ``kind`` are issued on (the op table's entry)."""
+        return getattr(self.streams, self.ops[kind].stream)
 
     @property
     def trainable(self) -> list[ParamGroup]:

@@ -41,6 +41,8 @@ from hsdp.runtime.hooks import (
     outside_root,
     plain_call,
 )
+from hsdp.runtime.ops import OpKind
+from hsdp.runtime.state import Phase
 from hsdp.sharding.group import ParamGroup
 
 if TYPE_CHECKING:
@@ -65,7 +67,7 @@ class Schedule:
             for g in u.groups:
                 g.sync_requires_grad()
             self._reshard(u)
-        if self.first_microbatch:  # shards unchanged between microbatches of a step
+        if self.step.first_microbatch:  # shards unchanged between microbatches of a step
             self._params_written = self.streams.compute.record()
             self._release_cleared_grads()
         self._refresh_outer_shards()
@@ -79,7 +81,8 @@ class Schedule:
             # rs / outer wait: the optimizer on compute may still read the gradients.
             read = self.streams.compute.record()
             for g in groups:
-                g.release_grads(self.streams.rs, self.streams.outer, [read])
+                g.release_grads(self.stream_of(OpKind.FREE_ACCUM),
+                                self.stream_of(OpKind.FREE_GRAD_BUF), [read])
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict):
         if unit.input_dtype is not None:
@@ -91,12 +94,12 @@ class Schedule:
             if unit.pending_bwd:  # non-reentrant: the forward's PostBackward is still due
                 return args, kwargs
             return self._attach_post_backward(unit, args, kwargs)
-        if unit is not self.root and self.phase != "forward":
+        if unit is not self.root and self.step.phase is not Phase.FORWARD:
             raise RuntimeError(outside_root(unit))
         self.streams.compute.begin(f"FWD:{unit.label}")
         if unit is self.root:
             self._begin_forward()
-            self.phase = "forward"
+            self.step.phase = Phase.FORWARD
         if self._recording is not None and unit not in self._recording:
             self._recording.append(unit)
         self._unshard(unit)
@@ -125,7 +128,7 @@ class Schedule:
                 unseen = [u for u in self.units if u not in self._recording]
                 self._set_order(self._recording + unseen)
                 self._recording = None
-            self.phase = "idle"
+            self.step.phase = Phase.IDLE
             self.streams.compute.poll = None  # the streams are shared: hold no model
         self.streams.compute.end(f"FWD:{unit.label}")
         return output
@@ -169,20 +172,20 @@ class Schedule:
     # ------------------------------------------------------------------ backward
 
     def _begin_backward(self) -> None:
-        self.phase = "backward"
+        self.step.phase = Phase.BACKWARD
         self.streams.compute.poll = self._poll
         self.log.microbatches += 1
         override = self.root.is_last_override
-        self.sync = self.root.gradient_sync
-        self.is_last = (True if override is None else override) and self.sync
-        if self.first_microbatch:  # uncleared gradients are accumulated into, as in torch
+        self.step.sync = self.root.gradient_sync
+        self.step.is_last = (True if override is None else override) and self.step.sync
+        if self.step.first_microbatch:  # uncleared gradients are accumulated into, as in torch
             for u in self.units:
                 for g in u.with_grads:
                     g.hide_grads()
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
     def _pre_backward(self, unit: Unit) -> None:
-        if self.phase != "backward":
+        if self.step.phase is not Phase.BACKWARD:
             self._begin_backward()
         if unit.backward_started:
             return
@@ -213,7 +216,7 @@ class Schedule:
             self.streams.compute.end(f"BWD:{unit.label}")
 
     def _reduce(self, g: ParamGroup) -> None:
-        if self.phase != "backward":
+        if self.step.phase is not Phase.BACKWARD:
             raise RuntimeError("hsdp: gradient reduction outside backward")
         # At most one unit's RS inputs alive (as FSDP2): the previous unit's are released
         # before this one's is allocated, which waits for their RS (one unit's backward ago).
@@ -221,35 +224,36 @@ class Schedule:
         self.streams.compute.begin(f"COPY_IN:{g.label}")
         rs_in = g.copy_in()
         self.streams.compute.end(f"COPY_IN:{g.label}")
-        if not self.sync:  # no communication: the gradients stay here until a synced one
+        if not self.step.sync:  # no communication: the gradients stay here until a synced one
             g.keep_local(rs_in)
             return
-        if self.is_last:
-            self._reduced.append(g)
+        if self.step.is_last:
+            self.step.reduced.append(g)
         copied = self.streams.compute.record()
-        outer_next = self.is_last and g.has_outer_reduction
+        outer_next = self.step.is_last and g.has_outer_reduction
         # rs waits: the reduce-scatter reads rs_in, written on compute by the copy-in.
-        ev_rs = self._logged("RS", g, self.streams.rs, g.reduce_scatter(
-            self.streams.rs, self.coll, rs_in, self.rs_first, [copied], outer_next))
-        self._pending_rs.append((g, rs_in, ev_rs))
+        ev_rs = self._logged(OpKind.REDUCE_SCATTER, g, g.reduce_scatter(
+            self.stream_of(OpKind.REDUCE_SCATTER), self.coll, rs_in, self.step.rs_first, [copied],
+            outer_next))
+        self.step.pending_rs.append((g, rs_in, ev_rs))
         if outer_next:
-            stream = self.streams.outer if self.overlap else self.streams.rs
             # outer waits: it reduces the inner shard that RS_i has just accumulated.
-            self._outer_events.append(
-                self._logged("OUTER", g, stream, g.outer_reduce(stream, self.coll, [ev_rs])))
+            self.step.outer_events.append(
+                self._logged(g.outer_reduction, g, g.outer_reduce(
+                    self.stream_of(g.outer_reduction), self.coll, [ev_rs])))
 
     def _release_rs_inputs(self, keep: Sequence[ParamGroup] = ()) -> None:
         """Drop the RS inputs of every group but ``keep``'s (normally: the previous unit's,
         when the next unit's copy-in needs the memory)."""
         kept = []
-        for g, rs_in, ev in self._pending_rs:
+        for g, rs_in, ev in self.step.pending_rs:
             if g in keep:
                 kept.append((g, rs_in, ev))
                 continue
             # compute waits: rs_in was allocated on compute and is read by RS on rs; its
             # memory may only return to compute's pool once that RS has finished.
             self.streams.compute.wait(ev)
-        self._pending_rs = kept
+        self.step.pending_rs = kept
 
     def _finalize(self) -> None:
         """End of backward (autograd engine callback): leftovers, the step agreement on the
@@ -257,29 +261,25 @@ class Schedule:
         for unit in reversed(self.order):
             self._post_backward(unit, final=True)
         self._release_rs_inputs()
-        if self.is_last:
+        if self.step.is_last:
             verdict = self._agree(failed="", on_slow=lambda: self._note("ended"))
             if not verdict.ok:
                 msg = verdict.message(self.log.step)
                 self._abandon()
                 raise RuntimeError(msg)
-            for ev in self._outer_events:
+            for ev in self.step.outer_events:
                 # compute waits: the optimizer reads grads the outer reduction produced.
                 self.streams.compute.wait(ev)
-            self._outer_events.clear()
+            self.step.outer_events.clear()
             used = iter(verdict.used)
             for g in self.trainable:
                 g.expose_grads([next(used) for _ in g.used])
             self.log.next_step()
-        self.awaiting_last = not self.is_last
-        self.first_microbatch = self.is_last
-        if self.sync:
-            self.rs_first = self.is_last
+        self.step.end_backward()
         self._reset_units()
-        self.phase = "idle"
         self.streams.compute.poll = None
-        reduced, self._reduced = self._reduced, []
-        if self.is_last:
+        reduced, self.step.reduced = self.step.reduced, []
+        if self.step.is_last:
             self._run_grad_hooks(reduced)
 
     def _run_grad_hooks(self, reduced: list[ParamGroup]) -> None:

@@ -3,7 +3,8 @@
 ``optimizer.step()`` leaves HFSDP's outer all-gather running (it overlaps until the next
 forward), and a CPU stream may be inside a collective. Destroying a process group under a
 running collective aborts the process, so hsdp wraps
-``torch.distributed.destroy_process_group``: it first waits until every hsdp stream is idle
+``torch.distributed.destroy_process_group`` once it makes its first groups (``init_mesh``,
+``fully_shard``; importing hsdp patches nothing): it first waits until every hsdp stream is idle
 (at most as long as hsdp's collectives may wait for a peer) and, when the whole world is
 destroyed, first runs what higher layers registered with ``before_destroy`` (finishing
 asynchronous saves), clears a stream failure and, after the world is gone, drops hsdp's
@@ -22,7 +23,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from hsdp.mesh import forget_world, longest_timeout
+from hsdp.mesh import forget_world, longest_timeout, on_first_use
 from hsdp.runtime.stream_set import quiesce_all
 
 _BEFORE: list[Callable[[], None]] = []
@@ -57,4 +58,4 @@ def _install() -> None:
     dist.destroy_process_group = destroy_process_group
 
 
-_install()
+on_first_use(_install)  # patched once hsdp makes groups, not at import

@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_flatten
 from hsdp.policy import MixedPrecision
 from hsdp.runtime.hooks import in_backward, outside_root
 from hsdp.runtime.runtime import Runtime
+from hsdp.runtime.state import Phase
 from hsdp.runtime.stream_set import Streams
 from hsdp.runtime.streams import Tracer
 from hsdp.sharding.comm import Collectives
@@ -121,10 +122,11 @@ class Unit:
 
     @torch.compiler.disable
     def _forward_failed_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
-        # Also runs after a successful forward, when _post_forward_hook has set "idle".
+        # Also runs after a successful forward, when _post_forward_hook has set IDLE.
         rt = self.runtime
-        if rt is not None and rt.root is self and rt.phase == "forward" and not in_backward():
-            rt.phase = "failed"
+        if (rt is not None and rt.root is self and rt.step.phase is Phase.FORWARD
+                and not in_backward()):
+            rt.step.phase = Phase.FAILED
             exc = sys.exc_info()[1]
             if exc is not None and "mixed torch.Tensor and DTensor" in str(exc):
                 exc.add_note(

@@ -24,7 +24,8 @@ from hsdp.ft.outer import ElasticOuter
 
 # torch 2.13 renamed these; 2.11 only has the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# Public: a test wraps it to wait until gloo has let go of the tensors.
+torch_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class BackendNames:
@@ -85,7 +86,7 @@ class Collectives:
         self.before("all_gather", axis, out.numel() * out.element_size(), n)
         if self._backend(group, out) == "fake":
             out, inp = fake_all_gather_args(out, inp)
-        _all_gather(out, inp, group=group)
+        torch_all_gather(out, inp, group=group)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
                        group: dist.ProcessGroup, axis: str, avg: bool = False) -> None:

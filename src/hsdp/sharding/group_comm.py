@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hsdp.runtime.ops import OpKind, label
 from hsdp.runtime.streams import Event, SideStream
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.float8 import as_bytes
@@ -39,14 +40,14 @@ class GroupCollectives:
                 chunk.copy_(self.ag_src)  # cast to param dtype where it differs
             coll.all_gather(as_bytes(self.gathered), as_bytes(chunk), self.comms.inner_ag,
                             "inner")
-        self.gathered_event = stream.submit(run, after, f"AG:{self.label}")
+        self.gathered_event = stream.submit(run, after, label(OpKind.GATHER, self.label))
         return self.gathered_event
 
     def reshard(self, stream: SideStream, after: Sequence[Event]) -> Event:
         """Free the gathered buffer on the stream that allocated it."""
         self.gathered_event = None
         return stream.submit(lambda: self.gathered.untyped_storage().resize_(0), after,
-                             f"FREE:{self.label}")
+                             label(OpKind.FREE_GATHERED, self.label))
 
     def outer_all_gather(self, stream: SideStream, coll: Collectives,
                          after: Sequence[Event]) -> Event:
@@ -65,7 +66,8 @@ class GroupCollectives:
             coll.all_gather(as_bytes(self.inner_shard), as_bytes(chunk), self.comms.outer,
                             "outer")
         self.synced_version = self.version()
-        self.params_ready = stream.submit(run, after, f"OUTER_AG:{self.label}")
+        self.params_ready = stream.submit(run, after,
+                                          label(OpKind.OUTER_ALL_GATHER, self.label))
         return self.params_ready
 
     def copy_in(self) -> torch.Tensor:
@@ -118,7 +120,12 @@ class GroupCollectives:
                 self.accum.add_(out)
         self.reduced = True
         self.grads_live = True
-        return stream.submit(run, after, f"RS:{self.label}")
+        return stream.submit(run, after, label(OpKind.REDUCE_SCATTER, self.label))
+
+    @property
+    def outer_reduction(self) -> OpKind:
+        """hfsdp's outer reduce-scatter, else hsdp's outer all-reduce."""
+        return OpKind.OUTER_REDUCE_SCATTER if self.shard_outer else OpKind.OUTER_ALL_REDUCE
 
     @property
     def has_outer_reduction(self) -> bool:
@@ -150,17 +157,18 @@ class GroupCollectives:
                                 avg=self.divide_factor is None)
                 if src is not self.accum:
                     self.accum.copy_(src)
-        kind = "OUTER_RS" if self.shard_outer else "OUTER_AR"
-        return stream.submit(run, after, f"{kind}:{self.label}")
+        return stream.submit(run, after, label(self.outer_reduction, self.label))
 
-    def release_grads(self, rs: SideStream, outer: SideStream, after: Sequence[Event]) -> None:
-        """Free ``accum`` (on rs) and ``grad_buf`` (on outer), the streams that allocate
-        them; ``after`` must cover every reader (the optimizer on compute)."""
-        for buf, stream in ((self.accum, rs), (self.grad_buf, outer)):
+    def release_grads(self, accum_stream: SideStream, grad_buf_stream: SideStream,
+                      after: Sequence[Event]) -> None:
+        """Free ``accum`` and ``grad_buf`` on the given streams (the op table's
+        ``FREE_ACCUM`` and ``FREE_GRAD_BUF``); ``after`` must cover every reader (the
+        optimizer on compute)."""
+        frees = ((self.accum, accum_stream, OpKind.FREE_ACCUM),
+                 (self.grad_buf, grad_buf_stream, OpKind.FREE_GRAD_BUF))
+        for buf, stream, kind in frees[:2 if self.shard_outer else 1]:
             stream.submit(lambda b=buf: b.untyped_storage().resize_(0), after,
-                          f"FREE_GRAD:{self.label}")
-            if not self.shard_outer:
-                break
+                          label(kind, self.label))
         self.grads_live = False
 
     def full_flat(self, coll: Collectives) -> torch.Tensor:

@@ -136,7 +136,7 @@ def _on_locals(func, args: tuple, kwargs: dict):
             for t, o, r in zip(first, out, refs)]
 
 
-def _runs(ts: list[torch.Tensor]) -> list[int]:
+def contiguous_runs(ts: list[torch.Tensor]) -> list[int]:
     """Lengths of the runs of consecutive 1-D contiguous tensors in ``ts`` that lie back to
     back in one storage (the pieces of a group's flat buffer), front to back."""
     lengths: list[int] = []
@@ -154,7 +154,7 @@ def _runs(ts: list[torch.Tensor]) -> list[int]:
 
 def _by_runs(func, args: list, kwargs: dict) -> list[torch.Tensor] | torch.Tensor:
     """An out-of-place op on local tensors. A foreach op whose only tensor argument is its
-    first list runs once over each run of back-to-back pieces (``_runs``), the results
+    first list runs once over each run of back-to-back pieces (``contiguous_runs``), the results
     being views of one new tensor per run: one allocation of the group's size instead of
     one odd-sized allocation per piece (each of which the caching allocator rounds), as
     for the packed optimizer state; same values, element by element."""
@@ -162,7 +162,7 @@ def _by_runs(func, args: list, kwargs: dict) -> list[torch.Tensor] | torch.Tenso
     if not (isinstance(ts, list) and func.__name__.startswith("_foreach_") and not kwargs
             and not any(isinstance(a, (torch.Tensor, list, tuple)) for a in args[1:])):
         return func(*args, **kwargs)
-    lengths = _runs(ts)
+    lengths = contiguous_runs(ts)
     if len(lengths) == len(ts):
         return func(*args, **kwargs)
     spans, i = [], 0

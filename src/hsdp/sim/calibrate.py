@@ -70,6 +70,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from hsdp.mesh import COMMUNICATORS
 from hsdp.models import config_from_dict
 from hsdp.report.chrome_trace import MARK, SIDE_OP, load_chrome_trace, read_events, thread_of
 from hsdp.report.metrics import Interval, op_kind
@@ -270,7 +271,7 @@ def fabric_of(meta: dict, fallback: Fabric) -> Fabric:
 def _comm_scale(sim: dict, measured: dict) -> dict[str, float]:
     """Measured over simulated busy time per collective kind."""
     out = {}
-    for kind in ("inner_ag", "inner_rs", "outer"):
+    for kind in COMMUNICATORS:
         a, b = sim["busy_ms"]["by_kind"].get(kind, 0.0), measured.get(kind)
         if a > 0 and b:
             out[kind] = b / a

@@ -17,6 +17,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from hsdp.mesh import COMMUNICATORS
 from hsdp.models import PRESETS, preset
 from hsdp.policy import STRATEGIES
 from hsdp.report.args import DTYPES, parse_mesh
@@ -118,7 +119,7 @@ def resolve(args: argparse.Namespace) -> tuple[Setup, CostModel]:
                         Link(args.outer_gbps, args.latency_us))
         costs = CostModel(fabric, args.tflops, args.mem_gbps, args.host_us_per_op,
                           args.host_us_per_side_op, exclusive=dict.fromkeys(
-                              ("inner_ag", "inner_rs", "outer"), args.exclusive))
+                              COMMUNICATORS, args.exclusive))
         if args.calibrate_from and args.profile:
             raise ValueError("--calibrate-from and --profile exclude each other")
         if args.calibrate_from:

@@ -12,9 +12,11 @@ import dataclasses
 import itertools
 from pathlib import Path
 
+from hsdp.mesh import COMMUNICATORS
 from hsdp.policy import STRATEGIES
 from hsdp.report.args import DTYPES
 from hsdp.report.table import print_table
+from hsdp.runtime.ops import OPS, OpKind
 from hsdp.sim.costs import CostModel
 from hsdp.sim.engine import Setup, SimResult, evaluate, record
 from hsdp.sim.fabric import Link
@@ -114,8 +116,7 @@ def row(point: dict, over: SimResult, ser: SimResult, setup: Setup) -> dict:
     r = {**point, "t_overlap_ms": over.t_step_ms, "t_serial_ms": ser.t_step_ms,
          "lower_bound_ms": over.metrics["lower_bound_ms"], "saving_ms": saving,
          "saving_pct": 100.0 * saving / ser.t_step_ms, "compute_ms": busy["compute"],
-         "inner_rs_ms": busy["inner_rs"], "inner_ag_ms": busy["inner_ag"],
-         "outer_ms": busy["outer"], "host_ms": over.metrics["host_busy_ms"],
+         **{f"{c}_ms": busy[c] for c in COMMUNICATORS}, "host_ms": over.metrics["host_busy_ms"],
          "last_backward_ms": last_backward_ms(over), "n_microbatches": setup.microbatches}
     return {**r, **explain(r)}
 
@@ -123,7 +124,8 @@ def row(point: dict, over: SimResult, ser: SimResult, setup: Setup) -> dict:
 def explain(r: dict) -> dict:
     """The verdict of a row and its line: the saving and the reason it is what it is."""
     host, outer, compute = r["host_ms"], r["outer_ms"], r["compute_ms"]
-    comm = r["inner_rs_ms"] / r["n_microbatches"] + outer  # the last microbatch's
+    rs_ms = r[f"{OPS[OpKind.REDUCE_SCATTER].communicator}_ms"]
+    comm = rs_ms / r["n_microbatches"] + outer  # the last microbatch's
     backward = r["last_backward_ms"]
     if host >= 0.9 * r["t_serial_ms"]:
         why = (f"host-bound both ways (issuing the step takes {host:.1f} ms): the reductions "

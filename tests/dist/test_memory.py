@@ -42,7 +42,7 @@ rs_inputs = {"max": 0}  # other units' RS inputs alive when a unit's is allocate
 for m in model:
     for g in m._hsdp_unit.groups:
         def copy_in(orig=g.copy_in):
-            pending = model._hsdp_unit.runtime._pending_rs
+            pending = model._hsdp_unit.runtime.step.pending_rs
             rs_inputs["max"] = max(rs_inputs["max"], sum(p[1].numel() for p in pending))
             return orig()
         g.copy_in = copy_in
@@ -68,7 +68,7 @@ dist.destroy_process_group()
 
 def _run(n: int, strategy: str) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+               PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
     out = subprocess.run([sys.executable, "-c", CHILD, str(n), strategy, str(WIDTH)],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

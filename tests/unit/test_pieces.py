@@ -77,13 +77,13 @@ def test_in_place_op_on_a_parameter_under_autograd_is_checked_as_torch_does(fake
 
 
 def test_runs_of_back_to_back_pieces():
-    """``_runs``: consecutive 1-D views that continue one another in one storage, with the
+    """``contiguous_runs``: consecutive 1-D views that continue one another in one storage, with the
     same dtype, form a run; a gap, a repeat, another dtype or meta tensors break it."""
-    from hsdp.sharding.pieces import _runs
+    from hsdp.sharding.pieces import contiguous_runs
     b = torch.zeros(10)
-    assert _runs([b[0:2], b[2:5], b[5:6], b[7:8], b[8:10]]) == [3, 2]
-    assert _runs([b[0:2], b[0:2]]) == [1, 1]
-    assert _runs([b.view(torch.int32)[0:2], b[2:4]]) == [1, 1]
-    assert _runs([b[0:4].view(2, 2), b[4:6]]) == [1, 1]
+    assert contiguous_runs([b[0:2], b[2:5], b[5:6], b[7:8], b[8:10]]) == [3, 2]
+    assert contiguous_runs([b[0:2], b[0:2]]) == [1, 1]
+    assert contiguous_runs([b.view(torch.int32)[0:2], b[2:4]]) == [1, 1]
+    assert contiguous_runs([b[0:4].view(2, 2), b[4:6]]) == [1, 1]
     meta = torch.zeros(3, device="meta")
-    assert _runs([meta[0:1], meta[1:2]]) == [1, 1]
+    assert contiguous_runs([meta[0:1], meta[1:2]]) == [1, 1]

@@ -881,7 +881,7 @@ def test_held_out_comparison_refuses_the_calibration_run(fake_world_8, tmp_path,
     held_out(profile, [other])
     with pytest.raises(ValueError, match="calibrated on"):
         held_out(profile, [other, tmp_path / "." / "step.json"])
-    script = Path(__file__).resolve().parents[1] / "scripts" / "sim_vs_measured.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "sim_vs_measured.py"
     spec = importlib.util.spec_from_file_location("sim_vs_measured", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -12,8 +12,8 @@ from hsdp.bench.suite import TABLES
 from hsdp.report.chrome_trace import load_chrome_trace
 from hsdp.sim.calibrate import phases_from_trace, read_phases, save_phases
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).parent / "data"
+ROOT = Path(__file__).resolve().parents[2]
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def _suite(*argv: str, timeout: int = 60) -> subprocess.CompletedProcess:

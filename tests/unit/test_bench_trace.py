@@ -163,7 +163,7 @@ def test_chrome_trace_empty():
 
 # --------------------------------------------------------------------------- real trace
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 @pytest.mark.parametrize("name", ["serial", "overlap"])

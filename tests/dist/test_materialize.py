@@ -146,7 +146,7 @@ dist.destroy_process_group()
 def test_materialize_holds_the_root_and_one_unit_in_full():
     width, units = 1024, 6
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+               PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
     out = subprocess.run([sys.executable, "-c", CHILD, str(width), str(units)], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

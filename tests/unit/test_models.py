@@ -74,13 +74,13 @@ def test_config_round_trip_and_errors():
 
 def test_grouped_query_attention_matches_torch():
     """The repeated key / value heads are those of torch's ``enable_gqa``."""
-    from hsdp.models import _repeat_kv
+    from hsdp.models import repeat_kv
 
     torch.manual_seed(0)
     q = torch.randn(2, 8, 5, 4)
     k, v = torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                            enable_gqa=True)
-    out = torch.nn.functional.scaled_dot_product_attention(q, _repeat_kv(k, 4), _repeat_kv(v, 4),
+    out = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4),
                                                            is_causal=True)
     torch.testing.assert_close(out, ref)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 # Llama of hidden 32 and vocab 64: every linear float8; embedding and norms fp32
 TINY = ["--emulate", "--arch", "llama", "--layers", "2", "--hidden", "32", "--heads", "2",

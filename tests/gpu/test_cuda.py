@@ -17,7 +17,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def _child(*args: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src"), NCCL_NVLS_ENABLE="0",
+    env = dict(os.environ, PYTHONPATH=str(HERE.parents[1] / "src"), NCCL_NVLS_ENABLE="0",
                TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     out = subprocess.run([sys.executable, str(HERE / "cuda_child.py"), *args], env=env,
                          capture_output=True, text=True, timeout=600)
@@ -59,7 +59,7 @@ def test_checkpoint_save_and_load_with_nccl(tmp_path):
     """hsdp.save (sync and async) and hsdp.load on CUDA with NCCL at world size 1: the
     loaded model and AdamW state equal the saved ones (bench ckpt's check, small model)."""
     out = tmp_path / "ckpt.json"
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src"), NCCL_NVLS_ENABLE="0",
+    env = dict(os.environ, PYTHONPATH=str(HERE.parents[1] / "src"), NCCL_NVLS_ENABLE="0",
                TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     run = subprocess.run(
         [sys.executable, "-m", "hsdp", "bench", "ckpt", "--device", "cuda", "--nproc", "1",

@@ -22,7 +22,7 @@ from hsdp.bench.launch import check_shared_layout, shared_gpu
 from hsdp.mesh import NcclConfig
 from hsdp.report.args import parse_mesh
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def test_sizes():

@@ -1,6 +1,6 @@
 """CUDA checks run in a fresh process each (one process group per process).
 
-    python tests/cuda_child.py world1|trace|memory|intercept [args]   -> prints one JSON line
+    python tests/gpu/cuda_child.py world1|trace|memory|intercept [args]   -> prints one JSON line
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def trace(strategy: str, mesh=None) -> dict:
     """Which stream runs what, the overlap, and who waits on whom, from one profiled step.
     Without ``mesh``: a fake 2x4 world with emulated collectives and a slow (10 GB/s) outer
     link, so that outer(i) is still running when RS(i-1) starts; with a real mesh
-    (tests/test_multi_gpu.py): real NCCL."""
+    (tests/gpu/test_multi_gpu.py): real NCCL."""
     dev = torch.device("cuda", torch.cuda.current_device())
     fake = mesh is None
     mesh = fake_mesh(2, 4, "cuda") if fake else mesh

@@ -22,7 +22,7 @@ from hsdp.bench.step import (
 from hsdp.models import GPTConfig, LlamaConfig
 from hsdp.sim.fabric import Fabric, Link
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--ffn", "64", "--vocab", "64",
         "--seq", "16", "--steps", "2", "--warmup", "1"]
 METRICS = ("exposed_comm_ms", "outer_tail_ms", "comm_comm_overlap_ms", "lower_bound_ms")

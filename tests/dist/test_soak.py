@@ -1,7 +1,7 @@
 """Soak on CPU (gloo, 2x2): steps with random per-rank delays before the collectives of
 different streams finish (no hang) with parameters bit-identical to the same steps without
 delays, for hsdp and hfsdp, overlapped and serialized (tests/soak_job.py; the 200-step
-run on GPUs is in tests/test_multi_gpu.py)."""
+run on GPUs is in tests/gpu/test_multi_gpu.py)."""
 
 from dist_utils import run_ranks
 from soak_job import soak_job

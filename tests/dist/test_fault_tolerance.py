@@ -26,7 +26,7 @@ from dist_utils import free_port
 from ft_jobs import batch, build_model, make_optimizer
 from torchft._torchft import LighthouseServer
 
-JOBS = os.path.join(os.path.dirname(__file__), "ft_jobs.py")
+JOBS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "ft_jobs.py")
 STEPS, SEED, KILL_AT, REJOIN_BY = 13, 7, 5, 10
 DEADLINE_S = 420  # the whole scenario; a hang fails here instead of blocking CI
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from dist_utils import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_llama.py"
 STEPS = 5
 ARGS = ["--mesh", "2x2", "--steps", str(STEPS), "--batch", "8", "--microbatches", "2",

@@ -36,7 +36,7 @@ def _imports(path: Path) -> set[str]:
 LAYERS = [
     ("hsdp.policy", "hsdp.hosts", "hsdp.models", "hsdp.runtime.consensus", "hsdp.ft.outer"),
     ("hsdp.mesh",),
-    ("hsdp.runtime.streams",),  # the stream contract
+    ("hsdp.runtime.streams", "hsdp.runtime.ops"),  # the stream contract, the op table
     ("hsdp.runtime.cpu", "hsdp.runtime.cuda", "hsdp.sharding.layout", "hsdp.sharding.comm"),
     ("hsdp.runtime.stream_set", "hsdp.runtime.agreement", "hsdp.runtime.teardown",
      "hsdp.sharding"),

@@ -1,0 +1,51 @@
+"""Importing hsdp changes nothing global: torch's ``destroy_process_group`` is wrapped once
+hsdp makes its first groups, and optimizers get hsdp's step hooks one by one, when they
+are found to hold fully_shard-ed parameters."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.optim.optimizer as optim_mod
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    original = dist.destroy_process_group
+    import hsdp
+
+    assert dist.destroy_process_group is original, "import patched destroy_process_group"
+    assert not optim_mod._global_optimizer_pre_hooks, "import installed optimizer hooks"
+    assert not optim_mod._global_optimizer_post_hooks, "import installed optimizer hooks"
+
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    mesh = hsdp.init_mesh(2, 2, "cpu")
+    assert getattr(dist.destroy_process_group, "_hsdp_waits", False), "not wrapped"
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    hsdp.fully_shard(net, mesh=mesh)
+    plain = nn.Linear(4, 4)
+    opt, other = torch.optim.SGD(net.parameters(), lr=0.1), torch.optim.SGD(
+        plain.parameters(), lr=0.1)
+    for _ in range(2):
+        net(torch.randn(2, 4)).sum().backward()
+        plain(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        other.step()
+    assert len(opt._optimizer_step_pre_hooks) == len(opt._optimizer_step_post_hooks) == 1
+    assert not other._optimizer_step_pre_hooks and not other._optimizer_step_post_hooks
+    assert len(optim_mod._global_optimizer_pre_hooks) == 1  # the detector only
+    assert not optim_mod._global_optimizer_post_hooks
+    dist.destroy_process_group()
+    print("ok")
+""")
+
+
+def test_import_installs_nothing_and_optimizers_are_hooked_one_by_one():
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -797,6 +797,7 @@ def _report(result: dict, cfg: Config) -> None:
         result["meta"]["timeline"] = str(png)
     print_table(result)
     if cfg.json_path:
+        Path(cfg.json_path).parent.mkdir(parents=True, exist_ok=True)
         with open(cfg.json_path, "w") as f:
             json.dump(result, f, indent=2)
     where = [f"traces: {Path(cfg.out_dir) / 'trace_<schedule>.json.gz'}"

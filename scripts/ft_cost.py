@@ -35,7 +35,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", "--json", dest="out", required=True)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a smoke test of the script (gloo, no timing meaning)")
     args = p.parse_args()

@@ -33,7 +33,10 @@ MICROBATCHES = "Four microbatches"
 SHARED_LINKS = "Two communicators on the same links"
 CPU_OVERLAP = "Collective overlap on CPU ranks"
 CHECKPOINT = "Checkpoint save"
-TABLES = (STEP, TWINS, SLOW_OUTER, MICROBATCHES, SHARED_LINKS, CPU_OVERLAP, CHECKPOINT)
+FLOAT8 = "Float8 (torchao) on one H200"
+FAULT_TOLERANCE = "Fault tolerance (torchft) on one H200"
+TABLES = (STEP, TWINS, SLOW_OUTER, MICROBATCHES, SHARED_LINKS, CPU_OVERLAP, CHECKPOINT, FLOAT8,
+          FAULT_TOLERANCE)
 
 # 5 recorded and 3 profiled steps per schedule: the simulator's calibration takes the
 # median host time and least device time over them (hsdp.sim.calibrate).
@@ -54,11 +57,12 @@ class Run:
     argv: tuple[str, ...]
     timeout_s: int = 600
     env: tuple[tuple[str, str], ...] = ()
+    program: tuple[str, ...] = ("-m", "hsdp")  # or a script of the repository
 
     def command(self, out: Path, trace_dir: Path, extra: tuple[str, ...] = ()) -> list[str]:
         """The command line, writing its JSON (and a step run's traces) where they go;
         ``{out}`` in an argument is ``out``."""
-        cmd = [sys.executable, "-m", "hsdp", *self.argv, *extra, "--json", str(self.json(out))]
+        cmd = [sys.executable, *self.program, *self.argv, *extra, "--json", str(self.json(out))]
         if self.argv[:2] == ("bench", "step"):
             cmd += ["--out-dir", str(trace_dir / self.name)]
         return [a.replace("{out}", str(out)) for a in cmd]
@@ -116,6 +120,19 @@ def plan() -> list[Run]:
                      "--warmup", "2"), 300))
     runs.append(Run(CHECKPOINT, "h200", "ckpt", ("bench", "ckpt", "--nproc", "1", "--layers",
                                                  "2", "--repeats", "2"), 300))
+    f8 = ("bench", "step", "--emulate", "--mesh", "16x8", "--layers", "8", "--steps", "10",
+          "--warmup", "3", "--record-steps", "1", "--trace-steps", "1")
+    for q in ("4096", "8192"):  # torchao installed (hsdp[float8])
+        runs.append(Run(FLOAT8, "h200/float8", f"float8_seq{q}",
+                        (*f8, "--seq", q, "--float8", "--schedules", "overlap,fsdp2"), 300))
+        runs.append(Run(FLOAT8, "h200/float8", f"bf16_seq{q}",
+                        (*f8, "--seq", q, "--schedules", "overlap"), 300))
+    for q in ("1024", "4096"):  # torchft installed (hsdp[ft]); off and on alternated
+        for k in ("1", "2"):
+            for ft in ("off", "on"):
+                runs.append(Run(FAULT_TOLERANCE, "h200/ft_cost", f"seq{q}_{ft}_{k}",
+                                ("--ft", ft, "--seq", q), 300,
+                                program=("scripts/ft_cost.py",)))
     return runs
 
 

@@ -64,10 +64,21 @@ def torchft() -> Any:
 
 class ElasticOuter:
     """hsdp's outer communicator as a torchft managed group: an all-reduce (sum or mean
-    over the participating replica groups) and the number of them."""
+    over the participating replica groups) and the number of them.
+
+    The all-reduce keeps ``Manager.allreduce``'s semantics (nothing once the step has
+    errored; zeros from a group that is healing; a SUM divided by the participants; an
+    error recorded for ``should_commit`` instead of raised) but issues it on the
+    Manager's reconfigurable process group itself: **WHY**: ``Manager.allreduce`` wraps
+    every call in a chain of futures with a timeout each, registered on torchft's event
+    loop thread, which costs the issuing thread several times the collective's own host
+    time, once per unit and step. The group's own timeout still bounds the collective
+    (gloo: its ``timeout``; NCCL: torchft aborts the communicator)."""
 
     def __init__(self, manager: Any) -> None:
         self.manager = manager
+        # torchft 0.2.0 keeps its reconfigurable group here (the one passed as pg=...)
+        self._pg = manager._pg
 
     def size(self) -> int:
         """The replica groups that take part in this step (waits for the quorum)."""
@@ -77,8 +88,21 @@ class ElasticOuter:
         """``t`` = the sum (``avg``: the mean) over the participating replica groups. A
         group that is recovering contributes zeros; an error is recorded by torchft (the
         step does not commit) instead of raised."""
-        op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
-        self.manager.allreduce(t, reduce_op=op).wait()
+        manager = self.manager
+        if manager.errored() is not None:
+            return  # the step will not commit: the remaining reductions are no-ops
+        n = manager.num_participants()  # the first call of a step waits for the quorum
+        if not manager.is_participating():
+            t.zero_()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        try:
+            self._pg.allreduce([t], opts).wait()
+        except Exception as exc:  # torchft's contract: record, don't raise
+            manager.report_error(exc)
+            return
+        if avg and n > 1:
+            t.div_(n)
 
 
 def _where(ft: FaultTolerance) -> tuple[str, str, str, int]:

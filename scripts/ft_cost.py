@@ -8,7 +8,8 @@ the outer all-reduce goes through torchft's managed group (of one replica) on hs
 stream, and ``should_commit()`` gates the optimizer step. ``--ft off``: plain hsdp on a
 (1, 1) mesh (no outer reduction at all), so the difference is everything fault tolerance
 adds to a step. Timing: CUDA-synchronized wall time per step after a warm-up; the JSON
-holds the median, min and max in ms, and the median per phase (``phases``, ms per step):
+holds the median, min and max in ms; with ``--phases``, also the median per phase
+(``phases``, ms per step, host time, each call wrapped in a timer):
 ``start_quorum`` (the call), ``quorum`` (from that call until torchft has the quorum, on
 its thread), ``quorum_wait`` (time any hsdp thread blocked waiting for it),
 ``forward``, ``backward`` (host time of each call), ``managed_all_reduce`` (all the
@@ -101,6 +102,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: gloo, for the per-phase host times (not GPU step times)")
+    p.add_argument("--phases", action="store_true",
+                   help="time the step's phases (wraps each call in a timer)")
     p.add_argument("--hidden", type=int, default=None,
                    help="a smaller model: hidden size (heads of 64, ffn 4 x hidden)")
     args = p.parse_args()
@@ -137,11 +140,13 @@ def main() -> None:
     tokens = torch.randint(0, cfg.vocab, (1, args.seq), device=args.device,
                            generator=torch.Generator(args.device).manual_seed(1))
     phases = Phases()
-    if manager is not None:
-        instrument(manager, mesh, phases)
-    forward = phases.timed("forward", model)
-    backward = phases.timed("backward", torch.Tensor.backward)
-    optimizer = phases.timed("optimizer", opt.step)
+    forward, backward, optimizer = model, torch.Tensor.backward, opt.step
+    if args.phases:
+        if manager is not None:
+            instrument(manager, mesh, phases)
+        forward = phases.timed("forward", forward)
+        backward = phases.timed("backward", backward)
+        optimizer = phases.timed("optimizer", optimizer)
     times = []
     for i in range(args.warmup + args.steps):
         sync()

@@ -11,11 +11,11 @@ adds to a step. Timing: CUDA-synchronized wall time per step after a warm-up; th
 holds the median, min and max in ms; with ``--phases``, also the median per phase
 (``phases``, ms per step, host time, each call wrapped in a timer):
 ``start_quorum`` (the call), ``quorum`` (from that call until torchft has the quorum, on
-its thread), ``quorum_wait`` (time any hsdp thread blocked waiting for it),
-``forward``, ``backward`` (host time of each call), ``managed_all_reduce`` (all the
-step's outer all-reduces through torchft, on hsdp's outer stream), ``should_commit``,
-``optimizer``. ``--device cpu`` (gloo) with ``--hidden`` shrinks the model (heads of 64,
-ffn 4 x hidden) to find where the host time goes.
+its thread), ``quorum_wait`` / ``quorum_late`` (the waits for it that found it ready /
+that blocked because it was not), ``forward``, ``backward`` (host time of each call),
+``managed_all_reduce`` (all the step's outer all-reduces through torchft, on hsdp's outer
+stream), ``should_commit``, ``optimizer``. ``--device cpu`` (gloo) with ``--hidden``
+shrinks the model (heads of 64, ffn 4 x hidden) to find where the host time goes.
 """
 
 from __future__ import annotations
@@ -86,7 +86,10 @@ def instrument(manager: Any, mesh: Any, phases: Phases) -> None:
             lambda _: phases.add("quorum", (time.perf_counter() - start) * 1e3))
     start_call = manager.start_quorum
     manager.start_quorum = start_quorum
-    manager.wait_quorum = phases.timed("quorum_wait", manager.wait_quorum)
+    # calls that found the quorum ready (their own cost), and those that blocked on it
+    waits = {True: phases.timed("quorum_wait", manager.wait_quorum),
+             False: phases.timed("quorum_late", manager.wait_quorum)}
+    manager.wait_quorum = lambda: waits[manager._quorum_future.done()]()
     manager.should_commit = phases.timed("should_commit", manager.should_commit)
     elastic = comm_groups(mesh).elastic
     elastic.all_reduce = phases.timed("managed_all_reduce", elastic.all_reduce)

@@ -84,14 +84,14 @@ class ElasticOuter:
         """The replica groups that take part in this step (waits for the quorum)."""
         return self.manager.num_participants()
 
-    def all_reduce(self, t: torch.Tensor, avg: bool) -> None:
-        """``t`` = the sum (``avg``: the mean) over the participating replica groups. A
-        group that is recovering contributes zeros; an error is recorded by torchft (the
-        step does not commit) instead of raised."""
+    def all_reduce(self, t: torch.Tensor, avg: bool, n: int) -> None:
+        """``t`` = the sum (``avg``: the mean) over the ``n`` = ``size()`` participating
+        replica groups (the caller has waited for the quorum). A group that is recovering
+        contributes zeros; an error is recorded by torchft (the step does not commit)
+        instead of raised."""
         manager = self.manager
         if manager.errored() is not None:
             return  # the step will not commit: the remaining reductions are no-ops
-        n = manager.num_participants()  # the first call of a step waits for the quorum
         if not manager.is_participating():
             t.zero_()
         opts = dist.AllreduceOptions()

@@ -64,21 +64,45 @@ def torchft() -> Any:
 
 class ElasticOuter:
     """hsdp's outer communicator as a torchft managed group: an all-reduce (sum or mean
-    over the participating replica groups) and the number of them."""
+    over the participating replica groups) and the number of them.
+
+    The all-reduce keeps ``Manager.allreduce``'s semantics (nothing once the step has
+    errored; zeros from a group that is healing; a SUM divided by the participants; an
+    error recorded for ``should_commit`` instead of raised) but issues it on the
+    Manager's reconfigurable process group itself: **WHY**: ``Manager.allreduce`` wraps
+    every call in a chain of futures with a timeout each, registered on torchft's event
+    loop thread, which costs the issuing thread several times the collective's own host
+    time, once per unit and step. The group's own timeout still bounds the collective
+    (gloo: its ``timeout``; NCCL: torchft aborts the communicator)."""
 
     def __init__(self, manager: Any) -> None:
         self.manager = manager
+        # torchft 0.2.0 keeps its reconfigurable group here (the one passed as pg=...)
+        self._pg = manager._pg
 
     def size(self) -> int:
         """The replica groups that take part in this step (waits for the quorum)."""
         return self.manager.num_participants()
 
-    def all_reduce(self, t: torch.Tensor, avg: bool) -> None:
-        """``t`` = the sum (``avg``: the mean) over the participating replica groups. A
-        group that is recovering contributes zeros; an error is recorded by torchft (the
-        step does not commit) instead of raised."""
-        op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
-        self.manager.allreduce(t, reduce_op=op).wait()
+    def all_reduce(self, t: torch.Tensor, avg: bool, n: int) -> None:
+        """``t`` = the sum (``avg``: the mean) over the ``n`` = ``size()`` participating
+        replica groups (the caller has waited for the quorum). A group that is recovering
+        contributes zeros; an error is recorded by torchft (the step does not commit)
+        instead of raised."""
+        manager = self.manager
+        if manager.errored() is not None:
+            return  # the step will not commit: the remaining reductions are no-ops
+        if not manager.is_participating():
+            t.zero_()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        try:
+            self._pg.allreduce([t], opts).wait()
+        except Exception as exc:  # torchft's contract: record, don't raise
+            manager.report_error(exc)
+            return
+        if avg and n > 1:
+            t.div_(n)
 
 
 def _where(ft: FaultTolerance) -> tuple[str, str, str, int]:

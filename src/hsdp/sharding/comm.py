@@ -107,8 +107,9 @@ class Collectives:
         groups when ``group`` is torchft's (even this group alone: it takes part in the
         quorum)."""
         if isinstance(group, ElasticOuter):
-            self.before("all_reduce", axis, t.numel() * t.element_size(), group.size())
-            group.all_reduce(t, avg)
+            n = group.size()  # the step's first call waits for torchft's quorum
+            self.before("all_reduce", axis, t.numel() * t.element_size(), n)
+            group.all_reduce(t, avg, n)
             return
         n = dist.get_world_size(group)
         if n == 1:

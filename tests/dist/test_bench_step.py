@@ -191,7 +191,7 @@ def test_tp_options_are_checked():
     assert (c.outer, c.inner, c.tp, c.world) == (2, 2, 2, 8)
     assert cfg("--emulate", "--tp", "4", world=None).world == 2 * 4 * 4
     for argv, msg in ((("--tp", "3"), "--tp 3 does not divide the job's 8 ranks"),
-                      (("--tp", "2", "--mesh", "2x4"), "OUTER\*INNER\*TP = 8"),
+                      (("--tp", "2", "--mesh", "2x4"), r"OUTER\*INNER\*TP = 8"),
                       (("--tp", "2", "--arch", "gpt"), "for --arch llama only"),
                       (("--tp", "0"), "--tp must be at least 1")):
         with pytest.raises(SystemExit, match=msg):

@@ -20,6 +20,7 @@ from hsdp.bench.step import (
     resolve,
 )
 from hsdp.models import GPTConfig, LlamaConfig
+from hsdp.sim.tp import unit_collectives
 from hsdp.sim.fabric import Fabric, Link
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -176,6 +177,15 @@ def test_emulated_tp(tmp_path):
         # the sequence-parallel norm weights' gradients
         "all_reduce:tp": 5 * layers * act + (2 * layers + 1) * h * 4,
     }
+    sim = {}  # hsdp sim's table: what it prices on compute
+    count = {"LlamaBlock": layers, "Embedding": 1, "Linear": 1, "Llama": 1}
+    for cls, colls in unit_collectives(LlamaConfig(**{
+            k: m[k] for k in ("vocab", "hidden", "heads", "kv_heads", "ffn", "layers",
+                              "seq")}), m["mbs"], 4).items():
+        if not cls.startswith("RECOMPUTE"):
+            for kind, n in colls:
+                sim[f"{kind}:tp"] = sim.get(f"{kind}:tp", 0) + count[cls.split(":")[1]] * n
+    assert sim == want
     for s in result["schedules"].values():
         got = {k: v for k, v in s["collective_bytes_per_step"].items() if k.endswith(":tp")}
         assert got == want, (got, want)

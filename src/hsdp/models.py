@@ -276,17 +276,19 @@ class LlamaBlock(_Block):
         return self._rope_cache[1], self._rope_cache[2]
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, h = x.shape
         cfg = self.cfg
         y = self.attn_norm(x)
-        q = self.wq(y).view(b, t, cfg.heads, -1).transpose(1, 2)
-        k = self.wk(y).view(b, t, cfg.kv_heads, -1).transpose(1, 2)
-        v = self.wv(y).view(b, t, cfg.kv_heads, -1).transpose(1, 2)
+        # heads from the head dim: under tensor parallelism each rank holds heads / tp of
+        # them, and y the whole sequence while x holds a sequence shard
+        b, t, d = y.shape[0], y.shape[1], cfg.hidden // cfg.heads
+        q = self.wq(y).view(b, t, -1, d).transpose(1, 2)
+        k = self.wk(y).view(b, t, -1, d).transpose(1, 2)
+        v = self.wv(y).view(b, t, -1, d).transpose(1, 2)
         cos, sin = self._rope_for(q)
         group = cfg.heads // cfg.kv_heads
         q, k = _rope(q, cos, sin), repeat_kv(_rope(k, cos, sin), group)
         a = attention(q, k, repeat_kv(v, group))
-        x = x + self.wo(a.transpose(1, 2).reshape(b, t, h))
+        x = x + self.wo(a.transpose(1, 2).reshape(b, t, -1))
         y = self.mlp_norm(x)
         return x + self.w2(F.silu(self.w1(y)) * self.w3(y))
 

@@ -20,6 +20,7 @@ from hsdp.bench.step import (
     resolve,
 )
 from hsdp.models import GPTConfig, LlamaConfig
+from hsdp.sim.tp import unit_collectives
 from hsdp.sim.fabric import Fabric, Link
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -76,7 +77,7 @@ def check_result(path: Path, out_dir: Path, schedules: list[str], recorded: int 
         else:
             assert s["host_marks_steps"] is None and s["side_ms_steps"] is None
             assert s["device_marks_steps"] is None
-        world = meta["mesh"]["outer"] * meta["mesh"]["inner"]
+        world = meta["mesh"]["world"]
         others = s["other_ranks"]  # ranks 1..: their own host times and recorded steps
         assert len(others) == (0 if meta["emulate"] else world - 1)
         for other in others:
@@ -111,7 +112,7 @@ def test_gloo_ranks(tmp_path, capsys):
     assert "overlap vs serial" in proc.stdout and "overlap vs fsdp2" in proc.stdout
     result = check_result(out, tmp_path / "traces", ["overlap", "serial", "fsdp2"])
     meta = result["meta"]
-    assert meta["mesh"] == {"outer": 2, "inner": 2, "world": 4}
+    assert meta["mesh"] == {"outer": 2, "inner": 2, "tp": 1, "world": 4}
     assert meta["backend"] == "gloo" and meta["emulate"] is False and meta["fabric"] is None
     assert meta["model"]["dtype"] == "fp32"
     assert set(result["summary"]) == {"overlap_vs_serial", "overlap_vs_fsdp2"}
@@ -143,11 +144,68 @@ def test_emulated_mesh(tmp_path):
         assert s["free_over_unsharded"] == pytest.approx(s["t_free_ms"] / ref["t_step_ms"])
     meta = result["meta"]
     assert meta["emulate"] is True and meta["backend"] == "fake"
-    assert meta["mesh"] == {"outer": 2, "inner": 4, "world": 8}
+    assert meta["mesh"] == {"outer": 2, "inner": 4, "tp": 1, "world": 8}
     assert meta["fabric"]["inner"]["bus_gbps"] == 370.0
     assert meta["fabric"]["outer"]["latency_us"] == 20.0
     assert meta["global_tokens_per_step"] == 8 * 2 * 16 * 2
     assert meta["record_steps"] == 2 and meta["trace_steps"] == 1
+
+
+def test_emulated_tp(tmp_path):
+    """--tp 2 on an emulated 2x2 mesh: a 2x2x2 world whose every schedule issues the TP
+    collectives of torch's plan, by the bytes a hand count gives, delayed on compute."""
+    out = tmp_path / "step.json"
+    schedules = ["overlap", "hfsdp", "fsdp2"]
+    proc = bench_step("--emulate", "--mesh", "2x2", "--tp", "2", *TINY, "--schedules",
+                      ",".join(schedules), "--record-steps", "1", "--trace-steps", "1",
+                      "--json", str(out), "--out-dir", str(tmp_path / "traces"))
+    check_output(proc)
+    assert "mesh 2x2x2 (outer x inner x tp) emulated" in " ".join(proc.stdout.split())
+    result = check_result(out, tmp_path / "traces", schedules, recorded=1, traced=1)
+    meta = result["meta"]
+    assert meta["mesh"] == {"outer": 2, "inner": 2, "tp": 2, "world": 8}
+    assert meta["fabric"]["tp"] == {"bus_gbps": 370.0, "latency_us": 20.0}
+    assert meta["global_tokens_per_step"] == 4 * 2 * 16  # dp ranks x mbs x seq
+    m = meta["model"]
+    layers, vocab, h = m["layers"], m["vocab"], m["hidden"]
+    act = m["mbs"] * m["seq"] * h * 4  # one sequence-parallel activation, fp32, whole
+    want = {  # per block: forward AG + RS around attention and the MLP, backward mirrored
+        # (+ the embedding's RS, the head's AG of its input and of the logits)
+        "all_gather:tp": (4 * layers + 2) * act + m["mbs"] * m["seq"] * vocab * 4,
+        "reduce_scatter:tp": (2 * layers + 2) * act,
+        # input gradients of the 5 colwise linears per block (Partial -> Replicate) and
+        # the sequence-parallel norm weights' gradients
+        "all_reduce:tp": 5 * layers * act + (2 * layers + 1) * h * 4,
+    }
+    sim = {}  # hsdp sim's table: what it prices on compute
+    count = {"LlamaBlock": layers, "Embedding": 1, "Linear": 1, "Llama": 1}
+    for cls, colls in unit_collectives(LlamaConfig(**{
+            k: m[k] for k in ("vocab", "hidden", "heads", "kv_heads", "ffn", "layers",
+                              "seq")}), m["mbs"], 4).items():
+        if not cls.startswith("RECOMPUTE"):
+            for kind, n in colls:
+                sim[f"{kind}:tp"] = sim.get(f"{kind}:tp", 0) + count[cls.split(":")[1]] * n
+    assert sim == want
+    for s in result["schedules"].values():
+        got = {k: v for k, v in s["collective_bytes_per_step"].items() if k.endswith(":tp")}
+        assert got == want, (got, want)
+
+
+def test_tp_options_are_checked():
+    parser = build_parser()
+
+    def cfg(*argv: str, world: int | None = 8):
+        return resolve(parser.parse_args(["bench", "step", *argv]), False, world)
+
+    c = cfg("--tp", "2")
+    assert (c.outer, c.inner, c.tp, c.world) == (2, 2, 2, 8)
+    assert cfg("--emulate", "--tp", "4", world=None).world == 2 * 4 * 4
+    for argv, msg in ((("--tp", "3"), "--tp 3 does not divide the job's 8 ranks"),
+                      (("--tp", "2", "--mesh", "2x4"), r"OUTER\*INNER\*TP = 8"),
+                      (("--tp", "2", "--arch", "gpt"), "for --arch llama only"),
+                      (("--tp", "0"), "--tp must be at least 1")):
+        with pytest.raises(SystemExit, match=msg):
+            cfg(*argv)
 
 
 def test_missing_or_unsupported_peer_is_a_clear_error():
@@ -239,3 +297,15 @@ def test_default_model_is_llama_style():
     for flag in ("--record-steps", "--trace-steps"):
         with pytest.raises(SystemExit, match=f"{flag} >= 1"):
             cfg(flag, "0")
+
+
+def test_tp_plan_equals_one_process():
+    """The bench's TP plan on (outer, inner, tp) = (1, 2, 2) under hsdp, hfsdp and FSDP2:
+    parameters after 3 SGD-with-momentum steps equal one process's (fp32, 1e-5); a TP
+    group's ranks get the same batches, data-parallel ranks different ones."""
+    from bench_tp_jobs import parity_job
+    from dist_utils import run_ranks
+
+    for r in run_ranks(parity_job, 4, (1, 2, 2)):
+        assert all(e < 1e-5 for e in r["errs"].values()), r["errs"]
+        assert r["batches"] == (True, True)

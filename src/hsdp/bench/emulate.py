@@ -64,11 +64,6 @@ def _host_sleep(seconds: float) -> None:
         time.sleep(seconds)
 
 
-def _host_sleep(seconds: float) -> None:
-    if seconds > 0:
-        time.sleep(seconds)
-
-
 class DelayedCollectives(Collectives):
     """hsdp's collectives, each preceded by its duration on ``fabric`` (None: no delay),
     slept by ``sleep`` (a ``SleepClock`` on CUDA; default: the host's)."""
@@ -84,13 +79,14 @@ class DelayedCollectives(Collectives):
             self._sleep(self.fabric.seconds(kind, axis, nbytes, group_size))
 
 
-def fake_mesh(outer: int, inner: int, device_type: str) -> DeviceMesh:
-    """Pose as rank 0 of an ``outer x inner`` world: collectives return at once."""
+def fake_mesh(outer: int, inner: int, device_type: str, tp: int = 1) -> DeviceMesh:
+    """Pose as rank 0 of an ``outer x inner x tp`` world: collectives return at once."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if not dist.is_initialized():
-        dist.init_process_group("fake", rank=0, world_size=outer * inner, store=FakeStore())
-    return init_mesh(outer, inner, device_type)
+        dist.init_process_group("fake", rank=0, world_size=outer * inner * tp,
+                                store=FakeStore())
+    return init_mesh(outer, inner, device_type, tp=tp)
 
 
 def emulate(model: nn.Module, fabric: Fabric | None, device: torch.device) -> float | None:

@@ -55,6 +55,13 @@ Comparisons (``hsdp.report.compare``): overlapped vs serialized, and each hsdp s
 each peer: no verdict under 5 timed steps, "within noise" when the two schedules' min-max
 step-time ranges overlap, each one's spread otherwise; on CPU labelled as schedule checks.
 
+``--tp N``: tensor parallelism inside each data-parallel rank, on a 3-D (outer, inner, tp)
+mesh (``hsdp.init_mesh(..., tp=N)``, tp fastest): every schedule's Llama gets torch's TP
+plan on ``mesh["tp"]`` (``hsdp.bench.tp``), FSDP2 shards on ``mesh["outer", "inner"]``; a
+TP group shares its tokens (global tokens count the outer x inner data-parallel ranks).
+The TP collectives run where torch issues them, on the compute stream; under
+``--emulate`` they are delayed there by their modelled time on the ``--tp-gbps`` link.
+
 ``--emulate``: one process posing as rank 0 of the mesh (torch's fake process group);
 every collective first waits its modelled duration (``hsdp.sim.fabric.Fabric``) on its own
 stream: ``torch.cuda._sleep`` on GPU (calibrated; the error is reported), host sleeps on
@@ -74,7 +81,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -155,6 +162,9 @@ def add_arguments(p: argparse.ArgumentParser,
     p.add_argument("--mesh", type=parse_mesh, default=None,
                    help="OUTERxINNER (default: 2 x world/2; with --emulate 16x8 on GPU, "
                         "2x4 on CPU)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per data-parallel rank (llama only): a 3-D "
+                        "OUTERxINNERxTP mesh, torch's TP plan on its 'tp' dim (default 1)")
     add_layout_argument(p)
     model = p.add_argument_group("model (hsdp.models; defaults: GPU / CPU)")
     d = f"{model_defaults['cuda']['arch']} / {model_defaults['cpu']['arch']}"
@@ -193,6 +203,8 @@ def add_arguments(p: argparse.ArgumentParser,
                      help="one process posing as the whole mesh, modelled collective times")
     emu.add_argument("--inner-gbps", type=float, default=370.0, help="inner bus GB/s")
     emu.add_argument("--outer-gbps", type=float, default=47.0, help="outer bus GB/s")
+    emu.add_argument("--tp-gbps", type=float, default=370.0,
+                     help="tp bus GB/s (TP collectives, with --tp)")
     emu.add_argument("--latency-us", type=float, default=20.0,
                      help="per collective, us (with --fabric-json: where it cannot be fitted)")
     emu.add_argument("--fabric-json", default=None, metavar="PATH",
@@ -270,10 +282,13 @@ class Config:
     share_gpus: bool = False
     fabric_fit: dict | None = None  # per axis: the fit's largest relative error
     float8: bool = False  # torchao float8 linears (--float8)
+    tp: int = 1  # tensor-parallel ranks (--tp): world = outer * inner * tp
+    tp_fabric: Fabric | None = None  # emulated TP collectives (its inner link: --tp-gbps)
 
     @property
     def global_tokens(self) -> int:
-        return self.world * self.mbs * self.model.seq * self.microbatches
+        """A TP group's ranks share their tokens."""
+        return self.outer * self.inner * self.mbs * self.model.seq * self.microbatches
 
     @property
     def mp(self) -> hsdp.MixedPrecision:
@@ -294,17 +309,23 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
         return SystemExit(f"hsdp bench step: {msg}")
 
     device = "cuda" if cuda else "cpu"
+    tp = args.tp
+    if tp < 1:
+        raise fail(f"--tp must be at least 1, got {tp}")
     if world is None:
         outer, inner = args.mesh or EMULATED_MESH[device]
-        world = outer * inner
+        world = outer * inner * tp
     else:
         if world < 1:
             raise fail(f"need at least one rank, got {world}")
-        outer, inner = args.mesh or default_mesh(world)
-        if outer * inner != world:
-            raise fail(f"mesh {outer}x{inner} has {outer * inner} ranks but the job has "
-                       f"{world}; pick --mesh OUTERxINNER with OUTER*INNER = {world} "
-                       f"(or --nproc {outer * inner})")
+        if world % tp:
+            raise fail(f"--tp {tp} does not divide the job's {world} ranks; pick --nproc "
+                       f"a multiple of {tp}")
+        outer, inner = args.mesh or default_mesh(world // tp)
+        if outer * inner * tp != world:
+            raise fail(f"mesh {outer}x{inner} with --tp {tp} has {outer * inner * tp} ranks "
+                       f"but the job has {world}; pick --mesh OUTERxINNER with "
+                       f"OUTER*INNER*TP = {world} (or --nproc {outer * inner * tp})")
     share = bool(args.share_gpus) and cuda and not args.emulate
     if share:
         check_shared_layout("bench step", outer, inner, torch.cuda.device_count())
@@ -320,6 +341,8 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
             raise fail(f"--float8 needs torchao: {FLOAT8_INSTALL}") from None
     if args.float8 and "mfsdp" in args.schedules:
         raise fail("--float8: schedule 'mfsdp' is not converted; leave it out")
+    if tp > 1:
+        _check_tp(args, fail)
     if "mfsdp" in args.schedules:
         try:
             import_mfsdp()
@@ -338,11 +361,14 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
         model = ARCHS[arch](checkpoint=args.checkpoint, **sizes)
     except ValueError as e:
         raise fail(str(e)) from None
-    fabric, source, fit = None, None, None
+    fabric, source, fit, tp_fabric = None, None, None, None
     if args.emulate:
         fabric = Fabric(Link(args.inner_gbps, args.latency_us),
                         Link(args.outer_gbps, args.latency_us))
         source = "flags"
+        if tp > 1:
+            tp_link = Link(args.tp_gbps, args.latency_us)
+            tp_fabric = Fabric(tp_link, tp_link)
     if args.emulate and args.fabric_json:
         fabric, fit = fabric_from_collectives(args.fabric_json, fabric)
         source = args.fabric_json
@@ -350,7 +376,21 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
                   args.dtype or ("bf16" if cuda else "fp32"), args.reduce_dtype,
                   tuple(args.schedules), args.steps, args.warmup, args.record_steps,
                   args.trace_steps, args.emulate, fabric,
-                  source, args.json, args.out_dir, cuda, share, fit, args.float8)
+                  source, args.json, args.out_dir, cuda, share, fit, args.float8, tp,
+                  tp_fabric)
+
+
+def _check_tp(args: argparse.Namespace, fail: Callable[[str], SystemExit]) -> None:
+    """What ``--tp`` > 1 does not run, refused before any rank starts."""
+    if (args.arch or args.model_defaults["cpu"]["arch"]) != "llama":
+        raise fail("--tp: the TP plan is for --arch llama only")
+    if args.float8:
+        raise fail("--tp with --float8: torchao's float8 TP styles are not wired in; leave "
+                   "one out")
+    if "mfsdp" in args.schedules:
+        raise fail("--tp: schedule 'mfsdp' has no TP plan here; leave it out")
+    if args.share_gpus:
+        raise fail("--tp with --share-gpus is not supported; give each rank its own GPU")
 
 
 # --------------------------------------------------------------------------- launch
@@ -364,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(device)
-        mesh = fake_mesh(cfg.outer, cfg.inner, device.type)
+        mesh = fake_mesh(cfg.outer, cfg.inner, device.type, cfg.tp)
         try:
             _report(bench(cfg, device, mesh), cfg)
         finally:
@@ -377,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
 def _worker(local_rank: int, cfg: Config, port: int | None) -> None:
     with rank_process_group(local_rank, cfg.world, port, cfg.cuda,
                             cfg.inner if cfg.share_gpus else None) as device:
-        mesh = hsdp.init_mesh(cfg.outer, cfg.inner, device.type)
+        mesh = hsdp.init_mesh(cfg.outer, cfg.inner, device.type, tp=cfg.tp)
         result = bench(cfg, device, mesh)
         if dist.get_rank() == 0:
             _report(result, cfg)
@@ -430,7 +470,7 @@ def bench(cfg: Config, device: torch.device, mesh: DeviceMesh) -> dict:
     others)."""
     cuda = device.type == "cuda"
     batches = synthetic_batches(cfg.model.vocab, cfg.mbs, cfg.model.seq, cfg.microbatches,
-                                device)
+                                device, cfg.tp)
     progress = _Progress()
     if cuda:
         _warm_libraries(device)
@@ -439,7 +479,7 @@ def bench(cfg: Config, device: torch.device, mesh: DeviceMesh) -> dict:
         with _oom_guard(name, cfg):
             before = _allocated(device)
             trainees.append(build(name, cfg.model, cfg.mp, mesh, device, cfg.fabric,
-                                  cfg.emulate, cfg.float8))
+                                  cfg.emulate, cfg.float8, cfg.tp_fabric))
             trainees[-1].resident_bytes = _allocated(device) - before
         progress(f"built {name}")
     for t in trainees:
@@ -464,7 +504,7 @@ def bench(cfg: Config, device: torch.device, mesh: DeviceMesh) -> dict:
              f"{'hsdp ' if cuda else ''}schedule, tracer on")
     reference = None
     if cfg.emulate:
-        reference = _collective_free(cfg, trainees, batches, device)
+        reference = _collective_free(cfg, trainees, batches, device, mesh)
         progress(f"collective-free: {cfg.steps} interleaved steps of each schedule and of "
                  f"the unsharded reference")
     paths: dict[str, list[str]] = {t.name: [] for t in trainees}
@@ -546,10 +586,11 @@ def _phase_memory(t: Trainee, batches: list[torch.Tensor], device: torch.device)
 
 
 def _collective_free(cfg: Config, trainees: list[Trainee], batches: list[torch.Tensor],
-                     device: torch.device) -> Trainee:
+                     device: torch.device, mesh: DeviceMesh) -> Trainee:
     """Interleaved steps without emulated delays, and the unsharded reference's steps."""
     with _oom_guard("unsharded", cfg):
-        ref = build_unsharded(cfg.model, cfg.mp, cfg.inner, device, cfg.float8)
+        ref = build_unsharded(cfg.model, cfg.mp, cfg.inner, device, cfg.float8,
+                              mesh["tp"] if cfg.tp > 1 else None)
         for _ in range(cfg.warmup):
             ref.step(batches)
     for _ in range(cfg.steps):
@@ -761,7 +802,7 @@ def _meta(cfg: Config, device: torch.device, trainees: list[Trainee]) -> dict:
         "nccl": None,
         "megatron_fsdp": (import_mfsdp().__version__ if "mfsdp" in cfg.schedules else None),
         "backend": str(dist.get_backend()),
-        "mesh": {"outer": cfg.outer, "inner": cfg.inner, "world": cfg.world},
+        "mesh": {"outer": cfg.outer, "inner": cfg.inner, "tp": cfg.tp, "world": cfg.world},
         "layout": (SHARED_LAYOUT_NOTE if cfg.share_gpus else
                    "one process (fake process group)" if cfg.emulate else "one rank per GPU"
                    if cuda else "gloo ranks on CPU"),
@@ -785,6 +826,8 @@ def _meta(cfg: Config, device: torch.device, trainees: list[Trainee]) -> dict:
     if cfg.fabric is not None:
         meta["fabric"] = {**asdict(cfg.fabric), "source": cfg.fabric_source,
                           "fit_max_rel_err": cfg.fabric_fit}
+        if cfg.tp_fabric is not None:
+            meta["fabric"]["tp"] = asdict(cfg.tp_fabric.inner)
     return meta
 
 
@@ -824,7 +867,9 @@ def print_table(result: dict) -> None:
     """The summary table (``rich`` when importable), the lower bound and comparisons."""
     m = result["meta"]
     mesh = m["mesh"]
-    title = (f"bench step: mesh {mesh['outer']}x{mesh['inner']} (outer x inner)"
+    tp = mesh.get("tp", 1)
+    title = (f"bench step: mesh {mesh['outer']}x{mesh['inner']}"
+             + (f"x{tp} (outer x inner x tp)" if tp > 1 else " (outer x inner)") +
              f"{' emulated' if m['emulate'] else ''}, {m['num_params'] / 1e6:.1f} M params, "
              f"{m['model']['dtype']}, {m['global_tokens_per_step']} tokens/step, "
              f"median of {m['steps']} [min-max], slowest rank")

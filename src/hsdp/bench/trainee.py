@@ -8,6 +8,11 @@ Schedules (same mesh, same seed, same synthetic tokens; each block is a unit, th
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on the same 2-D mesh (HSDP);
 - ``mfsdp``: Megatron-FSDP as HSDP on the same ranks (``hsdp.bench.mfsdp``; optional).
 
+With tensor parallelism (a 3-D mesh) every schedule's model first gets torch's TP plan on
+``mesh["tp"]`` (``hsdp.bench.tp``); hsdp shards on the 3-D mesh, FSDP2 on
+``mesh["outer", "inner"]``, as torchtitan does; the TP collectives are counted and, under
+emulation, delayed on the compute stream (``hsdp.bench.tp.tp_collectives``).
+
 Every trainee uses torch AdamW (foreach) on what its library hands the optimizer. The
 ``unsharded`` reference (not a schedule) is the same layers unsharded in the parameter
 dtype plus AdamW over one rank's shard of every parameter (fp32, one tensor per parameter):
@@ -32,10 +37,12 @@ import hsdp
 from hsdp.bench.emulate import DelayedCollectives, SleepClock, emulate
 from hsdp.bench.fsdp2 import fsdp2_collectives, shard_fsdp2
 from hsdp.bench.mfsdp import shard_mfsdp
+from hsdp.bench.tp import parallelize_llama, tp_collectives
 from hsdp.float8 import convert_to_float8
 from hsdp.models import ModelConfig, build_model, lm_loss, shard_units
 from hsdp.runtime.streams import Tracer
 from hsdp.sharding.comm import Collectives
+from hsdp.sharding.tp import local_of
 from hsdp.sim.fabric import Fabric
 
 
@@ -120,13 +127,31 @@ class Trainee:
 
 def build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: DeviceMesh,
           device: torch.device, fabric: Fabric | None, emulated: bool,
-          float8: bool = False) -> Trainee:
+          float8: bool = False, tp_fabric: Fabric | None = None) -> Trainee:
     """The schedule's sharded model (seed 0) and its AdamW. ``fabric``: emulated collective
-    durations (``emulated``: torch's fake process group). ``float8``: torchao float8
-    linears with float8 all-gather (``float8_model``)."""
+    durations (``emulated``: torch's fake process group); ``tp_fabric``: the TP ones (its
+    inner link; a 3-D ``mesh`` only). ``float8``: torchao float8 linears with float8
+    all-gather (``float8_model``)."""
+    tp_mesh = mesh["tp"] if "tp" in (mesh.mesh_dim_names or ()) else None
+    trainee = _build(name, model_cfg, mp, mesh, device, fabric, emulated, float8, tp_mesh)
+    if tp_mesh is not None:
+        sleep = time.sleep
+        if tp_fabric is not None and device.type == "cuda":
+            sleep = SleepClock.calibrate(device)
+        tp_comm = partial(_tp_comm, tp_mesh, trainee.collective_bytes, tp_fabric, sleep)
+        trainee.comm = partial(_both, trainee.comm, tp_comm)
+    return trainee
+
+
+def _build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: DeviceMesh,
+           device: torch.device, fabric: Fabric | None, emulated: bool, float8: bool,
+           tp_mesh: DeviceMesh | None) -> Trainee:
+    """``build`` without the TP collectives' interception."""
     torch.manual_seed(0)
     with torch.device(device):
         model = build_model(model_cfg)
+    if tp_mesh is not None:
+        parallelize_llama(model, tp_mesh)
     if float8:
         model = float8_model(model, device)
     units = shard_units(model)
@@ -153,11 +178,12 @@ def build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Devi
         return trainee
     tracer = Tracer()
     if schedule.library == "fsdp2":
-        shard_fsdp2(model, units, mesh, mp)
+        dp_mesh = mesh if tp_mesh is None else mesh["outer", "inner"]
+        shard_fsdp2(model, units, dp_mesh, mp)
         opt = _adamw(model.parameters())
         nbytes: dict[str, int] = {}
-        comm = partial(_peer_comm, partial(fsdp2_collectives, mesh, tracer, nbytes), fabric,
-                       sleep)
+        comm = partial(_peer_comm, partial(fsdp2_collectives, dp_mesh, tracer, nbytes),
+                       fabric, sleep)
         update = partial(_update, opt)
         if float8:  # torchao's scale refresh for FSDP2, as torchtitan calls it
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
@@ -173,13 +199,18 @@ def build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Devi
 
 
 def build_unsharded(model_cfg: ModelConfig, mp: hsdp.MixedPrecision, inner: int,
-                    device: torch.device, float8: bool = False) -> Trainee:
+                    device: torch.device, float8: bool = False,
+                    tp_mesh: DeviceMesh | None = None) -> Trainee:
     """The reference of the module docstring (no collectives, nothing sharded but the
-    optimizer's work)."""
+    optimizer's work); with ``tp_mesh`` the layers under the TP plan, each shard 1/inner
+    of a TP-local parameter (its TP collectives: none under the fake process group)."""
     torch.manual_seed(0)
     with torch.device(device):
         model = build_model(model_cfg).to(mp.param_dtype or torch.float32)
-        shards = [torch.zeros(math.ceil(p.numel() / inner)) for p in model.parameters()]
+        if tp_mesh is not None:
+            parallelize_llama(model, tp_mesh)
+        shards = [torch.zeros(math.ceil(local_of(p).numel() / inner))
+                  for p in model.parameters()]
     if float8:
         model = float8_model(model, device)
     for s in shards:
@@ -218,9 +249,10 @@ def _count_bytes(coll: Collectives, nbytes: dict[str, int]) -> None:
 
 
 def synthetic_batches(vocab: int, mbs: int, seq: int, microbatches: int,
-                      device: torch.device) -> list[torch.Tensor]:
-    """This rank's token batches, one per microbatch (the same for every schedule)."""
-    g = torch.Generator().manual_seed(1234 + dist.get_rank())
+                      device: torch.device, tp: int = 1) -> list[torch.Tensor]:
+    """This rank's token batches, one per microbatch (the same for every schedule; the
+    same on the ``tp`` ranks of a TP group, tp fastest in the rank order)."""
+    g = torch.Generator().manual_seed(1234 + dist.get_rank() // tp)
     return [torch.randint(0, vocab, (mbs, seq), generator=g).to(device)
             for _ in range(microbatches)]
 
@@ -250,6 +282,18 @@ def _chain(*fns: Callable[[], None]) -> Callable[[], None]:
 
 def _no_context(*_args) -> AbstractContextManager:
     return nullcontext()
+
+
+@contextmanager
+def _both(first: Callable[[bool], AbstractContextManager],
+          second: Callable[[bool], AbstractContextManager], on: bool) -> Iterator[None]:
+    with first(on), second(on):
+        yield
+
+
+def _tp_comm(tp_mesh: DeviceMesh, nbytes: dict[str, int], fabric: Fabric | None,
+             sleep: Callable[[float], None], on: bool) -> AbstractContextManager:
+    return tp_collectives(tp_mesh, nbytes, fabric if on else None, sleep)
 
 
 @contextmanager

@@ -46,6 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=1,
                    help="microbatches per step (outer reduction on the last only)")
     p.add_argument("--mesh", type=parse_mesh, default=(16, 8), help="OUTERxINNER (16x8)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per data-parallel rank (llama; hsdp.sim.tp): "
+                        "its collectives priced on compute; with tp filling a node the inner "
+                        "group crosses nodes (set --inner-gbps to match)")
     p.add_argument("--strategy", choices=STRATEGIES, default="hsdp")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameter dtype")
     p.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="fp32",
@@ -72,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cost.add_argument("--inner-gbps", type=float, default=370.0, help="inner bus GB/s")
     cost.add_argument("--outer-gbps", type=float, default=47.0, help="outer bus GB/s")
     cost.add_argument("--latency-us", type=float, default=20.0, help="per collective, us")
+    cost.add_argument("--tp-gbps", type=float, default=370.0, help="tp bus GB/s (--tp)")
     p.add_argument("--sweep", nargs="+", metavar="KEY=V1,V2", default=None,
                    help="what-if grid over nodes (outer), inner, seq, mbs, microbatches, "
                         "outer_gbps, inner_gbps, reduce, strategy; e.g. nodes=2,8 seq=1024,4096")
@@ -114,7 +119,8 @@ def resolve(args: argparse.Namespace) -> tuple[Setup, CostModel]:
             raise ValueError(f"--kv-heads does not apply to {args.model}")
         outer, inner = args.mesh
         setup = Setup(preset(args.model, **overrides), outer, inner, args.strategy, True,
-                      args.microbatches, args.mbs, args.dtype, args.reduce_dtype)
+                      args.microbatches, args.mbs, args.dtype, args.reduce_dtype,
+                      tp=args.tp, tp_gbps=args.tp_gbps)
         fabric = Fabric(Link(args.inner_gbps, args.latency_us),
                         Link(args.outer_gbps, args.latency_us))
         costs = CostModel(fabric, args.tflops, args.mem_gbps, args.host_us_per_op,
@@ -183,7 +189,8 @@ def meta(setup: Setup, costs: CostModel) -> dict:
                       "microbatches": setup.microbatches, "dtype": setup.dtype,
                       "reduce_dtype": setup.reduce_dtype},
             "num_params": model.num_params,
-            "mesh": {"outer": setup.outer, "inner": setup.inner},
+            "mesh": {"outer": setup.outer, "inner": setup.inner} | (
+                {"tp": setup.tp, "tp_gbps": setup.tp_gbps} if setup.tp > 1 else {}),
             "strategy": setup.strategy,
             "costs": {**dataclasses.asdict(costs)}}
 
@@ -193,10 +200,15 @@ def describe(m: dict) -> str:
     f = c["fabric"]
     host = (f"measured phases ({len(c['phases'])})" if c["phases"] else
             f"host {c['host_us_per_op']:g} us/op")
+    mesh = m["mesh"]
+    tp = mesh.get("tp", 1)
+    shape = (f"{mesh['outer']}x{mesh['inner']}x{tp} (outer x inner x tp, tp "
+             f"{mesh['tp_gbps']:g} GB/s)" if tp > 1 else
+             f"{mesh['outer']}x{mesh['inner']} (outer x inner)")
     return (f"{model['arch']} {m['num_params'] / 1e9:.2f} B params, {model['layers']} layers, "
             f"seq {model['seq']}, mbs {model['mbs']} x {model['microbatches']} microbatches, "
-            f"{model['dtype']} / reduce {model['reduce_dtype']}; mesh {m['mesh']['outer']}x"
-            f"{m['mesh']['inner']} (outer x inner), {m['strategy']}; {c['tflops']:.0f} "
+            f"{model['dtype']} / reduce {model['reduce_dtype']}; mesh {shape}, "
+            f"{m['strategy']}; {c['tflops']:.0f} "
             f"TFLOP/s, {c['mem_gbps']:g} GB/s, {host}; inner {f['inner']['bus_gbps']:g} GB/s, "
             f"outer {f['outer']['bus_gbps']:g} GB/s, {f['inner']['latency_us']:g} us")
 

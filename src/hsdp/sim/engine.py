@@ -31,13 +31,15 @@ from torch.utils.flop_counter import flop_registry
 
 import hsdp
 from hsdp.mesh import axis_groups
-from hsdp.models import ModelConfig, build_model, lm_loss, shard_units
+from hsdp.models import LlamaConfig, ModelConfig, build_model, lm_loss, shard_units
 from hsdp.policy import check_strategy
 from hsdp.report.args import DTYPES
 from hsdp.report.metrics import Interval, step_metrics
 from hsdp.sharding.comm import Collectives
 from hsdp.sim.clock import Program, virtual_streams
 from hsdp.sim.costs import CostModel
+from hsdp.sim.fabric import Link
+from hsdp.sim.tp import tp_pricer
 
 
 @dataclass(frozen=True)
@@ -54,11 +56,18 @@ class Setup:
     dtype: str = "bf16"
     reduce_dtype: str = "fp32"
     device: str = "meta"  # where the model is built (meta: no memory, no compute)
+    # tensor parallelism: tp ranks per data-parallel rank, TP collectives on a link of
+    # tp_gbps bus GB/s (and the fabric's inner latency); see hsdp.sim.tp
+    tp: int = 1
+    tp_gbps: float = 370.0
 
     def __post_init__(self) -> None:
         check_strategy(self.strategy)
         if min(self.outer, self.inner, self.microbatches, self.mbs) < 1:
             raise ValueError("sim: outer, inner, microbatches and mbs must be >= 1")
+        if self.tp < 1 or (self.tp > 1 and not isinstance(self.model, LlamaConfig)):
+            raise ValueError(f"sim: tp={self.tp}: tp must be >= 1, and tp > 1 needs a llama "
+                             f"model (the TP plan of hsdp.sim.tp)")
         for d in (self.dtype, self.reduce_dtype):
             if d not in DTYPES:
                 raise ValueError(f"sim: unknown dtype {d!r}; known: {', '.join(DTYPES)}")
@@ -66,7 +75,7 @@ class Setup:
     def phase_key(self) -> str:
         """What measured phase costs depend on: model, micro-batch size, dtypes."""
         return json.dumps([dataclasses.asdict(self.model), self.mbs, self.dtype,
-                           self.reduce_dtype])
+                           self.reduce_dtype] + ([self.tp] if self.tp > 1 else []))
 
 
 @dataclass(frozen=True)
@@ -329,6 +338,11 @@ def evaluate(rec: Recording, costs: CostModel) -> SimResult:
     world = setup.outer * setup.inner
     ranks = [costs, *costs.peers] if len(costs.peers) == world - 1 else [costs]
     prices = [_for_setup(c, setup).pricer(rec.program) for c in ranks]
+    if setup.tp > 1:
+        prices = [tp_pricer(p, rec.program, setup.model, setup.mbs,
+                            DTYPES[setup.dtype].itemsize, setup.tp,
+                            Link(setup.tp_gbps, c.fabric.inner.latency_us))
+                  for p, c in zip(prices, ranks)]
     if len(prices) == 1:
         timings = [rec.program.evaluate(prices[0], rec.start, shared_sms=True)]
     else:

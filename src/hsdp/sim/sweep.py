@@ -93,7 +93,8 @@ def run_sweep(base: Setup, costs: CostModel, grid: dict[str, list],
 
 def _describe(base: Setup, costs: CostModel) -> dict:
     return {"model": dataclasses.asdict(base.model), "mesh": [base.outer, base.inner],
-            "strategy": base.strategy, "microbatches": base.microbatches, "mbs": base.mbs,
+            "tp": base.tp, "strategy": base.strategy, "microbatches": base.microbatches,
+            "mbs": base.mbs,
             "dtype": base.dtype, "reduce_dtype": base.reduce_dtype,
             "costs": dataclasses.asdict(costs)}
 

@@ -26,7 +26,7 @@ CASES = [TPCase(strategy, overlap, mb) for strategy, overlap, mb in itertools.pr
         ("hsdp", "torch-2"), ("hfsdp", "hsdp-2"), ("hfsdp", "torch-inf"), ("hsdp", "hsdp-inf"))
 ] + [TPCase("hsdp", True, 1, bf16=True), TPCase("hfsdp", False, 3, bf16=True)] + [
     TPCase("hsdp", True, 1, ac=True), TPCase("hfsdp", False, 3, ac=True, frozen=True),
-    TPCase("hfsdp", True, 1, compile=True), TPCase("hsdp", False, 1, ac=True, compile=True),
+    TPCase("hfsdp", True, 1, compile=True), TPCase("hsdp", False, 1, compile=True),
     TPCase("hsdp", False, 1, frozen=True, meta=True), TPCase("hfsdp", True, 3, meta=True)]
 
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.optimizer import (
     LRSchedulersContainer,
@@ -72,6 +72,8 @@ def _loss(model: nn.Module, seqs: torch.Tensor, global_tokens: int) -> torch.Ten
     tokens, labels = seqs[..., :-1], seqs[..., 1:]
     pos = torch.arange(SEQ).expand(tokens.shape[0], SEQ)
     logits = model(tokens, positions=pos)
+    if isinstance(logits, DTensor):  # torchtitan's TP output: sharded over the vocabulary
+        logits = logits.full_tensor()
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                            reduction="sum") / global_tokens
 
@@ -271,4 +273,39 @@ def checkpoint_job(rank: int, world: int, root: str) -> dict[str, float | bool]:
     hsdp.synchronize(model)
     model, _ = _titan_run(_fsdp2_model(dims), rank, world, f"{root}/hsdp", resume=True)
     out["hsdp ckpt -> fsdp2"] = _rel(_full_params(model), full["hsdp"])
+    return out
+
+
+def tp_parity_job(rank: int, world: int) -> dict[str, float]:
+    """``tensor_parallel_degree`` 2 on (dp_replicate, dp_shard, tp) = (2, 2, 2): torchtitan's
+    own TP plan, then hsdp (both strategies, with and without its selective AC) or
+    torchtitan's FSDP2; relative parameter error after ``STEPS`` steps against one process
+    and against the FSDP2 + TP path. The tp ranks of one DP rank see the same rows."""
+    titan_dims_module.device_type = "cpu"
+    tp = 2
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=tp, pp=1, ep=1,
+                        world_size=world, spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    dp, dp_rank = world // tp, rank // tp
+    ref = _reference()
+    _train(ref, slice(None), dp, 1)
+    want = _full_params(ref)
+    fsdp2 = _fsdp2_model(dims)
+    _train(fsdp2, dp_rank, dp, 1)
+    fsdp2_params = _full_params(fsdp2)
+    out = {"fsdp2+tp vs ref": _rel(fsdp2_params, want)}
+    for strategy, ac in (("hsdp", True), ("hfsdp", False)):
+        model = _parallelize(hsdp_titan.parallelize_llama, _meta_model(), dims, ac, "default",
+                             strategy=strategy, overlap_outer=strategy == "hsdp")
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        out[f"{strategy} ac={ac} init vs ref"] = _rel(_full_params(model),
+                                                      _full_params(_reference()))
+        _train(model, dp_rank, dp, 1)
+        got = _full_params(model)
+        out[f"{strategy} ac={ac} vs ref"] = _rel(got, want)
+        out[f"{strategy} ac={ac} vs fsdp2+tp"] = _rel(got, fsdp2_params)
+        hsdp.synchronize(model)
     return out

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -32,6 +33,9 @@ ROWS = 8  # global batch: every DP size up to 8 gets whole rows
 STEPS = 3
 LR, MOMENTUM = 0.1, 0.9
 CLIP = 0.05  # below every gradient norm of these runs: clipping is active
+# frozen in TPCase(frozen=True): a rowwise (Shard(1)) embedding, a colwise (Shard(0)) weight
+# and a sequence-parallel (Replicate) norm weight
+FROZEN = ("tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.1.ffn_norm.weight")
 
 
 class Attention(nn.Module):
@@ -124,6 +128,43 @@ class TPCase:
     microbatches: int = 1
     clip: str = ""  # "torch-2" / "hsdp-inf" ...: clip_grad_norm_ (whose, norm type) each step
     bf16: bool = False  # bf16 parameters for compute, fp32 reduction
+    ac: bool = False  # blocks in torch's checkpoint_wrapper (after TP, as torchtitan)
+    compile: bool = False  # block.compile(backend="aot_eager") after TP (and AC)
+    frozen: bool = False  # FROZEN parameters do not train
+    meta: bool = False  # built on meta, TP on meta, then hsdp.materialize(init_modules)
+
+    @property
+    def ref_key(self) -> tuple:
+        """What the one-process reference depends on."""
+        return self.microbatches, self.clip, self.frozen, self.meta
+
+
+def init_module(m: nn.Module) -> None:
+    """Each module's own initializer (``materialize``'s init_fn)."""
+    if isinstance(m, nn.RMSNorm):
+        m.weight.uniform_(0.5, 1.5)
+    elif isinstance(m, (nn.Linear, nn.Embedding)):
+        m.reset_parameters()
+
+
+def reference(case: TPCase) -> Llama:
+    """The one-process model of ``case``'s initial values and frozen parameters."""
+    torch.manual_seed(0)
+    model = Llama()
+    if case.meta:  # what materialize gives: init_module over modules() under seed 0
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for m in model.modules():
+                init_module(m)
+    freeze(model, case)
+    return model
+
+
+def freeze(model: nn.Module, case: TPCase) -> None:
+    if case.frozen:
+        for name, p in model.named_parameters():
+            if name in FROZEN:
+                p.requires_grad_(False)
 
 
 def _tokens(step: int, micro: int) -> torch.Tensor:
@@ -180,9 +221,11 @@ def train(model: nn.Module, runner: str, microbatches: int, dp_rank: int, dp: in
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter whole (over DP and TP shards), on CPU."""
+    """Every parameter whole (over DP and TP shards), on CPU, by its name in ``Llama``
+    (without checkpoint_wrapper's part)."""
     with torch.no_grad():
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+        return {k.replace("._checkpoint_wrapped_module", ""):
+                (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
                 for k, v in model.named_parameters()}
 
 
@@ -195,8 +238,15 @@ def sharded_model(mesh: DeviceMesh, case: TPCase) -> Llama:
     """The reference's initial model with the TP plan on mesh["tp"], then data-parallel
     sharding by hsdp (every block, then the root) or by FSDP2 on mesh["outer", "inner"]."""
     torch.manual_seed(0)
-    model = Llama()
+    with torch.device("meta" if case.meta else "cpu"):
+        model = Llama()
     apply_tp(model, mesh["tp"])
+    freeze(model, case)
+    for i, block in enumerate(model.layers):
+        if case.ac:
+            model.layers[i] = block = checkpoint_wrapper(block)
+        if case.compile:
+            block.compile(backend="aot_eager")
     dtypes = (torch.bfloat16, torch.float32) if case.bf16 else (None, None)
     if case.strategy == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -207,6 +257,9 @@ def sharded_model(mesh: DeviceMesh, case: TPCase) -> Llama:
     for module in (*model.layers, model):
         hsdp.fully_shard(module, mesh=mesh, strategy=case.strategy, overlap_outer=case.overlap,
                          mp_policy=hsdp.MixedPrecision(*dtypes) if case.bf16 else None)
+    if case.meta:
+        torch.manual_seed(0)
+        hsdp.materialize(model, init_module)
     return model
 
 
@@ -234,14 +287,13 @@ def parity_job(rank: int, world: int, shape: tuple[int, int, int],
                  "errors": mesh_errors()}
     dp_rank = rank // tp
     refs: dict[tuple, tuple[dict[str, torch.Tensor], list[float]]] = {}
-    fsdp2: dict[tuple[int, bool], dict[str, torch.Tensor]] = {}
+    fsdp2: dict[tuple[int, bool, bool], dict[str, torch.Tensor]] = {}
     for case in cases:
         M = case.microbatches
-        if (M, case.clip) not in refs:
-            torch.manual_seed(0)
-            ref = Llama()
+        if case.ref_key not in refs:
+            ref = reference(case)
             norms = train(ref, "ref", M, 0, 1, optimizer(ref), clip=case.clip)
-            refs[M, case.clip] = ({k: v.detach().clone() for k, v in ref.named_parameters()},
+            refs[case.ref_key] = ({k: v.detach().clone() for k, v in ref.named_parameters()},
                                   norms)
         model = sharded_model(mesh, case)
         norms = train(model, "fsdp2" if case.strategy == "fsdp2" else "hsdp", M, dp_rank,
@@ -249,15 +301,16 @@ def parity_job(rank: int, world: int, shape: tuple[int, int, int],
         if case.strategy != "fsdp2":
             hsdp.synchronize(model)
         got = full_params(model)
-        ref_params, ref_norms = refs[M, case.clip]
+        ref_params, ref_norms = refs[case.ref_key]
         errs = {"ref": rel_err(got, ref_params)}
         if case.clip:  # clipping was active: the norms exceed the bound
             errs["norm"] = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
             errs["clipped"] = min(ref_norms) > CLIP
+        key = M, case.bf16, case.compile
         if case.strategy == "fsdp2":
-            fsdp2[M, case.bf16] = got
-        elif (M, case.bf16) in fsdp2 and not case.clip:
-            errs["fsdp2"] = rel_err(got, fsdp2[M, case.bf16])
+            fsdp2[key] = got
+        elif key in fsdp2 and case.ref_key == (M, "", False, False):
+            errs["fsdp2"] = rel_err(got, fsdp2[key])
         out[case] = errs
     return out
 
@@ -288,12 +341,6 @@ def errors_job(rank: int, world: int) -> dict[str, str]:
         parallelize_module(module, sub, ColwiseParallel())
         return module
 
-    def on_meta() -> nn.Module:
-        with torch.device("meta"):
-            module = nn.Linear(4, 4, bias=False)
-        parallelize_module(module, mesh["tp"], ColwiseParallel())
-        return module
-
     def with_placement(placement) -> nn.Module:
         module = nn.Linear(4, 4, bias=False)
         module.weight = nn.Parameter(DTensor.from_local(torch.randn(2, 4), mesh["tp"],
@@ -303,8 +350,7 @@ def errors_job(rank: int, world: int) -> dict[str, str]:
     return {"2d": _refused(lambda: linear_on(mesh["tp"]), mesh_2d),
             "not_tp": _refused(lambda: linear_on(mesh["inner"]), mesh),
             "strided": _refused(lambda: with_placement(_StridedShard(0, split_factor=2)), mesh),
-            "partial": _refused(lambda: with_placement(Partial()), mesh),
-            "meta": _refused(on_meta, mesh)}
+            "partial": _refused(lambda: with_placement(Partial()), mesh)}
 
 
 CKPT_TARGETS = ((1, 4, 2, "hfsdp"), (2, 4, 1, "hsdp"), (1, 1, 8, "hsdp"))

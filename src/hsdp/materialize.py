@@ -10,6 +10,10 @@ it are ``m``'s parameters while ``init_fn(m)`` runs; when the walk leaves the un
 rank copies its shards out of it and frees it. So full values exist for the root (whose
 modules usually come first and last) and one other unit at a time. A unit reached again
 later starts from its shards, all-gathered (the only communication).
+
+A tensor-parallel parameter (a DTensor on ``mesh["tp"]``) is shown to ``init_fn`` whole,
+as a plain tensor of its global shape: each rank initializes all of it (the same values on
+every rank) and keeps its TP block, so the result equals the model initialized without TP.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from hsdp.runtime.hooks import units_below
 from hsdp.runtime.unit import Unit
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.group import ParamGroup, owner
+from hsdp.sharding.tp import block_of, meta_like
 
 
 @torch.no_grad()
@@ -65,15 +70,16 @@ class _Walk:
         self.written: set[tuple[ParamGroup, int]] = set()  # fresh parameters initialized
         self.paths = {id(m): path for path, m in root.module.named_modules()}
         self.pending_buffers: dict[tuple[int, str], str] = {}
+        self.blank: set[ParamGroup] = set()  # open groups whose full values are unset
 
     # ------------------------------------------------------------------ units
 
     def _open(self, unit: Unit) -> None:
         for g in list(unit.groups):
             if g.main.is_meta:  # allocate the shards (no data yet), then the full values
-                metas = [nn.Parameter(torch.empty(shape, dtype=g.orig_dtype, device="meta"),
+                metas = [nn.Parameter(meta_like(shape, g.orig_dtype, tp_spec),
                                       requires_grad=sp.requires_grad)
-                         for shape, sp in zip(g.layout.shapes, g.sharded)]
+                         for shape, sp, tp_spec in zip(g.layout.shapes, g.sharded, g.tp_specs)]
                 if g.float8 is not None:  # still gathered in float8
                     metas = g.float8.wrap(metas)
                 old, g = g, ParamGroup(g.label, metas, g.slots, g.comms, unit.device,
@@ -86,6 +92,7 @@ class _Walk:
                 for a, b in g.layout.gaps():
                     flat[a:b] = 0
                 self.flats[g] = flat
+                self.blank.add(g)
             else:  # allocated already: start from its current values (a collective)
                 self.flats[g] = g.full_flat(Collectives())
         self.open_units.append(unit)
@@ -108,6 +115,7 @@ class _Walk:
     def _close(self, unit: Unit) -> None:
         for g in unit.groups:
             g.load_flat(self.flats.pop(g))
+            self.blank.discard(g)
         self.open_units.remove(unit)
 
     def close_all(self) -> None:
@@ -136,10 +144,8 @@ class _Walk:
         own = {n: owner(m._parameters[n]) for n in names}  # groups opened may be new
         shown = {}
         for n, (g, idx) in own.items():
-            off, numel = g.layout.offsets[idx], g.layout.numels[idx]
-            view = self.flats[g][off:off + numel].view(g.layout.shapes[idx])
             shown[n] = m._parameters[n] = nn.Parameter(
-                view, requires_grad=g.sharded[idx].requires_grad)
+                self._whole(g, idx), requires_grad=g.sharded[idx].requires_grad)
         versions = {n: p._version for n, p in shown.items()}
         buffers = {}
         for n, b in m._buffers.items():
@@ -157,10 +163,30 @@ class _Walk:
                 shown[n].copy_(now)
             if now is not shown[n] or shown[n]._version != versions[n]:
                 self.written.add((g, idx))
+                block = block_of(g.specs[idx])
+                if block is not None:  # keep this rank's TP block of the whole value
+                    self._view(g, idx).copy_(block.local_of(shown[n]))
             m._parameters[n] = g.sharded[idx]
         for n, b in buffers.items():
             if m._buffers[n] is not b or b._version != buf_versions[n]:
                 self.pending_buffers.pop((id(m), n))
+
+    def _view(self, g: ParamGroup, idx: int) -> torch.Tensor:
+        """Parameter ``idx`` of open group ``g`` in its full values (TP-local shape)."""
+        off, numel = g.layout.offsets[idx], g.layout.numels[idx]
+        return self.flats[g][off:off + numel].view(g.layout.shapes[idx])
+
+    def _whole(self, g: ParamGroup, idx: int) -> torch.Tensor:
+        """What ``init_fn`` sees of parameter ``idx``: its view in the full values, or,
+        where TP shards it, a tensor of its global shape (gathered over the tp ranks
+        unless the group has no values yet)."""
+        view = self._view(g, idx)
+        block = block_of(g.specs[idx])
+        if block is None:
+            return view
+        if g in self.blank:
+            return torch.empty(block.shape, dtype=view.dtype, device=view.device)
+        return block.whole(view, g.comms.host_tp)
 
     def unwritten(self) -> list[str]:
         names = []

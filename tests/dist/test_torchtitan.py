@@ -16,7 +16,7 @@ pytest.importorskip("torchtitan.train", reason="torchtitan is not installed: pip
                     "--no-deps per the hsdp[torchtitan] extra (README: Using hsdp in torchtitan)")
 
 from dist_utils import run_ranks  # noqa: E402
-from torchtitan_jobs import _meta_model, checkpoint_job, parity_job  # noqa: E402
+from torchtitan_jobs import _meta_model, checkpoint_job, parity_job, tp_parity_job  # noqa: E402
 
 TESTS = str(Path(__file__).parent)
 ROOT = Path(__file__).parent.parent
@@ -25,6 +25,16 @@ ROOT = Path(__file__).parent.parent
 def test_llama3_debugmodel_matches_one_process_and_fsdp2():
     per_rank = run_ranks(parity_job, 4)
     assert len(per_rank[0]) == 14
+    bad = {k: e for r in per_rank for k, e in r.items() if not e < 1e-5}
+    assert not bad, bad
+
+
+def test_tensor_parallel_degree_2_matches_one_process_and_fsdp2_tp():
+    """tensor_parallel_degree 2 on a (2, 2, 2) gloo mesh: torchtitan's own TP plan, then
+    hsdp on the 3-D mesh (meta build, init_weights through hsdp.materialize), equals one
+    process and torchtitan's FSDP2 + TP path."""
+    per_rank = run_ranks(tp_parity_job, 8)
+    assert len(per_rank[0]) == 7
     bad = {k: e for r in per_rank for k, e in r.items() if not e < 1e-5}
     assert not bad, bad
 

@@ -16,12 +16,18 @@ TOL = 1e-5  # fp32, SGD with momentum, 3 steps
 BF16_TOL = 2e-2  # bf16 parameters for compute against fp32 in one process
 BF16_FSDP2_TOL = 1e-3  # bf16 against FSDP2 in bf16 (equal here; a margin for other builds)
 
-FSDP2_CASES = [TPCase("fsdp2", True, mb) for mb in (1, 3)] + [TPCase("fsdp2", bf16=True)]
+# compiled TP blocks (aot_eager) differ from eager ones by ~1e-3 after 3 steps under FSDP2
+# as under hsdp: compiled cases are checked against FSDP2 + TP compiled alike only
+FSDP2_CASES = [TPCase("fsdp2", True, mb) for mb in (1, 3)] + [
+    TPCase("fsdp2", bf16=True), TPCase("fsdp2", compile=True)]
 CASES = [TPCase(strategy, overlap, mb) for strategy, overlap, mb in itertools.product(
     ("hsdp", "hfsdp"), (True, False), (1, 3))] + [
     TPCase(strategy, True, 1, clip) for strategy, clip in (
         ("hsdp", "torch-2"), ("hfsdp", "hsdp-2"), ("hfsdp", "torch-inf"), ("hsdp", "hsdp-inf"))
-] + [TPCase("hsdp", True, 1, bf16=True), TPCase("hfsdp", False, 3, bf16=True)]
+] + [TPCase("hsdp", True, 1, bf16=True), TPCase("hfsdp", False, 3, bf16=True)] + [
+    TPCase("hsdp", True, 1, ac=True), TPCase("hfsdp", False, 3, ac=True, frozen=True),
+    TPCase("hfsdp", True, 1, compile=True), TPCase("hsdp", False, 1, compile=True),
+    TPCase("hsdp", False, 1, frozen=True, meta=True), TPCase("hfsdp", True, 3, meta=True)]
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +55,13 @@ def test_init_mesh_3d(results: list[dict]) -> None:
 def test_tp_parity(case: TPCase, results: list[dict]) -> None:
     errs = [r[case] for r in results]
     assert all(e == errs[0] for e in errs), f"ranks disagree: {errs}"
-    assert errs[0]["ref"] < (BF16_TOL if case.bf16 else TOL), errs[0]
+    if not case.compile:
+        assert errs[0]["ref"] < (BF16_TOL if case.bf16 else TOL), errs[0]
     if case.clip:  # the norm over every TP and DP shard, and clipping was active
         assert errs[0]["clipped"] and errs[0]["norm"] < TOL, errs[0]
-    elif case.strategy != "fsdp2" and TPCase("fsdp2", True, case.microbatches,
-                                             bf16=case.bf16) in FSDP2_CASES:
+    elif (case.strategy != "fsdp2" and not (case.frozen or case.meta)
+          and TPCase("fsdp2", True, case.microbatches, bf16=case.bf16,
+                     compile=case.compile) in FSDP2_CASES):
         assert errs[0]["fsdp2"] < (BF16_FSDP2_TOL if case.bf16 else TOL), errs[0]
 
 
@@ -70,11 +78,10 @@ def test_tp_checkpoint_reshards(tmp_path) -> None:
 
 def test_tp_errors() -> None:
     """A DTensor parameter on a mesh without "tp", on a mesh other than mesh["tp"], with a
-    placement hsdp cannot flatten, on the meta device: a ValueError naming the fix, on
+    placement hsdp cannot flatten: a ValueError naming the fix, on
     every rank, before the module changes."""
     for errs in run_ranks(errors_job, 8):  # each names this rank's tp ranks
         assert "has no 'tp' dim" in errs["2d"], errs
         assert "pass mesh['tp']" in errs["not_tp"], errs
         assert "cannot flatten" in errs["strided"], errs
         assert "cannot flatten" in errs["partial"], errs
-        assert "meta device" in errs["meta"], errs

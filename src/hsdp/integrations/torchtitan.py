@@ -62,7 +62,6 @@ def _check_supported(model: nn.Module, parallel_dims: ParallelDims, training: Tr
                          f"converters rely on FSDP2's all-gather hooks); drop the converter "
                          f"or use torchtitan's own llama3 module (FSDP2)")
     refused = {
-        "tensor_parallel_degree > 1": parallel_dims.tp_enabled,
         "pipeline_parallel_degree > 1": parallel_dims.pp_enabled,
         "context_parallel_degree > 1": parallel_dims.cp_enabled,
         "expert_parallel_degree > 1": parallel_dims.ep_enabled,
@@ -86,7 +85,9 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
                       strategy: str | None = None,
                       overlap_outer: bool | None = None) -> nn.Module:
     """torchtitan's ``parallelize_llama`` with hsdp in place of ``apply_fsdp_to_decoder``:
-    activation checkpointing and per-block compile as torchtitan applies them, then one
+    torchtitan's own TP plan (the model's ``parallelize`` on its "tp" mesh, when
+    ``tensor_parallel_degree > 1``), activation checkpointing and per-block compile as
+    torchtitan applies them, then one
     hsdp unit per block (and one for the embedding unless it is tied to the output), the
     norm and output head in the root's. ``strategy`` / ``overlap_outer``: default from
     the environment (``options_from_env``)."""
@@ -94,13 +95,15 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
     env_strategy, env_overlap = options_from_env()
     strategy = strategy or env_strategy
     overlap_outer = env_overlap if overlap_outer is None else overlap_outer
+    if parallel_dims.tp_enabled:
+        model.parallelize(parallel_dims)
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_config.enable and "model" in compile_config.components:
         apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
 
     mesh = hsdp.init_mesh(parallel_dims.dp_replicate, parallel_dims.dp_shard,
-                          parallel_dims.world_mesh.device_type)
+                          parallel_dims.world_mesh.device_type, tp=parallel_dims.tp)
     mp = hsdp.MixedPrecision(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
                              reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
                              cast_forward_inputs=False)

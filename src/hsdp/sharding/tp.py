@@ -8,8 +8,8 @@ backward). A sharded parameter is a DTensor on the 3-D mesh whose last placement
 placement; its elements lie in this rank's TP block (``TPBlock``: the chunk along the TP
 Shard dim, as ``torch.chunk`` cuts it) at the flat range hsdp's piece gives. What hsdp
 refuses: a DTensor on any other mesh, a placement it cannot flatten (``_StridedShard``,
-``Partial``), a DTensor parameter on a mesh without a "tp" dim, TP parameters on the meta
-device (``hsdp.materialize`` does not rebuild DTensors).
+``Partial``), a DTensor parameter on a mesh without a "tp" dim. TP parameters may be on
+the meta device: ``hsdp.materialize`` initializes them whole and keeps each rank's block.
 """
 
 from __future__ import annotations
@@ -60,11 +60,6 @@ def check_params(params: Sequence[torch.Tensor], names: Sequence[str],
                 f"ranks {p.device_mesh.mesh.tolist()}; hsdp shards tensor-parallel "
                 f"parameters on mesh['tp'] of its own mesh (ranks {tp_ranks} here) only: "
                 f"pass mesh['tp'] of the mesh given to fully_shard to parallelize_module")
-        if p.is_meta:
-            raise ValueError(
-                f"hsdp.fully_shard: parameter {name} is a tensor-parallel DTensor on the meta "
-                f"device; hsdp.materialize does not handle TP parameters yet: build the model "
-                f"on its device (or to_empty() and initialize it) before fully_shard")
         (pl,) = p.placements
         if not (type(pl) is Shard or pl.is_replicate()):
             raise ValueError(
@@ -123,6 +118,17 @@ def block_of(dspec: DTensorSpec) -> TPBlock | None:
         return None
     rank = dspec.mesh.get_coordinate()[TP_DIM]
     return _block(tuple(dspec.shape), pl.dim, dspec.mesh.size(TP_DIM), rank)
+
+
+def meta_like(shape: tuple[int, ...], dtype: torch.dtype,
+              tp_spec: DTensorSpec | None) -> torch.Tensor:
+    """A meta parameter value of TP-local ``shape``: a DTensor with ``tp_spec``'s mesh,
+    placements and global shape where the parameter is a TP one (``tp_spec`` not None)."""
+    local = torch.empty(shape, dtype=dtype, device="meta")
+    if tp_spec is None:
+        return local
+    return DTensor.from_local(local, tp_spec.mesh, tp_spec.placements, run_check=False,
+                              shape=tp_spec.shape, stride=tp_spec.stride)
 
 
 def unsharded_spec(p: DTensor, dtype: torch.dtype) -> DTensorSpec:

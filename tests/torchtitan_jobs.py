@@ -8,6 +8,8 @@ updates)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -34,24 +36,25 @@ import hsdp
 from hsdp.integrations import torchtitan as hsdp_titan
 
 ROWS, SEQ, STEPS, MAX_NORM = 2, 16, 10, 1.0
+FLOAT8_STEPS = 5
 
 
-def _model_config():
-    cfg = model_registry("debugmodel").model
+def _model_config(converters: list | None = None):
+    cfg = model_registry("debugmodel", converters=converters).model
     for layer in cfg.layers:  # flex attention has no CPU backward
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return cfg
 
 
-def _meta_model() -> nn.Module:
+def _meta_model(converters: list | None = None) -> nn.Module:
     with torch.device("meta"):
-        return _model_config().build()
+        return _model_config(converters).build()
 
 
-def _reference() -> nn.Module:
+def _reference(converters: list | None = None) -> nn.Module:
     """One process, initialized as hsdp's ``init_weights`` does: each module's own
     initializers in ``modules()`` order under seed 0."""
-    model = _meta_model()
+    model = _meta_model(converters)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     with torch.no_grad():
@@ -78,16 +81,22 @@ def _loss(model: nn.Module, seqs: torch.Tensor, global_tokens: int) -> torch.Ten
                            reduction="sum") / global_tokens
 
 
-def _train(model: nn.Module, rows: slice | int, world: int, microbatches: int) -> None:
+def _train(model: nn.Module, rows: slice | int | range, world: int, microbatches: int,
+           after_step: Callable[[nn.Module], None] | None = None, steps: int = STEPS) -> None:
+    """``steps`` SGD steps on ``rows`` of each batch (a range: each row group in a forward
+    of its own, as the ranks run them)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = _batches(world, microbatches)
     global_tokens = world * ROWS * SEQ * microbatches
-    for step in range(STEPS):
+    for step in range(steps):
         for mb in range(microbatches):
-            seqs = data[step, mb, rows].reshape(-1, SEQ + 1)
-            _loss(model, seqs, global_tokens).backward()
+            for r in rows if isinstance(rows, range) else [rows]:
+                seqs = data[step, mb, r].reshape(-1, SEQ + 1)
+                _loss(model, seqs, global_tokens).backward()
         titan_dist.clip_grad_norm_(list(model.parameters()), MAX_NORM, foreach=True)
         opt.step()
+        if after_step is not None:
+            after_step(model)
         opt.zero_grad()
 
 
@@ -99,6 +108,20 @@ def _full_params(model: nn.Module) -> list[torch.Tensor]:
 
 def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b))
+
+
+def _fsdp2_on(model: nn.Module, dims: ParallelDims, init: list[torch.Tensor]) -> nn.Module:
+    """torchtitan's FSDP2 path on the meta-built ``model``, its parameters ``init``."""
+    model = _parallelize(fsdp2_parallelize_llama, model, dims, False, "default")
+    for m in model.modules():  # gloo has no PREMUL_SUM
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+    model.to_empty(device="cpu")
+    with torch.no_grad():  # buffers by torchtitan's init, parameters the reference's
+        model.init_weights(buffer_device=None)
+        for p, q in zip(model.parameters(), init):
+            p.copy_(distribute_tensor(q.detach(), p.device_mesh, p.placements))
+    return model
 
 
 def _parallelize(fn, model: nn.Module, dims: ParallelDims, ac: bool, reshard: str,
@@ -127,15 +150,7 @@ def parity_job(rank: int, world: int) -> dict[str, float]:
         _train(ref, slice(None), world, microbatches)
         want = _full_params(ref)
 
-        fsdp2 = _parallelize(fsdp2_parallelize_llama, _meta_model(), dims, False, "default")
-        for m in fsdp2.modules():  # gloo has no PREMUL_SUM
-            if isinstance(m, FSDPModule):
-                m.set_force_sum_reduction_for_comms(True)
-        fsdp2.to_empty(device="cpu")
-        with torch.no_grad():  # buffers by torchtitan's init, parameters the reference's
-            fsdp2.init_weights(buffer_device=None)
-            for p, q in zip(fsdp2.parameters(), init):
-                p.copy_(distribute_tensor(q.detach(), p.device_mesh, p.placements))
+        fsdp2 = _fsdp2_on(_meta_model(), dims, init)
         _train(fsdp2, rank, world, microbatches)
         fsdp2_params = _full_params(fsdp2)
         out[f"fsdp2 mb={microbatches} vs ref"] = _rel(fsdp2_params, want)
@@ -155,6 +170,68 @@ def parity_job(rank: int, world: int) -> dict[str, float]:
             out[f"{name} vs ref"] = _rel(got, want)
             out[f"{name} vs fsdp2"] = _rel(got, fsdp2_params)
             hsdp.synchronize(model)
+    return out
+
+
+def _float8_train(model: nn.Module, rows: int | range, world: int,
+                  after_step: Callable[[nn.Module], None] | None = None
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``FLOAT8_STEPS`` steps; the full parameters after the first step and the last."""
+    first: list[list[torch.Tensor]] = []
+
+    def record(m: nn.Module) -> None:
+        if after_step is not None:
+            after_step(m)
+        if not first:
+            first.append([t.clone() for t in _full_params(m)])
+
+    _train(model, rows, world, 1, after_step=record, steps=FLOAT8_STEPS)
+    return first[0], _full_params(model)
+
+
+def float8_parity_job(rank: int, world: int) -> dict[str, float | int]:
+    """torchtitan's ``debugmodel`` through a float8 converter (tensorwise, emulated) on the
+    2x2 mesh: hsdp with float8 all-gather (hsdp's converter; torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp`` called after each step as FSDP2 users
+    do) and without it (torchtitan's own converter), against one process with the same
+    conversion and torchtitan's FSDP2 path, after the first step and after the last
+    (float8 casts turn reduction-order noise into whole float8 steps from the second
+    step on: only runs with the same reduction order stay within 1e-5 there). Also the
+    number of weights hsdp gathers in float8 per configuration."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchtitan.components.quantization import Float8LinearConverter as TitanFloat8
+
+    from hsdp.integrations.torchtitan_float8 import Float8LinearConverter
+
+    titan_dims_module.device_type = "cpu"
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=world,
+                        spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    f8_gather = [Float8LinearConverter.Config(emulate=True)]
+    ref = _reference(f8_gather)
+    init = [p.detach().clone() for p in ref.parameters()]
+    # each rank's rows apart: float8 activation and gradient scales are per forward
+    want = _float8_train(ref, range(world), world)
+    fsdp2 = _float8_train(_fsdp2_on(_meta_model(f8_gather), dims, init), rank, world)
+    out: dict[str, float | int] = {"fsdp2 step 1 vs ref": _rel(fsdp2[0], want[0]),
+                                   "fsdp2 last vs ref": _rel(fsdp2[1], want[1])}
+    for name, converters, strategy, overlap in (
+            ("hsdp float8 all-gather", f8_gather, "hsdp", True),
+            ("hfsdp float8 all-gather", f8_gather, "hfsdp", False),
+            ("hsdp torchtitan converter", [TitanFloat8.Config(emulate=True)], "hsdp", True)):
+        model = _parallelize(hsdp_titan.parallelize_llama, _meta_model(converters), dims,
+                             True, "default", strategy=strategy, overlap_outer=overlap)
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        got = _float8_train(model, rank, world, precompute_float8_dynamic_scale_for_fsdp)
+        out[f"{name} float8 weights"] = sum(
+            len(g.float8.scales) for g in model._hsdp_unit.runtime.float8_groups)
+        for i, when in enumerate(("step 1", "last")):
+            out[f"{name} {when} vs ref"] = _rel(got[i], want[i])
+            out[f"{name} {when} vs fsdp2"] = _rel(got[i], fsdp2[i])
+        hsdp.synchronize(model)
     return out
 
 

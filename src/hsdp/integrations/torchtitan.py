@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -55,12 +56,13 @@ def _check_supported(model: nn.Module, parallel_dims: ParallelDims, training: Tr
     """Refuse (before anything changes) what hsdp cannot do under torchtitan, naming what
     to use instead."""
     converted = sorted({type(m).__name__ for m in model.modules()
-                        if any(c.__module__.startswith("torchao.") for c in type(m).__mro__)})
+                        if _is_torchao(m) and not _is_float8_linear(m)})
     if converted:
-        raise ValueError(f"hsdp's torchtitan integration does not support torchao-converted "
-                         f"modules ({', '.join(converted)}: torchtitan's float8 / MX / NVFP4 "
-                         f"converters rely on FSDP2's all-gather hooks); drop the converter "
-                         f"or use torchtitan's own llama3 module (FSDP2)")
+        raise ValueError(f"hsdp's torchtitan integration supports torchao's float8 linears "
+                         f"only, not {', '.join(converted)} (torchtitan's MX / NVFP4 "
+                         f"converters rely on FSDP2's all-gather hooks); use "
+                         f"hsdp.integrations.torchtitan_float8.Float8LinearConverter or "
+                         f"torchtitan's own llama3 module (FSDP2)")
     refused = {
         "pipeline_parallel_degree > 1": parallel_dims.pp_enabled,
         "context_parallel_degree > 1": parallel_dims.cp_enabled,
@@ -78,6 +80,17 @@ def _check_supported(model: nn.Module, parallel_dims: ParallelDims, training: Tr
                          f"plain parameters, not spmd_types / full-DTensor annotated ones")
 
 
+def _is_torchao(m: nn.Module) -> bool:
+    return any(c.__module__.startswith("torchao.") for c in type(m).__mro__)
+
+
+def _is_float8_linear(m: nn.Module) -> bool:
+    """torchao's (tensorwise or rowwise) float8 linear; a model can hold one only once
+    torchao is imported: no import here."""
+    float8_linear = sys.modules.get("torchao.float8.float8_linear")
+    return float8_linear is not None and isinstance(m, float8_linear.Float8Linear)
+
+
 def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
                       training: TrainingConfig, parallelism: ParallelismConfig,
                       compile_config: CompileConfig,
@@ -92,6 +105,10 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
     norm and output head in the root's. ``strategy`` / ``overlap_outer``: default from
     the environment (``options_from_env``)."""
     _check_supported(model, parallel_dims, training, parallelism)
+    if any(_is_float8_linear(m) for m in model.modules()):
+        from hsdp.integrations.torchtitan_float8 import wrap_float8_all_gather_weights
+
+        wrap_float8_all_gather_weights(model)
     env_strategy, env_overlap = options_from_env()
     strategy = strategy or env_strategy
     overlap_outer = env_overlap if overlap_outer is None else overlap_outer

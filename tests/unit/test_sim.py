@@ -891,3 +891,39 @@ def test_held_out_comparison_refuses_the_calibration_run(fake_world_8, tmp_path,
     with pytest.raises(SystemExit, match="calibrated on"):
         module.main()
     assert not (tmp_path / "page.md").exists()
+
+
+def _inner_all_gather_bytes(setup: Setup) -> dict[str, int]:
+    rec = record(setup)
+    out: dict[str, int] = {}
+    for op in rec.program.ops[rec.start:]:
+        for kind, axis, nbytes, _ in op.payload if op.kind == "side" else ():
+            if kind == "all_gather" and axis == "inner":
+                name = re.sub(r"\d+/", "/", op.label.removeprefix("AG:"))
+                out[name] = out.get(name, 0) + nbytes
+    return out
+
+
+def test_float8_all_gather_moves_one_byte_per_converted_weight_element(fake_world_8):
+    """``--float8``: the blocks' and head's linears gather 1 byte per element, half their
+    bf16 bytes (the norms stay bf16, in a group of their own); float8 matmuls run
+    ``float8_speedup`` times faster."""
+    pytest.importorskip("torchao.float8")
+    cfg = LlamaConfig(vocab=48, hidden=32, heads=4, kv_heads=2, ffn=64, layers=2, seq=16)
+    bf16 = _inner_all_gather_bytes(Setup(cfg, 2, 4))
+    f8 = _inner_all_gather_bytes(Setup(cfg, 2, 4, float8=True))
+    h, kv = cfg.hidden, cfg.hidden // cfg.heads * cfg.kv_heads
+    linears = 2 * h * h + 2 * h * kv + 3 * h * cfg.ffn  # per block
+    norms = 2 * h
+    gathers = bf16["LlamaBlock/0"] // (2 * cfg.layers * (linears + norms))
+    assert gathers >= 1
+    assert f8["LlamaBlock/1"] == gathers * cfg.layers * linears  # 1 byte per element
+    assert f8["LlamaBlock/0"] == gathers * cfg.layers * norms * 2
+    assert 2 * f8["LlamaBlock/1"] == bf16["LlamaBlock/0"] - f8["LlamaBlock/0"]
+    assert 2 * f8["Float8Linear/0"] == bf16["Linear/0"]  # the head
+    assert f8["Embedding/0"] == bf16["Embedding/0"]
+    rec = record(Setup(cfg, 2, 4, float8=True))
+    mm = next(op for op in rec.program.ops if op.kind == "compute"
+              and op.payload.name == "aten::mm")
+    slow, fast = CostModel(), CostModel(float8_speedup=2.0)
+    assert fast.compute_seconds(mm) == pytest.approx(slow.compute_seconds(mm) / 2)

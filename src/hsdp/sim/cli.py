@@ -52,11 +52,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "group crosses nodes (set --inner-gbps to match)")
     p.add_argument("--strategy", choices=STRATEGIES, default="hsdp")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameter dtype")
+    p.add_argument("--float8", action="store_true",
+                   help="torchao float8 linears (tensorwise, float8 all-gather on: 1 byte "
+                        "per weight element); needs hsdp[float8]")
     p.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="fp32",
                    help="gradient reduction dtype")
     cost = p.add_argument_group("cost model")
     cost.add_argument("--tflops", type=float, default=600.0,
                       help="achieved TFLOP/s on the model's FLOPs (default 600)")
+    cost.add_argument("--float8-speedup", type=float, default=2.0,
+                      help="with --float8: float8 matmuls' speed over --tflops (2.0: the "
+                           "H100/H200 dense FP8 / BF16 peak ratio; a measured ratio beats it)")
     cost.add_argument("--mem-gbps", type=float, default=3000.0,
                       help="memory GB/s of the optimizer and gradient copy-in (default 3000)")
     cost.add_argument("--host-us-per-op", type=float, default=0.0,
@@ -120,7 +126,7 @@ def resolve(args: argparse.Namespace) -> tuple[Setup, CostModel]:
         outer, inner = args.mesh
         setup = Setup(preset(args.model, **overrides), outer, inner, args.strategy, True,
                       args.microbatches, args.mbs, args.dtype, args.reduce_dtype,
-                      tp=args.tp, tp_gbps=args.tp_gbps)
+                      tp=args.tp, tp_gbps=args.tp_gbps, float8=args.float8)
         fabric = Fabric(Link(args.inner_gbps, args.latency_us),
                         Link(args.outer_gbps, args.latency_us))
         costs = CostModel(fabric, args.tflops, args.mem_gbps, args.host_us_per_op,
@@ -133,6 +139,8 @@ def resolve(args: argparse.Namespace) -> tuple[Setup, CostModel]:
         if args.profile:
             profile = MachineProfile.load(args.profile)
             costs = profile.cost_model(profile.fabric(fabric))
+        if args.float8:
+            costs = dataclasses.replace(costs, float8_speedup=args.float8_speedup)
     except ValueError as e:
         raise SystemExit(f"hsdp sim: {e}") from None
     return setup, costs
@@ -187,7 +195,7 @@ def meta(setup: Setup, costs: CostModel) -> dict:
     model = setup.model
     return {"model": {**dataclasses.asdict(model), "mbs": setup.mbs,
                       "microbatches": setup.microbatches, "dtype": setup.dtype,
-                      "reduce_dtype": setup.reduce_dtype},
+                      "reduce_dtype": setup.reduce_dtype, "float8": setup.float8},
             "num_params": model.num_params,
             "mesh": {"outer": setup.outer, "inner": setup.inner} | (
                 {"tp": setup.tp, "tp_gbps": setup.tp_gbps} if setup.tp > 1 else {}),
@@ -207,8 +215,8 @@ def describe(m: dict) -> str:
              f"{mesh['outer']}x{mesh['inner']} (outer x inner)")
     return (f"{model['arch']} {m['num_params'] / 1e9:.2f} B params, {model['layers']} layers, "
             f"seq {model['seq']}, mbs {model['mbs']} x {model['microbatches']} microbatches, "
-            f"{model['dtype']} / reduce {model['reduce_dtype']}; mesh {shape}, "
-            f"{m['strategy']}; {c['tflops']:.0f} "
+            f"{model['dtype']}{' + float8' if model.get('float8') else ''} / reduce "
+            f"{model['reduce_dtype']}; mesh {shape}, {m['strategy']}; {c['tflops']:.0f} "
             f"TFLOP/s, {c['mem_gbps']:g} GB/s, {host}; inner {f['inner']['bus_gbps']:g} GB/s, "
             f"outer {f['outer']['bus_gbps']:g} GB/s, {f['inner']['latency_us']:g} us")
 

@@ -72,6 +72,8 @@ MEMORY_PHASES = ("COPY_IN", "OPTIMIZER")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention",
                  "aten::_scaled_dot_product_flash_attention_backward")
 CAUSAL_SHARE = 0.5
+# the matmuls of the models' linears: float8 ones in a float8 setup (``Setup.float8``)
+MATMUL_OPS = ("aten::mm", "aten::addmm")
 Price = Callable[[ProgramOp], tuple[float, ...]]
 
 
@@ -133,6 +135,8 @@ class CostModel:
     # Per phase class: the share of its compute's speed lost beside a collective kernel.
     drag: dict[str, float] = field(default_factory=dict)
     peers: tuple[CostModel, ...] = ()  # ranks 1, 2, ... (module doc)
+    # Float8 setups: how much faster their (float8) matmuls run than ``tflops`` says.
+    float8_speedup: float = 1.0
 
     def __post_init__(self) -> None:
         if min(self.tflops, self.mem_gbps, *self.class_tflops.values()) <= 0:
@@ -146,12 +150,16 @@ class CostModel:
             raise ValueError("sim: exclusive shares must be within [0, 1]")
         if any(not 0 <= v < 1 for v in self.drag.values()):
             raise ValueError("sim: drag shares must be within [0, 1)")
+        if self.float8_speedup <= 0:
+            raise ValueError("sim: float8_speedup must be > 0")
 
     def compute_seconds(self, op: ProgramOp) -> float:
         """An op's device time by the FLOP / bandwidth model."""
         if memory_bound(op):
             return op.payload.nbytes / (self.mem_gbps * 1e9)
         rate = self.class_tflops.get(phase_class(op.label), self.tflops)
+        if op.payload.name in MATMUL_OPS:
+            rate *= self.float8_speedup
         return work_flops(op) / (rate * 1e12)
 
     def mean_kernel_seconds(self, program: Program) -> float:

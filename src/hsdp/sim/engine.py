@@ -60,6 +60,7 @@ class Setup:
     # tp_gbps bus GB/s (and the fabric's inner latency); see hsdp.sim.tp
     tp: int = 1
     tp_gbps: float = 370.0
+    float8: bool = False  # torchao float8 linears (tensorwise), float8 all-gather on
 
     def __post_init__(self) -> None:
         check_strategy(self.strategy)
@@ -68,6 +69,9 @@ class Setup:
         if self.tp < 1 or (self.tp > 1 and not isinstance(self.model, LlamaConfig)):
             raise ValueError(f"sim: tp={self.tp}: tp must be >= 1, and tp > 1 needs a llama "
                              f"model (the TP plan of hsdp.sim.tp)")
+        if self.float8 and self.tp > 1:
+            raise ValueError("sim: float8 with tp > 1 is not modelled (hsdp.sim.tp prices "
+                             "bf16 TP collectives); simulate them apart")
         for d in (self.dtype, self.reduce_dtype):
             if d not in DTYPES:
                 raise ValueError(f"sim: unknown dtype {d!r}; known: {', '.join(DTYPES)}")
@@ -75,7 +79,8 @@ class Setup:
     def phase_key(self) -> str:
         """What measured phase costs depend on: model, micro-batch size, dtypes."""
         return json.dumps([dataclasses.asdict(self.model), self.mbs, self.dtype,
-                           self.reduce_dtype] + ([self.tp] if self.tp > 1 else []))
+                           self.reduce_dtype] + ([self.tp] if self.tp > 1 else [])
+                          + (["float8"] if self.float8 else []))
 
 
 @dataclass(frozen=True)
@@ -135,8 +140,10 @@ memory-bound local work, e.g. casts); ops on
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # the optimizer's DTensors: counted as their local ops
+        if any(issubclass(t, DTensor) or t.__module__.startswith("torchao.") for t in types):
+            # the optimizer's DTensors, torchao's float8 tensors (--float8): counted as
+            # their local ops (an emulated float8 matmul: its high-precision mm)
+            return NotImplemented
         if any(t not in (torch.Tensor, torch.nn.Parameter) for t in types):
             return func(*args, **kwargs)  # e.g. DTensor's fake-tensor sharding propagation
         key = _memo_key(func, args, kwargs) if self.MEMO else None
@@ -289,11 +296,15 @@ def record(setup: Setup) -> Recording:
         mesh = hsdp.init_mesh(setup.outer, setup.inner, "cpu")
         with torch.device(setup.device):
             model = build_model(cfg)
+        if setup.float8:
+            model = _float8(model)
         mp = hsdp.MixedPrecision(DTYPES[setup.dtype], DTYPES[setup.reduce_dtype])
         names = shard(model, mesh, setup, mp)
         root = model._hsdp_unit
         root.streams, program = virtual_streams()
         root.collectives = RecordedCollectives(program)
+        if setup.float8:  # meta weights have no scales until computed
+            hsdp.precompute_float8_scales(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         tokens = torch.zeros(setup.mbs, cfg.seq, dtype=torch.long, device=setup.device)
         with _IssueCompute(program):
@@ -301,6 +312,20 @@ def record(setup: Setup) -> Recording:
             start = len(program.ops)
             train_step(model, opt, tokens, setup.microbatches)
     return Recording(setup, program, start, names)
+
+
+def _float8(model: torch.nn.Module) -> torch.nn.Module:
+    """``model``'s linears in torchao float8 (emulated: meta and CPU have no float8
+    matmul) with float8 all-gather, as ``bench step --float8`` converts them."""
+    from hsdp.float8 import INSTALL, convert_to_float8
+
+    try:
+        from torchao.float8 import Float8LinearConfig
+    except ImportError as exc:
+        raise ImportError(f"hsdp sim --float8 needs torchao: {INSTALL}") from exc
+
+    return convert_to_float8(model, Float8LinearConfig(enable_fsdp_float8_all_gather=True,
+                                                       emulate=True))
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor,

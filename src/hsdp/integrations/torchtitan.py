@@ -11,6 +11,8 @@ here, with the model spec renamed ``hsdp_llama3`` and its ``parallelize_fn`` rep
 variables ``HSDP_STRATEGY`` (``hsdp`` | ``hfsdp``) and ``HSDP_OVERLAP_OUTER`` (1 | 0) pick
 the strategy. Gradients are sums over the DP ranks (``set_gradient_divide_factor(1.0)``,
 as torchtitan sets on FSDP2: it divides the loss by the global token count itself).
+torchao float8 linears (torchtitan's float8 converter, or ``torchtitan_float8``'s with
+float8 all-gather) train under hsdp; other torchao modules (MX, NVFP4) are refused.
 """
 
 from __future__ import annotations

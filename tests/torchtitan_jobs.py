@@ -110,9 +110,10 @@ def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b))
 
 
-def _fsdp2_on(model: nn.Module, dims: ParallelDims, init: list[torch.Tensor]) -> nn.Module:
+def _fsdp2_on(model: nn.Module, dims: ParallelDims, init: list[torch.Tensor],
+              ac: bool = False) -> nn.Module:
     """torchtitan's FSDP2 path on the meta-built ``model``, its parameters ``init``."""
-    model = _parallelize(fsdp2_parallelize_llama, model, dims, False, "default")
+    model = _parallelize(fsdp2_parallelize_llama, model, dims, ac, "default")
     for m in model.modules():  # gloo has no PREMUL_SUM
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
@@ -306,17 +307,7 @@ def _hsdp_model(dims: ParallelDims, strategy: str) -> nn.Module:
 
 def _fsdp2_model(dims: ParallelDims) -> nn.Module:
     """torchtitan's FSDP2 path, with the parameters hsdp's ``init_weights`` gives."""
-    init = list(_reference().parameters())
-    model = _parallelize(fsdp2_parallelize_llama, _meta_model(), dims, True, "default")
-    for m in model.modules():  # gloo has no PREMUL_SUM
-        if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-        for p, q in zip(model.parameters(), init):
-            p.copy_(distribute_tensor(q.detach(), p.device_mesh, p.placements))
-    return model
+    return _fsdp2_on(_meta_model(), dims, list(_reference().parameters()), ac=True)
 
 
 def checkpoint_job(rank: int, world: int, root: str) -> dict[str, float | bool]:

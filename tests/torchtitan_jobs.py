@@ -295,8 +295,8 @@ def _titan_run(model: nn.Module, rank: int, world: int, folder: str,
     return model, losses
 
 
-def _hsdp_model(dims: ParallelDims, strategy: str) -> nn.Module:
-    model = _parallelize(hsdp_titan.parallelize_llama, _meta_model(), dims, True, "default",
+def _hsdp_model(dims: ParallelDims, strategy: str, ac: bool = True) -> nn.Module:
+    model = _parallelize(hsdp_titan.parallelize_llama, _meta_model(), dims, ac, "default",
                          strategy=strategy, overlap_outer=strategy == "hsdp")
     model.to_empty(device="cpu")
     torch.manual_seed(0)
@@ -363,12 +363,7 @@ def tp_parity_job(rank: int, world: int) -> dict[str, float]:
     fsdp2_params = _full_params(fsdp2)
     out = {"fsdp2+tp vs ref": _rel(fsdp2_params, want)}
     for strategy, ac in (("hsdp", True), ("hfsdp", False)):
-        model = _parallelize(hsdp_titan.parallelize_llama, _meta_model(), dims, ac, "default",
-                             strategy=strategy, overlap_outer=strategy == "hsdp")
-        model.to_empty(device="cpu")
-        torch.manual_seed(0)
-        with torch.no_grad():
-            model.init_weights(buffer_device=None)
+        model = _hsdp_model(dims, strategy, ac)
         out[f"{strategy} ac={ac} init vs ref"] = _rel(_full_params(model),
                                                       _full_params(_reference()))
         _train(model, dp_rank, dp, 1)

@@ -323,9 +323,10 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
                        f"a multiple of {tp}")
         outer, inner = args.mesh or default_mesh(world // tp)
         if outer * inner * tp != world:
-            raise fail(f"mesh {outer}x{inner} with --tp {tp} has {outer * inner * tp} ranks "
-                       f"but the job has {world}; pick --mesh OUTERxINNER with "
-                       f"OUTER*INNER*TP = {world} (or --nproc {outer * inner * tp})")
+            with_tp, times_tp = (f" with --tp {tp}", "*TP") if tp > 1 else ("", "")
+            raise fail(f"mesh {outer}x{inner}{with_tp} has {outer * inner * tp} ranks but the "
+                       f"job has {world}; pick --mesh OUTERxINNER with OUTER*INNER{times_tp} = "
+                       f"{world} (or --nproc {outer * inner * tp})")
     share = bool(args.share_gpus) and cuda and not args.emulate
     if share:
         check_shared_layout("bench step", outer, inner, torch.cuda.device_count())

@@ -78,6 +78,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False,
             whole = group.whole(flat, idx)  # a collective over tp where TP shards it
             if keep:
                 out[key] = _keep(whole, cpu_offload)
+            del whole  # a view of flat: it would keep flat alive into the next group
         del flat  # before the next group's is gathered
     if not rank0_only:
         for key, t in entries.items():

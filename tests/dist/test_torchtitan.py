@@ -24,8 +24,8 @@ from torchtitan_jobs import (  # noqa: E402
     tp_parity_job,
 )
 
-TESTS = str(Path(__file__).parent)
-ROOT = Path(__file__).parent.parent
+TESTS = str(Path(__file__).resolve().parents[1])  # the job and config modules
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_llama3_debugmodel_matches_one_process_and_fsdp2():

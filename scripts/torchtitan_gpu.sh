@@ -17,7 +17,9 @@ STEPS=${STEPS:-50}
 NGPU=${NGPU:-$(python -c "import torch; print(torch.cuda.device_count())")}
 MESHES=${MESHES:-$([ "$NGPU" -ge 2 ] && echo 1x$NGPU || echo 1x1)}
 mkdir -p "$OUT"
-python -m pip install -q --no-deps --no-index --target "$OUT/site" wheels/*.whl
+python -m pip install -q --no-deps --no-index --target "$OUT/site" --find-links wheels \
+  torchtitan==0.3.0 torchao==0.18.0 spmd_types==0.2.3 torchdata==0.11.0 tyro==1.0.17 \
+  docstring_parser==0.18.0 typeguard==4.6.1 datasets==4.7.0 dill==0.4.1 multiprocess==0.70.19
 export PYTHONPATH="$OUT/site:$PWD/src:$PWD/scripts" HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 \
   HF_HOME="$OUT/hf" NCCL_NVLS_ENABLE=0
 PY=python

@@ -3,8 +3,8 @@ with torchao float8 linears, trained side by side for ``--steps`` steps, two see
 
     torchrun --nproc-per-node 1 scripts/float8_loss.py --out out/float8_loss.json
 
-One rank, a (1, 1) mesh (CPU gloo when there is no GPU, float8 emulated: a smoke run): the float8 casts, scales, float8 all-gather path (a one-rank
-gather) and FP8 matmuls run for real; what 2x2 sharding changes is checked on CPU by
+One rank, a (1, 1) mesh (CPU gloo when there is no GPU, float8 emulated: a smoke run):
+the float8 casts, scales, float8 all-gather path (a one-rank gather) and FP8 matmuls run for real; what 2x2 sharding changes is checked on CPU by
 ``tests/dist/test_float8.py``. The model is a Llama (hidden 2048, 8 layers, 16 heads, 4 KV
 heads, ffn 5632, vocab 32768, about 0.5 B parameters), bf16 parameters with fp32
 reduction, AdamW (lr 6e-4 after 10 warm-up steps), gradients clipped to norm 1.0 by
@@ -146,16 +146,29 @@ def compare(results: dict[str, dict[int, dict]], seeds: list[int]) -> dict:
         peer = results[f"fsdp2-{name[5:]}"]
         row: dict = {}
         for s in seeds:
+            if s not in by_seed or s not in peer:
+                continue
             a, b = by_seed[s]["loss"], peer[s]["loss"]
             row[f"seed {s}"] = {"max_step_diff": max(abs(x - y) for x, y in zip(a, b)),
                                 "hsdp_last10": sum(a[-10:]) / 10,
                                 "fsdp2_last10": sum(b[-10:]) / 10}
-        if len(seeds) >= 2:
+        if len(seeds) >= 2 and all(s in peer for s in seeds[:2]):
             a, b = peer[seeds[0]]["loss"], peer[seeds[1]]["loss"]
             row["fsdp2 seed spread"] = {"max_step_diff": max(abs(x - y) for x, y in zip(a, b)),
                                         "last10_diff": abs(sum(a[-10:]) - sum(b[-10:])) / 10}
         out[name[5:]] = row
     return out
+
+
+def _write(out: Path, results: dict[str, dict[int, dict]], seeds: list[int],
+           steps: int) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "model": dataclasses.asdict(MODEL) | {"batch": BATCH}, "steps": steps, "seeds": seeds,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+        "runs": {n: {str(s): r for s, r in by.items()} for n, by in results.items()},
+        "compare": compare(results, seeds)}, indent=1))
 
 
 def main() -> None:
@@ -182,15 +195,10 @@ def main() -> None:
                   f"{r['median_step_ms']:.1f} ms/step, peak {r['peak_mem_gib']} GiB",
                   flush=True)
             assert all(math.isfinite(x) for x in r["loss"]), name
-    summary = compare(results, seeds)
-    for kind, row in summary.items():
+            # written after each run: a run cut off later keeps what was measured
+            _write(args.out, results, seeds, args.steps)
+    for kind, row in compare(results, seeds).items():
         print(kind, json.dumps(row))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "model": dataclasses.asdict(MODEL) | {"batch": BATCH}, "steps": args.steps, "seeds": seeds,
-        "torch": torch.__version__, "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
-        "runs": {n: {str(s): r for s, r in by.items()} for n, by in results.items()},
-        "compare": summary}, indent=1))
     dist.destroy_process_group()
 
 

@@ -6,7 +6,9 @@
 - As a torchtitan config module (``--module torchtitan_gpu --config NAME``, with this
   folder on ``PYTHONPATH``): ``{fsdp2,hsdp}_{debugmodel,1b}``, torchtitan's
   ``llama3_debugmodel`` trainer config with the ``debugmodel`` or ``1B`` Llama3 flavor
-  (flex attention, unchunked loss), parallelized by torchtitan's FSDP2 or by hsdp.
+  (SDPA attention, unchunked loss), parallelized by torchtitan's FSDP2 or by hsdp.
+- ``python scripts/torchtitan_gpu.py train ARGS``: torchtitan's ``torchtitan.train`` main
+  on torch 2.11 (``_torch_compat``; run under ``torch.distributed.run``).
 - ``python scripts/torchtitan_gpu.py summarize LOG``: the trainer's per-step log lines
   (loss, tokens/s, MFU, peak reserved memory) as JSON on stdout.
 """
@@ -47,15 +49,27 @@ def make_assets(root: Path) -> None:
 
 
 def _torch_compat() -> None:
-    """torchtitan 0.3.0's trainer calls ``torch.distributed.set_timeout`` after its first
-    step, a name newer than torch 2.11 and 2.13 (which have ``_set_pg_timeout``)."""
+    """Two names torchtitan 0.3.0 takes from a torch newer than the GPU machine's 2.11:
+    ``torch.distributed.set_timeout`` (called after the first step; 2.11 and 2.13 have it
+    as ``_set_pg_timeout``) and ``torch.distributed.fsdp.DataParallelMeshDims`` (imported
+    at module level; used only by its ``full_dtensor`` / ``spmd_types`` backends, whose FSDP
+    takes ``dp_mesh_dims``: the default ``partial_dtensor`` backend that both runs use
+    passes none, so a stand-in that raises when built is enough)."""
     import torch.distributed as dist
+    import torch.distributed.fsdp as fsdp
 
     if not hasattr(dist, "set_timeout"):
         dist.set_timeout = dist.distributed_c10d._set_pg_timeout
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        class DataParallelMeshDims:
+            def __init__(self, *_: object, **__: object) -> None:
+                raise NotImplementedError("DataParallelMeshDims needs a newer torch: use "
+                                          "parallelism.spmd_backend partial_dtensor")
+        fsdp.DataParallelMeshDims = DataParallelMeshDims
 
 
 def _config(flavor: str, use_hsdp: bool):
+    from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import model_registry
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
@@ -64,6 +78,10 @@ def _config(flavor: str, use_hsdp: bool):
     def config():
         cfg = llama3_debugmodel()
         cfg.model_spec = model_registry(flavor)
+        # SDPA: torchtitan 0.3.0's flex attention calls create_block_mask(
+        # separate_full_blocks=...), which torch 2.11 does not have
+        for layer in cfg.model_spec.model.layers:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
         cfg.validator.enable = False
         cfg.loss = cfg.loss.loss_fn  # unchunked for both: hsdp's with_hsdp does it
         return cfg
@@ -102,10 +120,18 @@ def summarize(log: Path) -> dict:
 
 
 if __name__ == "__main__":
-    cmd, arg = sys.argv[1], Path(sys.argv[2])
+    cmd = sys.argv[1]
+    if cmd == "train":  # torchtitan.train's main with _torch_compat applied first
+        import runpy
+        _torch_compat()
+        sys.argv = [sys.argv[0], *sys.argv[2:]]
+        runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
+        sys.exit()
+    arg = Path(sys.argv[2])
     if cmd == "assets":
         make_assets(arg)
     elif cmd == "summarize":
         print(json.dumps(summarize(arg)))
     else:
-        raise SystemExit(f"unknown command {cmd!r}: assets DIR | summarize LOG")
+        raise SystemExit(f"unknown command {cmd!r}: assets DIR | summarize LOG | "
+                         "train TORCHTITAN_ARGS...")

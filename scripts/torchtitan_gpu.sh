@@ -25,21 +25,21 @@ export PYTHONPATH="$OUT/site:$PWD/src:$PWD/scripts" HF_DATASETS_OFFLINE=1 HF_HUB
 PY=python
 $PY scripts/torchtitan_gpu.py assets "$OUT/assets"
 for mesh in $MESHES; do
-  for flavor in debugmodel 1b; do
+  for flavor in ${FLAVORS:-debugmodel 1b}; do
     # debugmodel: 16 x 2048 tokens per GPU; 1B: 4 x 2048
     bs=$([ "$flavor" = 1b ] && echo 4 || echo 16)
     common=(--hf_assets_path "$OUT/assets/tokenizer" --dataloader.dataset_path "$OUT/assets/data"
             --debug.seed 0 --checkpoint.enable --checkpoint.folder ckpt)
     seed="$OUT/seed_$flavor"
     [ -d "$seed/ckpt/step-0" ] || timeout 110 $PY -m torch.distributed.run --standalone \
-      --nproc_per_node 1 -m torchtitan.train --module torchtitan_gpu \
+      --nproc_per_node 1 scripts/torchtitan_gpu.py train --module torchtitan_gpu \
       --config "fsdp2_$flavor" "${common[@]}" --checkpoint.create_seed_checkpoint \
       --dump_folder "$seed" > "$seed.log" 2>&1
     for backend in fsdp2 hsdp; do
       name="${backend}_${flavor}_${mesh}"
       nproc=$(( ${mesh%x*} * ${mesh#*x} ))
       timeout 110 $PY -m torch.distributed.run --standalone --nproc_per_node "$nproc" \
-        -m torchtitan.train --module torchtitan_gpu --config "${backend}_${flavor}" \
+        scripts/torchtitan_gpu.py train --module torchtitan_gpu --config "${backend}_${flavor}" \
         "${common[@]}" --checkpoint.initial_load_path "$seed/ckpt/step-0" \
         --checkpoint.load_only --dump_folder "$OUT/$name" \
         --training.steps "$STEPS" --training.local_batch_size "$bs" --training.seq_len 2048 \

@@ -9,6 +9,7 @@ updates)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -40,9 +41,13 @@ FLOAT8_STEPS = 5
 
 
 def _model_config(converters: list | None = None):
+    """``debugmodel`` with SDPA attention and, as torchtitan's trainer sets them
+    (``update_from_config``), its tensor-parallel sharding specs: ``parallelize`` applies
+    them on a tp mesh and ignores them without one."""
     cfg = model_registry("debugmodel", converters=converters).model
     for layer in cfg.layers:  # flex attention has no CPU backward
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    cfg.update_from_config(config=SimpleNamespace(parallelism=ParallelismConfig()))
     return cfg
 
 
@@ -344,11 +349,20 @@ def checkpoint_job(rank: int, world: int, root: str) -> dict[str, float | bool]:
     return out
 
 
-def tp_parity_job(rank: int, world: int) -> dict[str, float]:
+def _tp_sharded(model: nn.Module) -> int:
+    """How many parameters are sharded over the mesh dimension named "tp"."""
+    return sum(1 for p in model.parameters() if isinstance(p, DTensor)
+               and "tp" in (names := p.device_mesh.mesh_dim_names or ())
+               and p.placements[names.index("tp")].is_shard())
+
+
+def tp_parity_job(rank: int, world: int) -> dict[str, float | int]:
     """``tensor_parallel_degree`` 2 on (dp_replicate, dp_shard, tp) = (2, 2, 2): torchtitan's
-    own TP plan, then hsdp (both strategies, with and without its selective AC) or
-    torchtitan's FSDP2; relative parameter error after ``STEPS`` steps against one process
-    and against the FSDP2 + TP path. The tp ranks of one DP rank see the same rows."""
+    own TP plan (sequence parallel, the sharding specs ``_model_config`` sets), then hsdp
+    (both strategies, with and without its selective AC) or torchtitan's FSDP2; relative
+    parameter error after ``STEPS`` steps against one process and against the FSDP2 + TP
+    path, and how many parameters each model shards over tp. The tp ranks of one DP rank
+    see the same rows."""
     titan_dims_module.device_type = "cpu"
     tp = 2
     dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=tp, pp=1, ep=1,
@@ -359,11 +373,13 @@ def tp_parity_job(rank: int, world: int) -> dict[str, float]:
     _train(ref, slice(None), dp, 1)
     want = _full_params(ref)
     fsdp2 = _fsdp2_model(dims)
+    out: dict[str, float | int] = {"fsdp2+tp tp-sharded": _tp_sharded(fsdp2)}
     _train(fsdp2, dp_rank, dp, 1)
     fsdp2_params = _full_params(fsdp2)
-    out = {"fsdp2+tp vs ref": _rel(fsdp2_params, want)}
+    out["fsdp2+tp vs ref"] = _rel(fsdp2_params, want)
     for strategy, ac in (("hsdp", True), ("hfsdp", False)):
         model = _hsdp_model(dims, strategy, ac)
+        out[f"{strategy} ac={ac} tp-sharded"] = _tp_sharded(model)
         out[f"{strategy} ac={ac} init vs ref"] = _rel(_full_params(model),
                                                       _full_params(_reference()))
         _train(model, dp_rank, dp, 1)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
@@ -183,9 +183,19 @@ class _MetaInit:
 
 
 def _init_own_states(m: nn.Module, buffer_device: torch.device | None) -> None:
+    """One module's part of torchtitan's ``init_states``: its parameters, then its buffers,
+    a buffer that TP made a DTensor (the RoPE cache) distributed again as before (its
+    initializer assigns a plain tensor)."""
     if isinstance(m, TitanModule):
         m._init_self_parameters()
+        placed = {name: (b.device_mesh, b.placements) for name, b in m._buffers.items()
+                  if isinstance(b, DTensor)}
         m._init_self_buffers(buffer_device=buffer_device)
+        for name, (mesh, placements) in placed.items():
+            b = m._buffers.get(name)
+            if b is not None and not isinstance(b, DTensor):
+                m.register_buffer(name, distribute_tensor(b, mesh, list(placements)),
+                                  persistent=name not in m._non_persistent_buffers_set)
 
 
 _META_CLASSES: dict[type, type] = {}

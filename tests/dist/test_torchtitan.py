@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("torchtitan.train", reason="torchtitan is not installed: pip install "
                     "--no-deps per the hsdp[torchtitan] extra (README: Using hsdp in torchtitan)")
@@ -145,6 +146,28 @@ def test_mx_converted_model_is_refused_before_sharding():
     with pytest.raises(ValueError, match="float8 linears only, not NVFP4Linear"):
         hsdp_titan.parallelize_llama(
             model, parallel_dims=dims, training=TrainingConfig(),
+            parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+            compile_config=CompileConfig(), ac_config=None, dump_folder="")
+    assert not any(hasattr(m, "_hsdp_unit") for m in model.modules())
+
+
+def test_cuda_graphs_are_refused_and_off_in_hsdps_configs(monkeypatch):
+    """torchtitan captures forward + backward in a CUDA graph on CUDA unless
+    ``training.disable_cuda_graphs``; hsdp runs eagerly: its configs turn the capture off,
+    and ``parallelize_llama`` refuses it (nothing sharded) when it is on and CUDA is there."""
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+
+    from hsdp.integrations import torchtitan as hsdp_titan
+
+    assert hsdp_titan.llama3_debugmodel().training.disable_cuda_graphs
+    model = _meta_model()
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=4,
+                        spmd_backend="partial_dtensor")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"CUDA graphs \(set --training.disable_cuda_graphs"):
+        hsdp_titan.parallelize_llama(
+            model, parallel_dims=dims, training=TrainingConfig(disable_cuda_graphs=False),
             parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
             compile_config=CompileConfig(), ac_config=None, dump_folder="")
     assert not any(hasattr(m, "_hsdp_unit") for m in model.modules())

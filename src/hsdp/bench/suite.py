@@ -34,9 +34,11 @@ SHARED_LINKS = "Two communicators on the same links"
 CPU_OVERLAP = "Collective overlap on CPU ranks"
 CHECKPOINT = "Checkpoint save"
 FLOAT8 = "Float8 (torchao) on one H200"
+FLOAT8_LOSS = "Float8 loss curves on one H200"
 FAULT_TOLERANCE = "Fault tolerance (torchft) on one H200"
+TP = "Tensor parallelism (emulated 16x8x8) on one H200"
 TABLES = (STEP, TWINS, SLOW_OUTER, MICROBATCHES, SHARED_LINKS, CPU_OVERLAP, CHECKPOINT, FLOAT8,
-          FAULT_TOLERANCE)
+          FLOAT8_LOSS, FAULT_TOLERANCE, TP)
 
 # 5 recorded and 3 profiled steps per schedule: the simulator's calibration takes the
 # median host time and least device time over them (hsdp.sim.calibrate).
@@ -127,12 +129,26 @@ def plan() -> list[Run]:
                         (*f8, "--seq", q, "--float8", "--schedules", "overlap,fsdp2"), 300))
         runs.append(Run(FLOAT8, "h200/float8", f"bf16_seq{q}",
                         (*f8, "--seq", q, "--schedules", "overlap"), 300))
-    for q in ("1024", "4096"):  # torchft installed (hsdp[ft]); off and on alternated
+    runs.append(Run(FLOAT8_LOSS, "h200/float8", "loss_curves",
+                    ("--runs", ",".join(f"{lib}-{kind}" for kind in ("f8", "bf16", "f8-rowwise",
+                                                                     "f8-compiled")
+                                        for lib in ("hsdp", "fsdp2"))), 570,
+                    program=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                             "1", "scripts/float8_loss.py")))
+    # torchft installed (hsdp[ft]); off and on alternated; 8 and 32 layers
+    for q, layers, tag in (("1024", "8", ""), ("4096", "8", ""), ("4096", "32", "_l32")):
         for k in ("1", "2"):
             for ft in ("off", "on"):
-                runs.append(Run(FAULT_TOLERANCE, "h200/ft_cost", f"seq{q}_{ft}_{k}",
-                                ("--ft", ft, "--seq", q), 300,
+                runs.append(Run(FAULT_TOLERANCE, "h200/ft_cost", f"seq{q}{tag}_{ft}_{k}",
+                                ("--ft", ft, "--seq", q, "--layers", layers), 300,
                                 program=("scripts/ft_cost.py",)))
+    # 70B-shaped layers, TP 8 inside each DP rank; inner and outer both on the IB link
+    runs.append(Run(TP, "h200/tp", "emu16x8x8_s4096",
+                    ("bench", "step", "--emulate", "--mesh", "16x8", "--tp", "8", "--arch",
+                     "llama", "--hidden", "8192", "--heads", "64", "--kv-heads", "8", "--ffn",
+                     "28672", "--vocab", "128256", "--layers", "8", "--seq", "4096",
+                     "--inner-gbps", "47", "--schedules", "overlap,serial,fsdp2", "--steps",
+                     "10", "--warmup", "3", "--record-steps", "1", "--trace-steps", "1"), 300))
     return runs
 
 

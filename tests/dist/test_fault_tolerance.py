@@ -8,20 +8,16 @@ recovery transfer itself; (c) group 1 restarted again, recovered by step 9 and t
 from step 10, its parameters, momentum and lr equal to group 0's bit for bit. A second
 test: the lighthouse unreachable at start raises a clear error on every rank. hfsdp on a
 fault-tolerant mesh is refused on every rank. The same scenario runs with the peer, torch
-FSDP2 over each group's ranks with torchft wired by hand (``library="fsdp2"``); the two
-scenarios and the unreachable lighthouse run at the same time, each scenario with its own
-lighthouse.
+FSDP2 over each group's ranks with torchft wired by hand (``library="fsdp2"``).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -33,7 +29,6 @@ from torchft._torchft import LighthouseServer
 JOBS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "ft_jobs.py")
 STEPS, SEED, KILL_AT, REJOIN_BY = 13, 7, 5, 10
 DEADLINE_S = 420  # the whole scenario; a hang fails here instead of blocking CI
-LIBRARIES = ("hsdp", "fsdp2")
 
 
 def _launch(out: str, tag: str, replica: int, library: str = "hsdp",
@@ -95,9 +90,9 @@ def _reference(records: dict[int, dict]) -> None:
         assert rec["lr"] == opt.param_groups[0]["lr"]
 
 
-def _scenario(out: str, library: str) -> None:
-    """Group 0 throughout; group 1 killed mid-step, restarted and killed in the recovery
-    transfer, restarted again; every process exits as planned."""
+@pytest.mark.parametrize("library", ["hsdp", "fsdp2"])
+def test_replica_group_lost_and_recovered(tmp_path, library):
+    out = str(tmp_path)
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=5000,
                                   quorum_tick_ms=50, heartbeat_timeout_ms=1000)
     deadline = time.monotonic() + DEADLINE_S
@@ -114,32 +109,6 @@ def _scenario(out: str, library: str) -> None:
         assert _wait(g0 + rejoined, deadline, out) == [0, 0, 0, 0], _logs(out)
     finally:
         lighthouse.shutdown()
-
-
-def _unreachable(out: str) -> list[int]:
-    """A replica group whose lighthouse is not there: its ranks' exit codes."""
-    procs = _launch(out, "lonely", 0, lighthouse=f"http://127.0.0.1:{free_port()}",
-                    connect_s=3)
-    return _wait(procs, time.monotonic() + 120, out)
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, tuple[str, Future]]:
-    """Both libraries' scenarios and the unreachable lighthouse at the same time (each
-    mostly waits: on process start-up, the gates and the timeouts that detect a lost
-    group): name -> (its output folder, its finished run)."""
-    jobs = {**{lib: functools.partial(_scenario, library=lib) for lib in LIBRARIES},
-            "unreachable": _unreachable}
-    outs = {name: str(tmp_path_factory.mktemp(name)) for name in jobs}
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        done = {name: pool.submit(job, outs[name]) for name, job in jobs.items()}
-    return {name: (outs[name], done[name]) for name in jobs}
-
-
-@pytest.mark.parametrize("library", LIBRARIES)
-def test_replica_group_lost_and_recovered(runs, library):
-    out, run = runs[library]
-    run.result()  # raises what the scenario raised
 
     # hfsdp cannot be made fault tolerant: refused on every rank
     assert library != "hsdp" or all(os.path.exists(os.path.join(out, f"hfsdp_refused_{r}"))
@@ -169,9 +138,12 @@ def test_replica_group_lost_and_recovered(runs, library):
     _reference(g0_rec)
 
 
-def test_lighthouse_unreachable(runs):
-    out, run = runs["unreachable"]
-    codes = run.result()
+def test_lighthouse_unreachable(tmp_path):
+    out = str(tmp_path)
+    start = time.monotonic()
+    procs = _launch(out, "lonely", 0, lighthouse=f"http://127.0.0.1:{free_port()}",
+                    connect_s=3)
+    codes = _wait(procs, start + 120, out)
     logs = _logs(out)
     assert codes == [1, 1], logs
     assert logs.count("FaultToleranceError: hsdp: replica group 0 cannot reach the torchft "

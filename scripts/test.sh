@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/ruff check src tests examples
-OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q "$@"
+OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q --durations=15 "$@"

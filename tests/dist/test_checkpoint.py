@@ -1,7 +1,11 @@
-"""Sharded checkpoints (CPU, gloo): resharding, async and failed saves, errors, memory."""
+"""Sharded checkpoints (CPU, gloo): resharding, async and failed saves, errors, memory.
+
+The 4-rank jobs run in ONE spawned world (process start-up dominates on two cores), after
+the 8-rank save whose checkpoint one of them loads."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -15,7 +19,7 @@ from checkpoint_jobs import (
     save_8_job,
     state_rows_job,
 )
-from dist_utils import run_ranks
+from dist_utils import run_jobs, run_ranks
 
 from hsdp.__main__ import main
 
@@ -23,8 +27,21 @@ TOL, BF16_TOL = 1e-5, 2e-2
 
 
 @pytest.fixture(scope="module")
-def reshard(tmp_path_factory) -> list[dict]:
-    return run_ranks(reshard_job, 4, str(tmp_path_factory.mktemp("reshard")))
+def jobs_4(tmp_path_factory) -> dict[str, list[dict]]:
+    root = str(tmp_path_factory.mktemp("from8"))
+    run_ranks(save_8_job, 8, root)
+    jobs = {"reshard": (reshard_job, (str(tmp_path_factory.mktemp("reshard")),)),
+            "load_from_8": (load_from_8_job, (root,)),
+            "safety": (safety_job, (str(tmp_path_factory.mktemp("safety")),)),
+            "memory": (memory_job, ()), "state_rows": (state_rows_job, ())}
+    if importlib.util.find_spec("transformers"):  # else test_transformers_export skips
+        jobs["hf_export"] = (hf_export_job, (str(tmp_path_factory.mktemp("hf")),))
+    return run_jobs(4, jobs)
+
+
+@pytest.fixture(scope="module")
+def reshard(jobs_4: dict[str, list[dict]]) -> list[dict]:
+    return jobs_4["reshard"]
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}->{p[1]}-{p[2]}")
@@ -38,15 +55,14 @@ def test_resume_on_another_mesh_or_strategy(pair, reshard: list[dict]) -> None:
         assert res["bitwise"], res
 
 
-def test_8_ranks_to_4(tmp_path) -> None:
-    run_ranks(save_8_job, 8, str(tmp_path))
-    r = run_ranks(load_from_8_job, 4, str(tmp_path))
+def test_8_ranks_to_4(jobs_4: dict[str, list[dict]]) -> None:
+    r = jobs_4["load_from_8"]
     assert r[0]["ref"] < TOL, r[0]["ref"]
 
 
 @pytest.fixture(scope="module")
-def safety(tmp_path_factory) -> list[dict]:
-    return run_ranks(safety_job, 4, str(tmp_path_factory.mktemp("safety")))
+def safety(jobs_4: dict[str, list[dict]]) -> list[dict]:
+    return jobs_4["safety"]
 
 
 def test_async_save(safety: list[dict]) -> None:
@@ -76,8 +92,8 @@ def test_model_state_dict_with_plain_dcp(safety: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def memory() -> list[dict]:
-    return run_ranks(memory_job, 4)
+def memory(jobs_4: dict[str, list[dict]]) -> list[dict]:
+    return jobs_4["memory"]
 
 
 @pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
@@ -91,8 +107,8 @@ def test_state_dicts_allocate_nothing_full_size(strategy: str, memory: list[dict
     assert r[0]["keys"] > 0
 
 
-def test_issue_9_rows_10_and_12() -> None:
-    r = run_ranks(state_rows_job, 4)
+def test_issue_9_rows_10_and_12(jobs_4: dict[str, list[dict]]) -> None:
+    r = jobs_4["state_rows"]
     for x in r:
         for side in ("1x4-hsdp", "2x2-hfsdp"):  # refused on every rank, nothing changed
             assert "does not match this model's sharding" in x[side], x
@@ -115,8 +131,8 @@ def test_bench_ckpt_runs_and_loads_back(tmp_path) -> None:
                                       "hsdp.save async (until wait)", "dcp.save of FSDP2"}
 
 
-def test_transformers_export(tmp_path) -> None:
+def test_transformers_export(jobs_4: dict[str, list[dict]]) -> None:
     pytest.importorskip("transformers")
-    r = run_ranks(hf_export_job, 4, str(tmp_path))
+    r = jobs_4["hf_export"]
     assert all(x["keys"] == 0 for x in r[1:])
     assert r[0]["safetensors"] and r[0]["tied"] and r[0]["err"] < TOL, r[0]

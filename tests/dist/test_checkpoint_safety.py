@@ -1,10 +1,12 @@
 """Checkpoint safety (CPU, gloo, 4 ranks on 2x2): hsdp never replaces or removes what it did
 not make, loads all or nothing, never drops an asynchronous save, and names a stalled
-peer."""
+peer. The jobs run in ONE spawned world (process start-up dominates on two cores), except
+the stalled peer's, whose default group has a short timeout."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from ckpt_safety_jobs import (
     paths_job,
     stall_job,
 )
-from dist_utils import run_ranks
+from dist_utils import run_jobs, run_ranks
 
 from hsdp.models import GPT, GPTConfig
 
@@ -25,8 +27,22 @@ WORLD = 4
 
 
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory) -> list[dict]:
-    return run_ranks(paths_job, WORLD, str(tmp_path_factory.mktemp("paths")))
+def async_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("async")
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory, async_root: Path) -> dict[str, list[dict]]:
+    """async_job last: its last save is finished by ``destroy_process_group``."""
+    return run_jobs(WORLD, {
+        "paths": (paths_job, (str(tmp_path_factory.mktemp("paths")),)),
+        "corrupt": (corrupt_job, (str(tmp_path_factory.mktemp("corrupt")),)),
+        "async": (async_job, (str(async_root),))})
+
+
+@pytest.fixture(scope="module")
+def paths(jobs: dict[str, list[dict]]) -> list[dict]:
+    return jobs["paths"]
 
 
 def test_paths_hsdp_did_not_make_are_refused_and_left_alone(paths: list[dict]) -> None:
@@ -59,8 +75,8 @@ def test_a_unit_that_is_not_the_root_is_refused(paths: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def corrupt(tmp_path_factory) -> list[dict]:
-    return run_ranks(corrupt_job, WORLD, str(tmp_path_factory.mktemp("corrupt")))
+def corrupt(jobs: dict[str, list[dict]]) -> list[dict]:
+    return jobs["corrupt"]
 
 
 @pytest.mark.parametrize("what,name", [("truncated", "__0_0.distcp"),
@@ -81,8 +97,9 @@ def _read_model(path: str) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
-def test_async_saves_are_finished_never_dropped(tmp_path) -> None:
-    results = run_ranks(async_job, WORLD, str(tmp_path))
+def test_async_saves_are_finished_never_dropped(jobs: dict[str, list[dict]],
+                                                async_root: Path) -> None:
+    results, tmp_path = jobs["async"], async_root
     for r in results:
         assert r["a_published"], r
         assert r["failed"].startswith("CheckpointError") and "disk full" in r["failed"], r

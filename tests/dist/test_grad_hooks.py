@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from dist_utils import run_ranks
+from dist_utils import run_jobs
 from hook_jobs import hooks_job, writes_job
 
 TOL = 1e-5
@@ -17,13 +17,20 @@ WRITE_CASES = list(itertools.product(("hsdp", "hfsdp"), WRITES))
 
 
 @pytest.fixture(scope="module")
-def hooks() -> dict:
-    return run_ranks(hooks_job, 4, HOOK_CASES)
+def jobs() -> dict[str, list[dict]]:
+    """Both jobs in ONE spawned world (process start-up dominates on two cores)."""
+    return run_jobs(4, {"hooks": (hooks_job, (HOOK_CASES,)),
+                        "writes": (writes_job, (WRITE_CASES,))})
 
 
 @pytest.fixture(scope="module")
-def writes() -> dict:
-    return run_ranks(writes_job, 4, WRITE_CASES)
+def hooks(jobs: dict[str, list[dict]]) -> list[dict]:
+    return jobs["hooks"]
+
+
+@pytest.fixture(scope="module")
+def writes(jobs: dict[str, list[dict]]) -> list[dict]:
+    return jobs["writes"]
 
 
 @pytest.mark.parametrize("case", HOOK_CASES, ids=lambda c: "-".join(map(str, c)))

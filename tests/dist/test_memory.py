@@ -1,6 +1,6 @@
 """Memory does not grow with depth beyond the sharded state.
 
-Each case runs in a fresh process posing as rank 0 of a fake 2x4 world and reads the
+Each case runs in a fresh process (all at once) posing as rank 0 of a fake 2x4 world and reads the
 process's peak resident memory (VmHWM, reset after set-up) over two training steps.
 MALLOC_MMAP_THRESHOLD_ makes freed buffers go back to the OS at once, so the peak
 follows live memory.
@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,9 @@ dist.destroy_process_group()
 """
 
 
+STRATEGIES, DEPTHS = ("hsdp", "hfsdp"), (8, 16)
+
+
 def _run(n: int, strategy: str) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
                PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
@@ -75,10 +79,19 @@ def _run(n: int, strategy: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def runs() -> dict[tuple[int, str], dict]:
+    """Every case's process at the same time (each measures only itself; CI has two
+    cores): (depth, strategy) -> its measurements."""
+    cases = [(n, s) for s in STRATEGIES for n in DEPTHS]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        return dict(zip(cases, pool.map(lambda case: _run(*case), cases)))
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux procfs")
-@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
-def test_peak_memory_grows_only_by_sharded_state(strategy: str) -> None:
-    small, big = _run(8, strategy), _run(16, strategy)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_peak_memory_grows_only_by_sharded_state(strategy: str, runs: dict) -> None:
+    small, big = runs[DEPTHS[0], strategy], runs[DEPTHS[1], strategy]
     unit = WIDTH * WIDTH * 4  # bytes of one unsharded unit
     # Sharded state per unit, 2x4 mesh. hsdp: main weights, grad accumulation and SGD
     # momentum, 1/4 each. hfsdp: inner param shard and grad accumulation (1/4 each), outer

@@ -1,7 +1,7 @@
 """Parity of hsdp against a single-process reference and torch FSDP2 HSDP (CPU, gloo).
 
 Each world size runs as ONE spawned job over many cases (process start-up dominates on
-two cores); the tests then check each case's result.
+two cores), the 4-rank one with the other 4-rank jobs; the tests then check each result.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from dist_utils import run_ranks
+from dist_utils import run_jobs, run_ranks
 from parity_jobs import Case, adamw_job, checkpoint_job, odd_job, parity_job
 
 TOL = 1e-5  # fp32, SGD with momentum, 4 steps
@@ -54,8 +54,15 @@ CASES_8 = [
 
 
 @pytest.fixture(scope="module")
-def results_4() -> dict:
-    return run_ranks(parity_job, 4, CASES_4)
+def jobs_4() -> dict[str, list]:
+    return run_jobs(4, {"parity": (parity_job, (CASES_4,)), "odd hsdp": (odd_job, (2, "hsdp")),
+                        "odd hfsdp": (odd_job, (2, "hfsdp")),
+                        "checkpoint": (checkpoint_job, (2,)), "adamw": (adamw_job, (2,))})
+
+
+@pytest.fixture(scope="module")
+def results_4(jobs_4: dict[str, list]) -> list[dict]:
+    return jobs_4["parity"]
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +94,8 @@ def test_parity_8_ranks(case: Case, results_8: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
-def test_frozen_shared_1d_params_and_clip_grad_norm(strategy: str) -> None:
-    r = run_ranks(odd_job, 4, 2, strategy)
+def test_frozen_shared_1d_params_and_clip_grad_norm(strategy: str, jobs_4: dict) -> None:
+    r = jobs_4[f"odd {strategy}"]
     assert all(x["param"] == r[0]["param"] and x["norm"] == r[0]["norm"] for x in r)
     res = max(r, key=lambda x: x["local_numel"])
     assert res["param"] < TOL and res["norm"] < TOL, res
@@ -99,17 +106,17 @@ def test_frozen_shared_1d_params_and_clip_grad_norm(strategy: str) -> None:
     assert res["local_numel"] >= res["full_numel"] / shards * 0.9
 
 
-def test_full_state_dict_round_trip() -> None:
-    r = run_ranks(checkpoint_job, 4, 2)
+def test_full_state_dict_round_trip(jobs_4: dict) -> None:
+    r = jobs_4["checkpoint"]
     assert all(x == r[0] for x in r)
     # Loading is exact; training on from the loaded state matches the original run
     # (SGD momentum restarts in both: each _train builds a fresh optimizer).
     assert all(v == 0.0 for v in r[0].values()), r[0]
 
 
-def test_adamw_over_dtensors_equals_plain_views() -> None:
+def test_adamw_over_dtensors_equals_plain_views(jobs_4: dict) -> None:
     """DTensor dispatch changes no bit of AdamW (foreach and not), and hfsdp re-gathers
     after a foreach step (which bumps no version counter on DTensors)."""
-    r = run_ranks(adamw_job, 4, 2)
+    r = jobs_4["adamw"]
     assert all(x == r[0] for x in r)
     assert r[0] and all(equal and moved for equal, moved in r[0].values()), r[0]

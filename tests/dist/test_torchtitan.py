@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("torchtitan.train", reason="torchtitan is not installed: pip install "
                     "--no-deps per the hsdp[torchtitan] extra (README: Using hsdp in torchtitan)")
 
-from dist_utils import run_ranks  # noqa: E402
+from dist_utils import run_jobs, run_ranks  # noqa: E402
 from torchtitan_jobs import (  # noqa: E402
     _meta_model,
     checkpoint_job,
@@ -29,8 +29,16 @@ TESTS = str(Path(__file__).resolve().parents[1])  # the job and config modules
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_llama3_debugmodel_matches_one_process_and_fsdp2():
-    per_rank = run_ranks(parity_job, 4)
+@pytest.fixture(scope="module")
+def jobs_4(tmp_path_factory) -> dict[str, list[dict]]:
+    """The 4-rank jobs, in ONE spawned world (process start-up dominates on two cores)."""
+    return run_jobs(4, {"parity": (parity_job, ()),
+                        "checkpoint": (checkpoint_job, (str(tmp_path_factory.mktemp("ckpt")),)),
+                        "float8": (float8_parity_job, ())})
+
+
+def test_llama3_debugmodel_matches_one_process_and_fsdp2(jobs_4):
+    per_rank = jobs_4["parity"]
     assert len(per_rank[0]) == 14
     bad = {k: e for r in per_rank for k, e in r.items() if not e < 1e-5}
     assert not bad, bad
@@ -56,8 +64,8 @@ def test_tensor_parallel_degree_2_matches_one_process_and_fsdp2_tp():
         assert not bad, bad
 
 
-def test_checkpoint_manager_resumes_bit_for_bit_and_crosses_with_fsdp2(tmp_path):
-    per_rank = run_ranks(checkpoint_job, 4, str(tmp_path))
+def test_checkpoint_manager_resumes_bit_for_bit_and_crosses_with_fsdp2(jobs_4):
+    per_rank = jobs_4["checkpoint"]
     for r in per_rank:
         assert r["hsdp resume equal"] and r["hfsdp resume equal"], r
         bad = {k: e for k, e in r.items() if not isinstance(e, bool) and not e < 1e-5}
@@ -106,7 +114,7 @@ def test_torchtitan_trainer_main_with_hsdp_matches_its_fsdp2(tmp_path):
         assert got[step] == pytest.approx((loss, norm), abs=1e-5), (step, got, want)
 
 
-def test_float8_converters_match_one_process_and_fsdp2():
+def test_float8_converters_match_one_process_and_fsdp2(jobs_4):
     """A model converted by hsdp's torchtitan float8 converter (float8 all-gather) and by
     torchtitan's own (high-precision all-gather) trains under ``parallelize_llama``
     (both strategies) to the one-process float8 result and torchtitan's FSDP2 one after
@@ -114,7 +122,7 @@ def test_float8_converters_match_one_process_and_fsdp2():
     rounding has amplified reduction-order noise for the rest (torchtitan_jobs.py):
     hfsdp stays as close to one process as FSDP2 is. The float8 all-gather covers all 31
     float8 linears (6 blocks x 5, and the output head)."""
-    per_rank = run_ranks(float8_parity_job, 4)
+    per_rank = jobs_4["float8"]
     for r in per_rank:
         assert r.pop("hsdp float8 all-gather float8 weights") == 31, r
         assert r.pop("hfsdp float8 all-gather float8 weights") == 31, r

@@ -1,7 +1,8 @@
 """hsdp with tensor parallelism on an (outer, inner, tp) = (2, 2, 2) CPU gloo mesh: a tiny
 Llama-style model with torchtitan's TP plan equals one process and FSDP2 + the same plan.
 
-ONE spawned 8-rank job runs every case (process start-up dominates on two cores).
+ONE spawned 8-rank job runs every case, the checkpoint and the errors (process start-up
+dominates on two cores).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from dist_utils import run_ranks
+from dist_utils import run_jobs
 from tp_jobs import CKPT_TARGETS, TPCase, checkpoint_job, errors_job, parity_job
 
 TOL = 1e-5  # fp32, SGD with momentum, 3 steps
@@ -31,8 +32,15 @@ CASES = [TPCase(strategy, overlap, mb) for strategy, overlap, mb in itertools.pr
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return run_ranks(parity_job, 8, (2, 2, 2), FSDP2_CASES + CASES)
+def jobs(tmp_path_factory) -> dict[str, list[dict]]:
+    ckpt = str(tmp_path_factory.mktemp("tp") / "ckpt")
+    return run_jobs(8, {"parity": (parity_job, ((2, 2, 2), FSDP2_CASES + CASES)),
+                        "checkpoint": (checkpoint_job, (ckpt,)), "errors": (errors_job, ())})
+
+
+@pytest.fixture(scope="module")
+def results(jobs: dict[str, list[dict]]) -> list[dict]:
+    return jobs["parity"]
 
 
 def test_init_mesh_3d(results: list[dict]) -> None:
@@ -65,10 +73,10 @@ def test_tp_parity(case: TPCase, results: list[dict]) -> None:
         assert errs[0]["fsdp2"] < (BF16_FSDP2_TOL if case.bf16 else TOL), errs[0]
 
 
-def test_tp_checkpoint_reshards(tmp_path) -> None:
+def test_tp_checkpoint_reshards(jobs: dict[str, list[dict]]) -> None:
     """DCP save on (2, 2, 2), load on (1, 4, 2), on a 2-D (2, 4) mesh without TP and on
     (1, 1, 8); two more steps equal one process. full_state_dict is whole over TP."""
-    per_rank = run_ranks(checkpoint_job, 8, str(tmp_path / "ckpt"))
+    per_rank = jobs["checkpoint"]
     errs = per_rank[0]
     assert all(r == errs for r in per_rank), per_rank
     assert errs["full_state_dict"] < TOL, errs
@@ -76,11 +84,11 @@ def test_tp_checkpoint_reshards(tmp_path) -> None:
         assert errs[f"{outer}x{inner}x{tp}"] < TOL, errs
 
 
-def test_tp_errors() -> None:
+def test_tp_errors(jobs: dict[str, list[dict]]) -> None:
     """A DTensor parameter on a mesh without "tp", on a mesh other than mesh["tp"], with a
     placement hsdp cannot flatten: a ValueError naming the fix, on
     every rank, before the module changes."""
-    for errs in run_ranks(errors_job, 8):  # each names this rank's tp ranks
+    for errs in jobs["errors"]:  # each names this rank's tp ranks
         assert "has no 'tp' dim" in errs["2d"], errs
         assert "pass mesh['tp']" in errs["not_tp"], errs
         assert "cannot flatten" in errs["strided"], errs

@@ -34,7 +34,7 @@ from hsdp.sim.calibrate import (
     with_host_marks,
 )
 from hsdp.sim.costs import CostModel, PhaseCost, phase_class, work_flops
-from hsdp.sim.engine import Setup, evaluate, record, shard, simulate, train_step
+from hsdp.sim.engine import Recording, Setup, evaluate, record, shard, simulate, train_step
 from hsdp.sim.fabric import Fabric, Link
 from hsdp.sim.profile import MachineProfile, calibrate_profile, held_out
 
@@ -893,8 +893,7 @@ def test_held_out_comparison_refuses_the_calibration_run(fake_world_8, tmp_path,
     assert not (tmp_path / "page.md").exists()
 
 
-def _inner_all_gather_bytes(setup: Setup) -> dict[str, int]:
-    rec = record(setup)
+def _inner_all_gather_bytes(rec: Recording) -> dict[str, int]:
     out: dict[str, int] = {}
     for op in rec.program.ops[rec.start:]:
         for kind, axis, nbytes, _ in op.payload if op.kind == "side" else ():
@@ -910,8 +909,9 @@ def test_float8_all_gather_moves_one_byte_per_converted_weight_element(fake_worl
     ``float8_speedup`` times faster."""
     pytest.importorskip("torchao.float8")
     cfg = LlamaConfig(vocab=48, hidden=32, heads=4, kv_heads=2, ffn=64, layers=2, seq=16)
-    bf16 = _inner_all_gather_bytes(Setup(cfg, 2, 4))
-    f8 = _inner_all_gather_bytes(Setup(cfg, 2, 4, float8=True))
+    rec = record(Setup(cfg, 2, 4, float8=True))
+    bf16 = _inner_all_gather_bytes(record(Setup(cfg, 2, 4)))
+    f8 = _inner_all_gather_bytes(rec)
     h, kv = cfg.hidden, cfg.hidden // cfg.heads * cfg.kv_heads
     linears = 2 * h * h + 2 * h * kv + 3 * h * cfg.ffn  # per block
     norms = 2 * h
@@ -922,7 +922,6 @@ def test_float8_all_gather_moves_one_byte_per_converted_weight_element(fake_worl
     assert 2 * f8["LlamaBlock/1"] == bf16["LlamaBlock/0"] - f8["LlamaBlock/0"]
     assert 2 * f8["Float8Linear/0"] == bf16["Linear/0"]  # the head
     assert f8["Embedding/0"] == bf16["Embedding/0"]
-    rec = record(Setup(cfg, 2, 4, float8=True))
     mm = next(op for op in rec.program.ops if op.kind == "compute"
               and op.payload.name == "aten::mm")
     slow, fast = CostModel(), CostModel(float8_speedup=2.0)

@@ -36,8 +36,8 @@ from torchtitan.protocols.module import Module as TitanModule
 import hsdp
 from hsdp.integrations import torchtitan as hsdp_titan
 
-ROWS, SEQ, STEPS, MAX_NORM = 2, 16, 6, 1.0
-FLOAT8_STEPS = 5  # at most STEPS
+ROWS, SEQ, STEPS, MAX_NORM = 2, 16, 10, 1.0
+FLOAT8_STEPS = 5
 
 
 def _model_config(converters: list | None = None):
@@ -264,7 +264,7 @@ _OPTIMIZER = OptimizersContainer.Config(
                                                      "eps": 0.1, "weight_decay": 0.1})])
 _LR = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
                                    min_lr_factor=0.0)
-SAVE_AT = 3  # after the warm-up: the resumed steps decay the lr
+SAVE_AT = 5
 
 
 def _titan_run(model: nn.Module, rank: int, world: int, folder: str,

@@ -20,7 +20,7 @@ from hsdp.models import Llama, LlamaConfig, lm_loss
 from hsdp.sharding.comm import Collectives
 
 ROWS_PER_RANK = 2
-STEPS = 3  # momentum acts from the second; the third follows the edit cases' rescale
+STEPS = 5
 LR, MOMENTUM = 0.1, 0.9
 EDIT_AFTER = 1
 CFG = dict(vocab=37, hidden=32, heads=4, kv_heads=2, ffn=48, layers=2, seq=8)

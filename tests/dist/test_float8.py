@@ -1,5 +1,5 @@
 """Float8 training with torchao's float8 linears under hsdp (CPU, gloo 2x2, emulated
-float8): parameters after 3 steps equal one process's torchao float8 training and FSDP2 +
+float8): parameters after 5 steps equal one process's torchao float8 training and FSDP2 +
 torchao's on the same mesh, with torchao's float8 all-gather off and on, both strategies,
 microbatches, activation checkpointing, compiled blocks and bf16 compute (against FSDP2
 only); with it on, hsdp's all-gathers move one byte per float8 weight element, and a
@@ -17,7 +17,7 @@ pytest.importorskip("torchao")
 from dist_utils import run_ranks  # noqa: E402
 from float8_jobs import STEPS, Case, float8_job  # noqa: E402
 
-TOL = 1e-5  # fp32 master weights, SGD with momentum, 3 steps
+TOL = 1e-5  # fp32 master weights, SGD with momentum, 5 steps
 INNER = 2
 
 CASES = [

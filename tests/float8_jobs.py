@@ -9,6 +9,7 @@ the same computation, element by element.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ class Case:
     compile: bool = False  # torch.compile each block (aot_eager)
     edit: bool = False  # the float8 weights are scaled by hand after step EDIT_AFTER
     meta: bool = False  # built on the meta device, initialized by hsdp.materialize
+    recipe: str = "tensorwise"  # torchao's recipe; "rowwise": no float8 all-gather
 
 
 class Recorder(Collectives):
@@ -62,7 +64,7 @@ def init_fn(m: nn.Module) -> None:
 
 
 def float8_model(case: Case, device: str = "cpu") -> nn.Module:
-    """The Llama of CFG with its linears in float8 (tensorwise dynamic, emulated), but for
+    """The Llama of CFG with its linears in float8 (``case.recipe``, emulated), but for
     those whose dims are not multiples of 16 (the head, vocab 37), as torchao's recipes
     leave them. Meta cases: initialized by ``init_fn`` (on the meta device: not yet)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -70,8 +72,12 @@ def float8_model(case: Case, device: str = "cpu") -> nn.Module:
     torch.manual_seed(0)
     with torch.device(device):
         model = Llama(LlamaConfig(**CFG, checkpoint=case.checkpoint))
-    config = Float8LinearConfig(emulate=True,
-                                enable_fsdp_float8_all_gather=case.float8_all_gather)
+    if case.recipe == "tensorwise":
+        config = Float8LinearConfig(emulate=True,
+                                    enable_fsdp_float8_all_gather=case.float8_all_gather)
+    else:
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(case.recipe),
+                                     emulate=True)
     model = convert_to_float8_training(
         model, config=config,
         module_filter_fn=lambda m, _: m.in_features % 16 == 0 and m.out_features % 16 == 0)
@@ -180,7 +186,7 @@ def float8_job(rank: int, world: int, cases: list[Case]) -> dict[Case, dict]:
     out = {}
     for case in cases:
         key = (case.float8_all_gather, case.microbatches, case.checkpoint, case.bf16,
-               case.edit, case.meta)
+               case.edit, case.meta, case.recipe)
         if key not in refs:
             ref = float8_model(case)
             if not case.bf16:  # one process has no bf16 weight copies to compute with

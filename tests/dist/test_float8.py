@@ -28,7 +28,9 @@ CASES = [
 ] + [Case(strategy, True, mb, compile=True, edit=True)
      for strategy, mb in (("hsdp", 1), ("hfsdp", 3))
 ] + [Case(strategy, True, bf16=True) for strategy in ("hsdp", "hfsdp")
-] + [Case(strategy, True, meta=True) for strategy in ("hsdp", "hfsdp")]
+] + [Case(strategy, True, meta=True) for strategy in ("hsdp", "hfsdp")
+] + [Case(strategy, False, mb, recipe="rowwise")
+     for strategy, mb in (("hsdp", 3), ("hfsdp", 1))]
 
 
 @pytest.fixture(scope="module")

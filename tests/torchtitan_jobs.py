@@ -38,6 +38,7 @@ from hsdp.integrations import torchtitan as hsdp_titan
 
 ROWS, SEQ, STEPS, MAX_NORM = 2, 16, 10, 1.0
 FLOAT8_STEPS = 5
+TP_STEPS = 3  # as the 8-rank TP tests of tests/dist/test_tp.py
 
 
 def _model_config(converters: list | None = None):
@@ -360,7 +361,7 @@ def tp_parity_job(rank: int, world: int) -> dict[str, float | int]:
     """``tensor_parallel_degree`` 2 on (dp_replicate, dp_shard, tp) = (2, 2, 2): torchtitan's
     own TP plan (sequence parallel, the sharding specs ``_model_config`` sets), then hsdp
     (both strategies, with and without its selective AC) or torchtitan's FSDP2; relative
-    parameter error after ``STEPS`` steps against one process and against the FSDP2 + TP
+    parameter error after ``TP_STEPS`` steps against one process and against the FSDP2 + TP
     path, and how many parameters each model shards over tp. The tp ranks of one DP rank
     see the same rows."""
     titan_dims_module.device_type = "cpu"
@@ -370,11 +371,11 @@ def tp_parity_job(rank: int, world: int) -> dict[str, float | int]:
     dims.build_mesh()
     dp, dp_rank = world // tp, rank // tp
     ref = _reference()
-    _train(ref, slice(None), dp, 1)
+    _train(ref, slice(None), dp, 1, steps=TP_STEPS)
     want = _full_params(ref)
     fsdp2 = _fsdp2_model(dims)
     out: dict[str, float | int] = {"fsdp2+tp tp-sharded": _tp_sharded(fsdp2)}
-    _train(fsdp2, dp_rank, dp, 1)
+    _train(fsdp2, dp_rank, dp, 1, steps=TP_STEPS)
     fsdp2_params = _full_params(fsdp2)
     out["fsdp2+tp vs ref"] = _rel(fsdp2_params, want)
     for strategy, ac in (("hsdp", True), ("hfsdp", False)):
@@ -382,7 +383,7 @@ def tp_parity_job(rank: int, world: int) -> dict[str, float | int]:
         out[f"{strategy} ac={ac} tp-sharded"] = _tp_sharded(model)
         out[f"{strategy} ac={ac} init vs ref"] = _rel(_full_params(model),
                                                       _full_params(_reference()))
-        _train(model, dp_rank, dp, 1)
+        _train(model, dp_rank, dp, 1, steps=TP_STEPS)
         got = _full_params(model)
         out[f"{strategy} ac={ac} vs ref"] = _rel(got, want)
         out[f"{strategy} ac={ac} vs fsdp2+tp"] = _rel(got, fsdp2_params)

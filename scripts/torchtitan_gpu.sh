@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# torchtitan's own trainer (torchtitan.train) with hsdp and with torchtitan's FSDP2 on the
-# Llama3 debugmodel and 1B flavors: bf16 parameters (fp32 reduction), flex attention, the
-# same initial weights (one seed checkpoint per flavor: hsdp's init_weights draws other
-# random values than torchtitan's) and the same synthetic data, STEPS steps each. Writes per run the trainer log
-# and a JSON of loss, tokens/s, TFLOPS, MFU and peak reserved memory per step under $OUT.
+# torchtitan's own trainer (torchtitan.train, through scripts/torchtitan_gpu.py train: two
+# stand-ins for torch 2.11) with hsdp and with torchtitan's FSDP2 (with its default CUDA
+# graphs of forward + backward, and without: "fsdp2eager") on the Llama3 debugmodel and 1B
+# flavors: bf16 parameters (fp32 reduction), SDPA attention, the same initial weights (one
+# seed checkpoint per flavor: hsdp's init_weights draws other random values than
+# torchtitan's) and the same synthetic data, STEPS steps each. Writes per run the trainer
+# log and a JSON of loss, tokens/s, TFLOPS, MFU and peak reserved memory per step under
+# $OUT.
 # For the GPU machine (no internet, CUDA torch installed): installs ./wheels (the extra's
 # wheels that image lacks: torchtitan, torchao, spmd_types, torchdata, tyro,
 # docstring_parser, typeguard, datasets, dill, multiprocess) --no-deps into $OUT/site.
 # NGPU ranks on one host: 1 GPU gives a 1x1 mesh (no communication: it compares the two
 # runtimes, not their sharding), 2 GPUs a 1x2 mesh (MESHES="1x2 2x1" for both: longer).
-# Each run is capped at 110 s (6 runs on one GPU: under 8 minutes with the install).
+# Each run is capped at 110 s (9 runs on one GPU: about 8 minutes with the install).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/torchtitan_gpu}
@@ -35,11 +38,15 @@ for mesh in $MESHES; do
       --nproc_per_node 1 scripts/torchtitan_gpu.py train --module torchtitan_gpu \
       --config "fsdp2_$flavor" "${common[@]}" --checkpoint.create_seed_checkpoint \
       --dump_folder "$seed" > "$seed.log" 2>&1
-    for backend in fsdp2 hsdp; do
+    # fsdp2: torchtitan's default, forward + backward captured in a CUDA graph; fsdp2eager:
+    # without (as hsdp runs: it cannot be captured)
+    for backend in ${BACKENDS:-fsdp2 fsdp2eager hsdp}; do
       name="${backend}_${flavor}_${mesh}"
       nproc=$(( ${mesh%x*} * ${mesh#*x} ))
+      eager=(); [ "$backend" = fsdp2eager ] && eager=(--training.disable_cuda_graphs)
       timeout 110 $PY -m torch.distributed.run --standalone --nproc_per_node "$nproc" \
-        scripts/torchtitan_gpu.py train --module torchtitan_gpu --config "${backend}_${flavor}" \
+        scripts/torchtitan_gpu.py train --module torchtitan_gpu \
+        --config "${backend%eager}_${flavor}" "${eager[@]}" \
         "${common[@]}" --checkpoint.initial_load_path "$seed/ckpt/step-0" \
         --checkpoint.load_only --dump_folder "$OUT/$name" \
         --training.steps "$STEPS" --training.local_batch_size "$bs" --training.seq_len 2048 \

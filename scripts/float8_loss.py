@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import hsdp
+from hsdp.bench.fsdp2 import shard_fsdp2
 from hsdp.float8 import convert_to_float8
 from hsdp.models import LlamaConfig, build_model, lm_loss, shard_units
 
@@ -80,16 +81,12 @@ def _build(run: Run, mesh, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]
         for block in model.blocks:
             block.compile()
     units = shard_units(model)
+    mp = hsdp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if run.library == "hsdp":
-        mp = hsdp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for unit, reshard in [*units, (model, True)]:
             hsdp.fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     else:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for unit, reshard in [*units, (model, True)]:
-            fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        shard_fsdp2(model, units, mesh, mp)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95),
                             weight_decay=0.1, fused=DEVICE == "cuda")
     return model, opt
@@ -113,6 +110,9 @@ def train(run: Run, mesh, seed: int, steps: int) -> dict:
     model, opt = _build(run, mesh, seed)
     data = _batches(seed, steps).to(DEVICE)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    refresh_scales = None  # torchao's one scale all-reduce for FSDP2 (hsdp does its own)
+    if run.library == "fsdp2" and run.recipe == "tensorwise":
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp as refresh_scales
     losses, times = [], []
     for step in range(steps):
         t0 = time.perf_counter()
@@ -120,10 +120,8 @@ def train(run: Run, mesh, seed: int, steps: int) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if run.library == "fsdp2" and run.recipe == "tensorwise":
-            # torchao's one scale all-reduce for FSDP2 (hsdp refreshes its scales itself)
-            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-            precompute_float8_dynamic_scale_for_fsdp(model)
+        if refresh_scales is not None:
+            refresh_scales(model)
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())  # synchronizes: the step's time is its wall time

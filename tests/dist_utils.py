@@ -91,3 +91,9 @@ def run_jobs(world: int, jobs: dict[str, Job], **kwargs: Any) -> dict[str, list[
     as ``run_ranks`` would, by name. ``kwargs``: ``run_ranks``'s options."""
     per_rank = run_ranks(_jobs_in_sequence, world, jobs, **kwargs)
     return {name: [r[name] for r in per_rank] for name in jobs}
+
+
+def same_on_every_rank(per_rank: list[Any]) -> Any:
+    """The one result every rank returned (asserted: no rank-divergent outcome)."""
+    assert all(r == per_rank[0] for r in per_rank), per_rank
+    return per_rank[0]

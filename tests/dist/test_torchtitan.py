@@ -136,46 +136,45 @@ def test_float8_converters_match_one_process_and_fsdp2(jobs_4):
         assert not bad, bad
 
 
-def test_mx_converted_model_is_refused_before_sharding():
-    """torchtitan's MX / NVFP4 converters rely on FSDP2's all-gather hooks, which hsdp does
-    not provide for them: a clear error, with nothing sharded."""
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+def _refused_before_sharding(model, training, match: str) -> None:
+    """hsdp's ``parallelize_llama`` on a 2x2 mesh raises ``match`` with nothing sharded."""
+    from torchtitan.config import CompileConfig, ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
     from hsdp.integrations import torchtitan as hsdp_titan
+
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=4,
+                        spmd_backend="partial_dtensor")
+    with pytest.raises(ValueError, match=match):
+        hsdp_titan.parallelize_llama(
+            model, parallel_dims=dims, training=training,
+            parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+            compile_config=CompileConfig(), ac_config=None, dump_folder="")
+    assert not any(hasattr(m, "_hsdp_unit") for m in model.modules())
+
+
+def test_mx_converted_model_is_refused_before_sharding():
+    """torchtitan's MX / NVFP4 converters rely on FSDP2's all-gather hooks, which hsdp does
+    not provide for them: a clear error, with nothing sharded."""
+    from torchtitan.config import TrainingConfig
 
     model = _meta_model()
     ffn = model.layers["0"].feed_forward
     # stands for torchao's MX / NVFP4 linears (torchao modules other than Float8Linear)
     ffn.w1.__class__ = type("NVFP4Linear", (type(ffn.w1),),
                             {"__module__": "torchao.prototype.mx_formats"})
-    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=4,
-                        spmd_backend="partial_dtensor")
-    with pytest.raises(ValueError, match="float8 linears only, not NVFP4Linear"):
-        hsdp_titan.parallelize_llama(
-            model, parallel_dims=dims, training=TrainingConfig(),
-            parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
-            compile_config=CompileConfig(), ac_config=None, dump_folder="")
-    assert not any(hasattr(m, "_hsdp_unit") for m in model.modules())
+    _refused_before_sharding(model, TrainingConfig(), "float8 linears only, not NVFP4Linear")
 
 
 def test_cuda_graphs_are_refused_and_off_in_hsdps_configs(monkeypatch):
     """torchtitan captures forward + backward in a CUDA graph on CUDA unless
     ``training.disable_cuda_graphs``; hsdp runs eagerly: its configs turn the capture off,
     and ``parallelize_llama`` refuses it (nothing sharded) when it is on and CUDA is there."""
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
+    from torchtitan.config import TrainingConfig
 
     from hsdp.integrations import torchtitan as hsdp_titan
 
     assert hsdp_titan.llama3_debugmodel().training.disable_cuda_graphs
-    model = _meta_model()
-    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=4,
-                        spmd_backend="partial_dtensor")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(ValueError, match=r"CUDA graphs \(set --training.disable_cuda_graphs"):
-        hsdp_titan.parallelize_llama(
-            model, parallel_dims=dims, training=TrainingConfig(disable_cuda_graphs=False),
-            parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
-            compile_config=CompileConfig(), ac_config=None, dump_folder="")
-    assert not any(hasattr(m, "_hsdp_unit") for m in model.modules())
+    _refused_before_sharding(_meta_model(), TrainingConfig(disable_cuda_graphs=False),
+                             r"CUDA graphs \(set --training.disable_cuda_graphs")

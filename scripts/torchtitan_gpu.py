@@ -11,6 +11,9 @@
   on torch 2.11 (``_torch_compat``; run under ``torch.distributed.run``).
 - ``python scripts/torchtitan_gpu.py summarize LOG``: the trainer's per-step log lines
   (loss, tokens/s, MFU, peak reserved memory) as JSON on stdout.
+- ``python scripts/torchtitan_gpu.py bench --json PATH``: ``scripts/torchtitan_gpu.sh``
+  with its runs under PATH's folder (``torchtitan_runs/``), their summaries merged into
+  PATH (``bench suite``'s table "torchtitan's trainer on one H200").
 """
 
 from __future__ import annotations
@@ -119,6 +122,28 @@ def summarize(log: Path) -> dict:
     return {"steps": steps}
 
 
+def merge(runs: Path) -> dict:
+    """The summaries ``torchtitan_gpu.sh`` wrote under ``runs`` (one per run), by run name,
+    with the GPU the trainer logged and the torchtitan version."""
+    from importlib.metadata import version
+
+    gpus = {m.group(1) for log in runs.glob("*.log")
+            for m in re.finditer(r"CUDA capacity: (.+?) with", log.read_text(errors="replace"))}
+    return {"torchtitan": version("torchtitan"), "gpus": sorted(gpus),
+            "runs": {p.stem: json.loads(p.read_text()) for p in sorted(runs.glob("*.json"))}}
+
+
+def bench(out: Path) -> None:
+    """Run ``torchtitan_gpu.sh`` beside ``out`` and merge its summaries into ``out``."""
+    import os
+    import subprocess
+
+    runs = out.parent / "torchtitan_runs"
+    script = Path(__file__).with_name("torchtitan_gpu.sh")
+    subprocess.run(["bash", str(script)], check=True, env=os.environ | {"OUT": str(runs)})
+    out.write_text(json.dumps(merge(runs)))
+
+
 if __name__ == "__main__":
     cmd = sys.argv[1]
     if cmd == "train":  # torchtitan.train's main with _torch_compat applied first
@@ -127,11 +152,13 @@ if __name__ == "__main__":
         sys.argv = [sys.argv[0], *sys.argv[2:]]
         runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
         sys.exit()
-    arg = Path(sys.argv[2])
-    if cmd == "assets":
+    arg = Path(sys.argv[-1])
+    if cmd == "bench" and sys.argv[2:3] == ["--json"]:
+        bench(arg)
+    elif cmd == "assets":
         make_assets(arg)
     elif cmd == "summarize":
         print(json.dumps(summarize(arg)))
     else:
         raise SystemExit(f"unknown command {cmd!r}: assets DIR | summarize LOG | "
-                         "train TORCHTITAN_ARGS...")
+                         "bench --json PATH | train TORCHTITAN_ARGS...")

@@ -37,8 +37,9 @@ FLOAT8 = "Float8 (torchao) on one H200"
 FLOAT8_LOSS = "Float8 loss curves on one H200"
 FAULT_TOLERANCE = "Fault tolerance (torchft) on one H200"
 TP = "Tensor parallelism (emulated 16x8x8) on one H200"
+TORCHTITAN = "torchtitan's trainer on one H200"
 TABLES = (STEP, TWINS, SLOW_OUTER, MICROBATCHES, SHARED_LINKS, CPU_OVERLAP, CHECKPOINT, FLOAT8,
-          FLOAT8_LOSS, FAULT_TOLERANCE, TP)
+          FLOAT8_LOSS, FAULT_TOLERANCE, TP, TORCHTITAN)
 
 # 5 recorded and 3 profiled steps per schedule: the simulator's calibration takes the
 # median host time and least device time over them (hsdp.sim.calibrate).
@@ -149,6 +150,10 @@ def plan() -> list[Run]:
                      "28672", "--vocab", "128256", "--layers", "8", "--seq", "4096",
                      "--inner-gbps", "47", "--schedules", "overlap,serial,fsdp2", "--steps",
                      "10", "--warmup", "3", "--record-steps", "1", "--trace-steps", "1"), 300))
+    # torchtitan's own trainer, hsdp against its FSDP2 (with and without CUDA graphs), the
+    # debugmodel and 1B flavors, 50 steps each (./wheels: the extra's wheels for the GPU image)
+    runs.append(Run(TORCHTITAN, "h200/torchtitan", "llama3_1x1", ("bench",), 900,
+                    program=("scripts/torchtitan_gpu.py",)))
     return runs
 
 

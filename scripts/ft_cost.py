@@ -5,11 +5,13 @@
 One replica group of one rank. ``--ft on``: the lighthouse runs in this process and the
 mesh is ``init_mesh(1, 1, fault_tolerance=...)``: each step starts with torchft's quorum,
 the outer all-reduce goes through torchft's managed group (of one replica) on hsdp's outer
-stream, and ``should_commit()`` gates the optimizer step. ``--ft off``: plain hsdp on a
-(1, 1) mesh (no outer reduction at all), so the difference is everything fault tolerance
-adds to a step. Timing: CUDA-synchronized wall time per step after a warm-up; the JSON
-holds the median, min and max in ms; with ``--phases``, also the median per phase
-(``phases``, ms per step, host time, each call wrapped in a timer):
+stream (NCCL: on its current communicator, under one ``CollectiveWatchdog`` instead of
+torchft's timers per collective), and ``should_commit()`` gates the optimizer step.
+``--ft off``: plain hsdp on a (1, 1) mesh (no outer reduction at all), so the difference
+is everything fault tolerance adds to a step. Timing: CUDA-synchronized wall time per
+step after a warm-up; the JSON holds the median, min and max in ms; with ``--phases``,
+also the median per phase (``phases``, ms per step, host time, each call wrapped in a
+timer):
 ``start_quorum`` (the call), ``quorum`` (from that call until torchft has the quorum, on
 its thread), ``quorum_wait`` / ``quorum_late`` (the waits for it that found it ready /
 that blocked because it was not), ``forward``, ``backward`` (host time of each call),

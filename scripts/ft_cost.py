@@ -18,6 +18,10 @@ that blocked because it was not), ``forward``, ``backward`` (host time of each c
 ``managed_all_reduce`` (all the step's outer all-reduces through torchft, on hsdp's outer
 stream), ``should_commit``, ``optimizer``. ``--device cpu`` (gloo) with ``--hidden``
 shrinks the model (heads of 64, ffn 4 x hidden) to find where the host time goes.
+``--optimizer``: torch AdamW foreach (default) or fused (torchtitan's default). Why it
+matters here: ``should_commit()`` synchronizes the device, so with fault tolerance on the
+GPU idles while the host launches the optimizer step, which plain hsdp hides behind the
+backward still running on the GPU.
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ def main() -> None:
                    help="cpu: gloo, for the per-phase host times (not GPU step times)")
     p.add_argument("--phases", action="store_true",
                    help="time the step's phases (wraps each call in a timer)")
+    p.add_argument("--optimizer", choices=("foreach", "fused"), default="foreach",
+                   help="torch AdamW's implementation (torchtitan's default is fused)")
     p.add_argument("--hidden", type=int, default=None,
                    help="a smaller model: hidden size (heads of 64, ffn 4 x hidden)")
     args = p.parse_args()
@@ -140,7 +146,8 @@ def main() -> None:
     for unit, reshard in shard_units(model):
         hsdp.fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     hsdp.fully_shard(model, mesh=mesh, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4,
+                            **{args.optimizer: True})
     manager = hsdp.fault_tolerance(model, opt) if ft is not None else None
     tokens = torch.randint(0, cfg.vocab, (1, args.seq), device=args.device,
                            generator=torch.Generator(args.device).manual_seed(1))
@@ -168,6 +175,7 @@ def main() -> None:
         phases.next_step(keep=i >= args.warmup)
     hsdp.synchronize(model)
     result = {"ft": args.ft, "seq": args.seq, "layers": args.layers, "model": "gpt-1b",
+              "optimizer": args.optimizer,
               "steps": args.steps, "median_ms": statistics.median(times),
               "min_ms": min(times), "max_ms": max(times), "phases": phases.medians(),
               "hidden": cfg.hidden, "torch": torch.__version__,

@@ -4,6 +4,7 @@ tensors, and new tensors laid out like their inputs."""
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 import hsdp
 from hsdp.sharding.pieces import Piece, as_dtensor, spec
@@ -76,6 +77,25 @@ def test_single_tensor_results_are_pieces_with_the_local_ops_values(fake_world_8
         half = ints.div(2)
         assert half.dtype == torch.float32 and half._spec.tensor_meta.dtype == torch.float32
         assert torch.equal(half._local_tensor, torch.arange(a.numel()) / 2)
+
+
+def test_grad_reads_and_writes_as_torch_does(fake_world_8):
+    """``p.grad`` of a Piece (read without ``__torch_function__``): what was set, a grad of
+    its layout that torch's ops made as a Piece, settable, deletable and checked."""
+    mesh = hsdp.init_mesh(2, 4, "cpu")
+    p = nn.Parameter(_pieces(mesh, 0)[0])
+    assert p.grad is None and not p.is_sparse
+    g = _pieces(mesh, 1)[0]
+    p.grad = g
+    assert p.grad is g and not p.grad.is_sparse
+    made = DTensor(g._local_tensor.clone(), g._spec, requires_grad=False)
+    p.grad = made
+    assert type(p.grad) is Piece and p.grad._hsdp_range == p._hsdp_range
+    assert torch.equal(p.grad._local_tensor, made._local_tensor)
+    del p.grad
+    assert p.grad is None
+    with pytest.raises(RuntimeError, match="size"):
+        p.grad = torch.zeros(3)
 
 
 # On torch 2.11 DTensor dispatches in C++ and never calls a subclass's __torch_dispatch__:

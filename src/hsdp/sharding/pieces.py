@@ -239,6 +239,19 @@ def _by_runs(func, args: list, kwargs: dict) -> list[torch.Tensor] | torch.Tenso
     return out
 
 
+_DISABLED = torch._C._disabled_torch_function_impl
+_GRAD, _IS_SPARSE = torch._C.TensorBase.grad, torch._C.TensorBase.is_sparse
+
+
+def _as_piece(out: DTensor, arg: object) -> DTensor:
+    """``out``, a DTensor that torch computed from ``arg``, as a Piece where it was computed
+    elementwise from one (a clone, p - 1, p.abs(), p == 0), so that what is computed from
+    it next knows where its elements lie."""
+    if isinstance(arg, Piece) and not out.requires_grad and same_layout(out, arg):
+        return as_dtensor(out._local_tensor, out._spec, *arg._hsdp_range, arg._hsdp_groups)
+    return out
+
+
 class Piece(DTensor):
     """A DTensor over one of hsdp's flat pieces: what parameters, their ``.grad`` and
     state-dict views are. ``full_tensor()`` assembles the pieces (a collective over the
@@ -280,14 +293,29 @@ class Piece(DTensor):
                 out = special(cls, kind, args, kwargs)
                 if out is not DECLINED:
                     return out
-        out = torch._C._disabled_torch_function_impl(func, types, args, kwargs)
-        if (type(out) is DTensor and args and isinstance(args[0], Piece)
-                and not out.requires_grad and same_layout(out, args[0])):
-            # Computed elementwise from a Piece (a clone, p - 1, p.abs(), p == 0): a Piece
-            # too, so that what is computed from it next knows where its elements lie.
-            out = as_dtensor(out._local_tensor, out._spec, *args[0]._hsdp_range,
-                             args[0]._hsdp_groups)
-        return out
+        out = _DISABLED(func, types, args, kwargs)
+        return _as_piece(out, args[0]) if type(out) is DTensor and args else out
+
+    # ``p.grad`` and ``g.is_sparse`` as torch's getters, without the ``__torch_function__``
+    # call each access of a Piece's would make (about 1 us; an optimizer makes several
+    # per parameter and step): these properties are found first and read torch's getter
+    # with the subclass's ``__torch_function__`` disabled, as that call ends by doing.
+    @property
+    def grad(self) -> torch.Tensor | None:
+        out = _DISABLED(_GRAD.__get__, (), (self,), {})
+        return _as_piece(out, self) if type(out) is DTensor else out
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        _DISABLED(_GRAD.__set__, (), (self, value), {})
+
+    @grad.deleter
+    def grad(self) -> None:
+        _DISABLED(_GRAD.__delete__, (), (self,), {})
+
+    @property
+    def is_sparse(self) -> bool:
+        return _DISABLED(_IS_SPARSE.__get__, (), (self,), {})
 
     def detach(self) -> Piece:  # nn.Parameter requires detach() to keep the type
         return piece_like(self, self._local_tensor.detach())

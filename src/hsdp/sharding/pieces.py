@@ -154,18 +154,23 @@ def _on_locals(func, args: tuple, kwargs: dict):
         if not (isinstance(tensors, (list, tuple)) and tensors
                 and isinstance(tensors[0], torch.Tensor)):
             return a
-        if refs is None:
-            refs = [t._spec if isinstance(t, DTensor) else None for t in tensors]
-            first = tensors
-        if len(tensors) != len(refs):
-            return DECLINED
         # Fast path (the optimizer's lists: all DTensors, specs equal position by
-        # position, mostly the same objects, which list equality checks first): two list
+        # position, mostly the same objects, which list equality checks first): list
         # comprehensions instead of a Python loop with a call per tensor.
-        try:
-            aligned = [t._spec for t in tensors] == refs
-        except AttributeError:  # a plain tensor (only scalars are allowed)
-            aligned = False
+        if refs is None:
+            first = tensors
+            try:  # all DTensors: aligned with themselves
+                refs, aligned = [t._spec for t in tensors], True
+            except AttributeError:  # a plain tensor (only scalars are allowed)
+                refs = [t._spec if isinstance(t, DTensor) else None for t in tensors]
+                aligned = False
+        elif len(tensors) != len(refs):
+            return DECLINED
+        else:
+            try:
+                aligned = [t._spec for t in tensors] == refs
+            except AttributeError:
+                aligned = False
         if aligned:
             locals_ = [t._local_tensor for t in tensors]
             return locals_[0] if isinstance(a, torch.Tensor) else locals_

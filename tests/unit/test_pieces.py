@@ -4,6 +4,7 @@ tensors, and new tensors laid out like their inputs."""
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 import hsdp
 from hsdp.sharding.pieces import Piece, as_dtensor, spec
@@ -21,13 +22,15 @@ def _pieces(mesh, seed: int) -> list[Piece]:
     return out
 
 
+@pytest.mark.parametrize("foreach", [True, False])
 @pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.SGD])
-def test_foreach_optimizer_on_pieces_matches_local_tensors(fake_world_8, opt_cls):
+def test_optimizer_on_pieces_matches_local_tensors(fake_world_8, opt_cls, foreach):
     mesh = hsdp.init_mesh(2, 4, "cpu")
     params = [nn.Parameter(p) for p in _pieces(mesh, 0)]
     plain = [nn.Parameter(p._local_tensor.clone()) for p in params]
-    kw = {"lr": 0.1, "foreach": True, **({"momentum": 0.9} if opt_cls is torch.optim.SGD
-                                          else {"weight_decay": 0.1})}
+    kw = {"lr": 0.1, "foreach": foreach,
+          **({"momentum": 0.9, "nesterov": True, "weight_decay": 0.1, "maximize": True}
+             if opt_cls is torch.optim.SGD else {"weight_decay": 0.1})}
     opt, ref = opt_cls(params, **kw), opt_cls(plain, **kw)
     for step in range(3):
         for p, q, g in zip(params, plain, _pieces(mesh, step + 1)):
@@ -51,6 +54,48 @@ def test_foreach_results_have_the_local_ops_values(fake_world_8):
     torch._foreach_add_(roots, xs)  # in place on results: still the local op
     for x, r in zip(xs, roots):
         assert torch.equal(r._local_tensor, x._local_tensor.abs().sqrt() + x._local_tensor)
+
+
+def test_single_tensor_results_are_pieces_with_the_local_ops_values(fake_world_8):
+    """What a per-parameter optimizer computes out of place (``x.sqrt() / c``,
+    ``g.add(p, alpha=wd)``, ``-g``): Pieces laid out like ``x``, the local op's values;
+    one that changes the dtype (an integer piece divided) is torch's DTensor result."""
+    mesh = hsdp.init_mesh(2, 4, "cpu")
+    xs = [as_dtensor(x._local_tensor.abs(), x._spec, *x._hsdp_range, ())
+          for x in _pieces(mesh, 0)]
+    for x, y in zip(xs, _pieces(mesh, 1)):
+        a, b = x._local_tensor, y._local_tensor
+        for out, ref in ((x.sqrt() / 3.0, a.sqrt() / 3.0), (torch.sqrt(x), a.sqrt()),
+                         (x.add(y, alpha=0.5), a.add(b, alpha=0.5)), (-x, -a),
+                         (torch.mul(x, y), a * b), (x.sub(y), a - b),
+                         (x.div(torch.tensor(2.0)), a / 2)):
+            assert type(out) is Piece and out._spec is x._spec
+            assert out._hsdp_range == x._hsdp_range
+            assert torch.equal(out._local_tensor, ref)
+        ints = as_dtensor(torch.arange(a.numel()), spec(mesh, False, x.shape, torch.int64),
+                          *x._hsdp_range, ())
+        half = ints.div(2)
+        assert half.dtype == torch.float32 and half._spec.tensor_meta.dtype == torch.float32
+        assert torch.equal(half._local_tensor, torch.arange(a.numel()) / 2)
+
+
+def test_grad_reads_and_writes_as_torch_does(fake_world_8):
+    """``p.grad`` of a Piece (read without ``__torch_function__``): what was set, a grad of
+    its layout that torch's ops made as a Piece, settable, deletable and checked."""
+    mesh = hsdp.init_mesh(2, 4, "cpu")
+    p = nn.Parameter(_pieces(mesh, 0)[0])
+    assert p.grad is None and not p.is_sparse
+    g = _pieces(mesh, 1)[0]
+    p.grad = g
+    assert p.grad is g and not p.grad.is_sparse
+    made = DTensor(g._local_tensor.clone(), g._spec, requires_grad=False)
+    p.grad = made
+    assert type(p.grad) is Piece and p.grad._hsdp_range == p._hsdp_range
+    assert torch.equal(p.grad._local_tensor, made._local_tensor)
+    del p.grad
+    assert p.grad is None
+    with pytest.raises(RuntimeError, match="size"):
+        p.grad = torch.zeros(3)
 
 
 # On torch 2.11 DTensor dispatches in C++ and never calls a subclass's __torch_dispatch__:

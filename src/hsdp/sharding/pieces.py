@@ -71,8 +71,25 @@ _ELEMENTWISE_NAMES = (
     "_foreach_copy_", "_foreach_zero_", "_fused_adam_", "_fused_adamw_", "_fused_sgd_",
     "_fused_adagrad_", "add_", "sub_", "mul_", "div_", "addcmul_", "addcdiv_", "lerp_",
     "zero_")
+# Out of place on one tensor, as torch functions and Tensor methods (the per-parameter
+# optimizers: ``exp_avg_sq.sqrt() / c``, ``grad.add(p, alpha=wd)``, ``-grad``).
+_SINGLE = frozenset(getattr(ns, n) for n in ("sqrt", "div", "add", "sub", "mul", "neg")
+                    for ns in (torch, torch.Tensor))
 _ELEMENTWISE = frozenset(f for f in (getattr(torch, n, None) or getattr(torch.Tensor, n, None)
-                                     for n in _ELEMENTWISE_NAMES) if f is not None)
+                                     for n in _ELEMENTWISE_NAMES) if f is not None) | _SINGLE
+
+
+# Reads of a tensor's attributes and metadata, which write nothing and are no op on its
+# elements: what optimizers ask of every parameter each step (``p.grad``,
+# ``torch.is_complex(p)``, ``p.grad.is_sparse``). ``Piece.__torch_function__`` hands them to
+# torch at once: none of its checks applies to them, and they are most of its calls.
+_READS = frozenset({
+    *(getattr(torch.Tensor, n).__get__ for n in (
+        "grad", "is_sparse", "device", "dtype", "requires_grad", "is_leaf", "layout",
+        "shape", "ndim", "is_cuda")),
+    torch.is_complex, torch.is_floating_point, torch.Tensor.is_complex,
+    torch.Tensor.is_floating_point, torch.Tensor.dim, torch.Tensor.numel,
+    torch.Tensor.size})
 
 
 def _aligned(s: DTensorSpec, r: DTensorSpec | None) -> bool:
@@ -80,11 +97,54 @@ def _aligned(s: DTensorSpec, r: DTensorSpec | None) -> bool:
                       and s.mesh == r.mesh)
 
 
+def _local_arg(a, spec: DTensorSpec):
+    """A later argument of ``_on_local`` (``spec``: its first's): the local tensor of a
+    DTensor aligned with the first, a plain scalar tensor or a non-tensor as is, else
+    ``DECLINED``."""
+    if isinstance(a, DTensor):
+        return a._local_tensor if _aligned(a._spec, spec) else DECLINED
+    if isinstance(a, torch.Tensor):
+        return DECLINED if a.dim() else a
+    return DECLINED if isinstance(a, (list, tuple)) else a
+
+
+def _on_local(func, args: tuple, kwargs: dict):
+    """``_on_locals`` for an op on single tensors (a per-parameter optimizer's), without its
+    lists: the first argument a DTensor, the other tensors DTensors aligned with it or
+    scalars. An out-of-place op whose result does not have the first's local shape and
+    dtype (a type promotion, a broadcast) or that is given ``out=`` is ``DECLINED``."""
+    first = args[0]
+    if not isinstance(first, DTensor):
+        return DECLINED
+    spec = first._spec
+    new_args = [first._local_tensor]
+    for a in args[1:]:
+        a = _local_arg(a, spec)
+        if a is DECLINED:
+            return DECLINED
+        new_args.append(a)
+    new_kwargs = {}
+    for k, a in kwargs.items():
+        a = new_kwargs[k] = _local_arg(a, spec)
+        if a is DECLINED or k == "out":
+            return DECLINED
+    out = func(*new_args, **new_kwargs)
+    if func not in _SINGLE:  # in place: self
+        return first
+    held = new_args[0]
+    if out.dtype != held.dtype or out.shape != held.shape:
+        return DECLINED
+    return (piece_like(first, out) if isinstance(first, Piece)
+            else DTensor(out, spec, requires_grad=False))
+
+
 def _on_locals(func, args: tuple, kwargs: dict):
     """``func`` run on the local tensors of its DTensor arguments, or ``DECLINED`` unless
     every DTensor lines up with the others at its position (same placements, mesh and
     global shape; foreach lists position by position) and every plain tensor is a scalar.
     Then the local op is exactly the distributed one: elementwise over aligned pieces."""
+    if args and not isinstance(args[0], (list, tuple)):
+        return _on_local(func, args, kwargs)
     refs: list | None = None  # the spec at each position (one for single-tensor ops)
     first: list | None = None  # the first tensor argument (list) itself
 
@@ -94,18 +154,23 @@ def _on_locals(func, args: tuple, kwargs: dict):
         if not (isinstance(tensors, (list, tuple)) and tensors
                 and isinstance(tensors[0], torch.Tensor)):
             return a
-        if refs is None:
-            refs = [t._spec if isinstance(t, DTensor) else None for t in tensors]
-            first = tensors
-        if len(tensors) != len(refs):
-            return DECLINED
         # Fast path (the optimizer's lists: all DTensors, specs equal position by
-        # position, mostly the same objects, which list equality checks first): two list
+        # position, mostly the same objects, which list equality checks first): list
         # comprehensions instead of a Python loop with a call per tensor.
-        try:
-            aligned = [t._spec for t in tensors] == refs
-        except AttributeError:  # a plain tensor (only scalars are allowed)
-            aligned = False
+        if refs is None:
+            first = tensors
+            try:  # all DTensors: aligned with themselves
+                refs, aligned = [t._spec for t in tensors], True
+            except AttributeError:  # a plain tensor (only scalars are allowed)
+                refs = [t._spec if isinstance(t, DTensor) else None for t in tensors]
+                aligned = False
+        elif len(tensors) != len(refs):
+            return DECLINED
+        else:
+            try:
+                aligned = [t._spec for t in tensors] == refs
+            except AttributeError:
+                aligned = False
         if aligned:
             locals_ = [t._local_tensor for t in tensors]
             return locals_[0] if isinstance(a, torch.Tensor) else locals_
@@ -179,6 +244,19 @@ def _by_runs(func, args: list, kwargs: dict) -> list[torch.Tensor] | torch.Tenso
     return out
 
 
+_DISABLED = torch._C._disabled_torch_function_impl
+_GRAD, _IS_SPARSE = torch._C.TensorBase.grad, torch._C.TensorBase.is_sparse
+
+
+def _as_piece(out: DTensor, arg: object) -> DTensor:
+    """``out``, a DTensor that torch computed from ``arg``, as a Piece where it was computed
+    elementwise from one (a clone, p - 1, p.abs(), p == 0), so that what is computed from
+    it next knows where its elements lie."""
+    if isinstance(arg, Piece) and not out.requires_grad and same_layout(out, arg):
+        return as_dtensor(out._local_tensor, out._spec, *arg._hsdp_range, arg._hsdp_groups)
+    return out
+
+
 class Piece(DTensor):
     """A DTensor over one of hsdp's flat pieces: what parameters, their ``.grad`` and
     state-dict views are. ``full_tensor()`` assembles the pieces (a collective over the
@@ -202,30 +280,47 @@ class Piece(DTensor):
         # Not where autograd is involved (optimizers run under no_grad): an op on a tensor
         # that requires grad must meet autograd's checks and recording, which the local
         # op would skip.
-        if getattr(func, "__self__", None) is DATA:
-            group = getattr(args[0], "_hsdp_group", None)
-            if group is not None:  # writes through .data bump no version counter
-                group.mark_written()
-        if PENDING:
-            before_write(written(func, args, kwargs or {}))
-        if func in _ELEMENTWISE and not (torch.is_grad_enabled() and any_requires_grad(
-                (*args, *(kwargs or {}).values()))):
-            out = _on_locals(func, args, kwargs or {})
-            if out is not DECLINED:
-                return out
-        kind = SPECIAL.get(func)
-        if kind is not None:
-            out = special(cls, kind, args, kwargs or {})
-            if out is not DECLINED:
-                return out
-        out = torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
-        if (type(out) is DTensor and args and isinstance(args[0], Piece)
-                and not out.requires_grad and same_layout(out, args[0])):
-            # Computed elementwise from a Piece (a clone, p - 1, p.abs(), p == 0): a Piece
-            # too, so that what is computed from it next knows where its elements lie.
-            out = as_dtensor(out._local_tensor, out._spec, *args[0]._hsdp_range,
-                             args[0]._hsdp_groups)
-        return out
+        kwargs = kwargs or {}
+        if func not in _READS:  # (a read writes nothing and is none of the ops below)
+            if getattr(func, "__self__", None) is DATA:
+                group = getattr(args[0], "_hsdp_group", None)
+                if group is not None:  # writes through .data bump no version counter
+                    group.mark_written()
+            if PENDING.data:  # (``len(PENDING)`` is a Python call)
+                before_write(written(func, args, kwargs))
+            if func in _ELEMENTWISE and not (torch.is_grad_enabled() and any_requires_grad(
+                    (*args, *kwargs.values()))):
+                out = _on_locals(func, args, kwargs)
+                if out is not DECLINED:
+                    return out
+            kind = SPECIAL.get(func)
+            if kind is not None:
+                out = special(cls, kind, args, kwargs)
+                if out is not DECLINED:
+                    return out
+        out = _DISABLED(func, types, args, kwargs)
+        return _as_piece(out, args[0]) if type(out) is DTensor and args else out
+
+    # ``p.grad`` and ``g.is_sparse`` as torch's getters, without the ``__torch_function__``
+    # call each access of a Piece's would make (about 1 us; an optimizer makes several
+    # per parameter and step): these properties are found first and read torch's getter
+    # with the subclass's ``__torch_function__`` disabled, as that call ends by doing.
+    @property
+    def grad(self) -> torch.Tensor | None:
+        out = _DISABLED(_GRAD.__get__, (), (self,), {})
+        return _as_piece(out, self) if type(out) is DTensor else out
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        _DISABLED(_GRAD.__set__, (), (self, value), {})
+
+    @grad.deleter
+    def grad(self) -> None:
+        _DISABLED(_GRAD.__delete__, (), (self,), {})
+
+    @property
+    def is_sparse(self) -> bool:
+        return _DISABLED(_IS_SPARSE.__get__, (), (self,), {})
 
     def detach(self) -> Piece:  # nn.Parameter requires detach() to keep the type
         return piece_like(self, self._local_tensor.detach())

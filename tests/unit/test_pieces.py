@@ -124,7 +124,7 @@ def test_in_place_op_on_a_parameter_under_autograd_is_checked_as_torch_does(fake
 def test_runs_of_back_to_back_pieces():
     """``contiguous_runs``: consecutive 1-D views that continue one another in one storage, with the
     same dtype, form a run; a gap, a repeat, another dtype or meta tensors break it."""
-    from hsdp.sharding.pieces import contiguous_runs
+    from hsdp.sharding.local_ops import contiguous_runs
     b = torch.zeros(10)
     assert contiguous_runs([b[0:2], b[2:5], b[5:6], b[7:8], b[8:10]]) == [3, 2]
     assert contiguous_runs([b[0:2], b[0:2]]) == [1, 1]

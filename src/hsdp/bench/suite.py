@@ -136,13 +136,19 @@ def plan() -> list[Run]:
                                         for lib in ("hsdp", "fsdp2"))), 570,
                     program=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                              "1", "scripts/float8_loss.py")))
-    # torchft installed (hsdp[ft]); off and on alternated; 8 and 32 layers
-    for q, layers, tag in (("1024", "8", ""), ("4096", "8", ""), ("4096", "32", "_l32")):
-        for k in ("1", "2"):
-            for ft in ("off", "on"):
-                runs.append(Run(FAULT_TOLERANCE, "h200/ft_cost", f"seq{q}{tag}_{ft}_{k}",
-                                ("--ft", ft, "--seq", q, "--layers", layers), 300,
-                                program=("scripts/ft_cost.py",)))
+    # torchft installed (hsdp[ft]); off and on alternated; 8 and 32 layers; AdamW foreach,
+    # and fused (torchtitan's default) at seq 4096
+    for q, layers, tag, optimizers in (("1024", "8", "", ("foreach",)),
+                                       ("4096", "8", "", ("foreach", "fused")),
+                                       ("4096", "32", "_l32", ("foreach", "fused"))):
+        for optimizer in optimizers:
+            fused = "_fused" if optimizer == "fused" else ""
+            for k in ("1", "2"):
+                for ft in ("off", "on"):
+                    runs.append(Run(FAULT_TOLERANCE, "h200/ft_cost",
+                                    f"seq{q}{tag}{fused}_{ft}_{k}",
+                                    ("--ft", ft, "--seq", q, "--layers", layers, "--optimizer",
+                                     optimizer), 300, program=("scripts/ft_cost.py",)))
     # 70B-shaped layers, TP 8 inside each DP rank; inner and outer both on the IB link
     runs.append(Run(TP, "h200/tp", "emu16x8x8_s4096",
                     ("bench", "step", "--emulate", "--mesh", "16x8", "--tp", "8", "--arch",

@@ -36,6 +36,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from hsdp.mesh import registered_groups
 from hsdp.sharding.chunks import Chunks, attach_chunks
+from hsdp.sharding.local_ops import ELEMENTWISE, READS, on_locals
 from hsdp.sharding.reductions import DECLINED, SPECIAL, special
 from hsdp.sharding.tp import block_of
 from hsdp.sharding.write_guard import (
@@ -61,191 +62,14 @@ def spec(mesh: DeviceMesh, shard_outer: bool, shape: tuple[int, ...],
                        tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
 
 
-# Elementwise ops that optimizers and zero_grad run on parameters, gradients and state, as
-# ``__torch_function__`` sees them (torch functions and Tensor methods): on pieces laid out
-# alike, the same op on the local tensors (see ``Piece``).
-_ELEMENTWISE_NAMES = (
-    *(f"_foreach_{n}{s}" for n in ("add", "sub", "mul", "div", "addcmul", "addcdiv", "lerp",
-                                   "sqrt", "maximum", "neg", "abs", "sign", "clamp_min",
-                                   "clamp_max") for s in ("", "_")),
-    "_foreach_copy_", "_foreach_zero_", "_fused_adam_", "_fused_adamw_", "_fused_sgd_",
-    "_fused_adagrad_", "add_", "sub_", "mul_", "div_", "addcmul_", "addcdiv_", "lerp_",
-    "zero_")
-# Out of place on one tensor, as torch functions and Tensor methods (the per-parameter
-# optimizers: ``exp_avg_sq.sqrt() / c``, ``grad.add(p, alpha=wd)``, ``-grad``).
-_SINGLE = frozenset(getattr(ns, n) for n in ("sqrt", "div", "add", "sub", "mul", "neg")
-                    for ns in (torch, torch.Tensor))
-_ELEMENTWISE = frozenset(f for f in (getattr(torch, n, None) or getattr(torch.Tensor, n, None)
-                                     for n in _ELEMENTWISE_NAMES) if f is not None) | _SINGLE
-
-
-# Reads of a tensor's attributes and metadata, which write nothing and are no op on its
-# elements: what optimizers ask of every parameter each step (``p.grad``,
-# ``torch.is_complex(p)``, ``p.grad.is_sparse``). ``Piece.__torch_function__`` hands them to
-# torch at once: none of its checks applies to them, and they are most of its calls.
-_READS = frozenset({
-    *(getattr(torch.Tensor, n).__get__ for n in (
-        "grad", "is_sparse", "device", "dtype", "requires_grad", "is_leaf", "layout",
-        "shape", "ndim", "is_cuda")),
-    torch.is_complex, torch.is_floating_point, torch.Tensor.is_complex,
-    torch.Tensor.is_floating_point, torch.Tensor.dim, torch.Tensor.numel,
-    torch.Tensor.size})
-
-
-def _aligned(s: DTensorSpec, r: DTensorSpec | None) -> bool:
-    return s is r or (r is not None and s.placements == r.placements and s.shape == r.shape
-                      and s.mesh == r.mesh)
-
-
-def _local_arg(a, spec: DTensorSpec):
-    """A later argument of ``_on_local`` (``spec``: its first's): the local tensor of a
-    DTensor aligned with the first, a plain scalar tensor or a non-tensor as is, else
-    ``DECLINED``."""
-    if isinstance(a, DTensor):
-        return a._local_tensor if _aligned(a._spec, spec) else DECLINED
-    if isinstance(a, torch.Tensor):
-        return DECLINED if a.dim() else a
-    return DECLINED if isinstance(a, (list, tuple)) else a
-
-
-def _on_local(func, args: tuple, kwargs: dict):
-    """``_on_locals`` for an op on single tensors (a per-parameter optimizer's), without its
-    lists: the first argument a DTensor, the other tensors DTensors aligned with it or
-    scalars. An out-of-place op whose result does not have the first's local shape and
-    dtype (a type promotion, a broadcast) or that is given ``out=`` is ``DECLINED``."""
-    first = args[0]
-    if not isinstance(first, DTensor):
-        return DECLINED
-    spec = first._spec
-    new_args = [first._local_tensor]
-    for a in args[1:]:
-        a = _local_arg(a, spec)
-        if a is DECLINED:
-            return DECLINED
-        new_args.append(a)
-    new_kwargs = {}
-    for k, a in kwargs.items():
-        a = new_kwargs[k] = _local_arg(a, spec)
-        if a is DECLINED or k == "out":
-            return DECLINED
-    out = func(*new_args, **new_kwargs)
-    if func not in _SINGLE:  # in place: self
-        return first
-    held = new_args[0]
-    if out.dtype != held.dtype or out.shape != held.shape:
-        return DECLINED
-    return (piece_like(first, out) if isinstance(first, Piece)
-            else DTensor(out, spec, requires_grad=False))
-
-
-def _on_locals(func, args: tuple, kwargs: dict):
-    """``func`` run on the local tensors of its DTensor arguments, or ``DECLINED`` unless
-    every DTensor lines up with the others at its position (same placements, mesh and
-    global shape; foreach lists position by position) and every plain tensor is a scalar.
-    Then the local op is exactly the distributed one: elementwise over aligned pieces."""
-    if args and not isinstance(args[0], (list, tuple)):
-        return _on_local(func, args, kwargs)
-    refs: list | None = None  # the spec at each position (one for single-tensor ops)
-    first: list | None = None  # the first tensor argument (list) itself
-
-    def unwrap(a):
-        nonlocal refs, first
-        tensors = [a] if isinstance(a, torch.Tensor) else a
-        if not (isinstance(tensors, (list, tuple)) and tensors
-                and isinstance(tensors[0], torch.Tensor)):
-            return a
-        # Fast path (the optimizer's lists: all DTensors, specs equal position by
-        # position, mostly the same objects, which list equality checks first): list
-        # comprehensions instead of a Python loop with a call per tensor.
-        if refs is None:
-            first = tensors
-            try:  # all DTensors: aligned with themselves
-                refs, aligned = [t._spec for t in tensors], True
-            except AttributeError:  # a plain tensor (only scalars are allowed)
-                refs = [t._spec if isinstance(t, DTensor) else None for t in tensors]
-                aligned = False
-        elif len(tensors) != len(refs):
-            return DECLINED
-        else:
-            try:
-                aligned = [t._spec for t in tensors] == refs
-            except AttributeError:
-                aligned = False
-        if aligned:
-            locals_ = [t._local_tensor for t in tensors]
-            return locals_[0] if isinstance(a, torch.Tensor) else locals_
-        out = []
-        for t, r in zip(tensors, refs):
-            if isinstance(t, DTensor):
-                if not _aligned(t._spec, r):
-                    return DECLINED
-                out.append(t._local_tensor)
-            elif t.dim() == 0:
-                out.append(t)
-            else:
-                return DECLINED
-        return out[0] if isinstance(a, torch.Tensor) else out
-
-    new_args = [unwrap(a) for a in args]
-    new_kwargs = {k: unwrap(v) for k, v in kwargs.items()}
-    if any(a is DECLINED for a in (*new_args, *new_kwargs.values())):
-        return DECLINED
-    if func.__name__.endswith("_"):  # in place: foreach -> None, single -> self
-        out = func(*new_args, **new_kwargs)
-        return args[0] if isinstance(args[0], DTensor) else out
-    out = _by_runs(func, new_args, new_kwargs)
-    # New tensors (e.g. AdamW's sqrt of its second moment) are laid out like the first
-    # argument's: Pieces where those are, so that the ops the optimizer runs on them next
-    # take this path too, not DTensor's (which re-checks every spec at each op).
-    return [piece_like(t, o) if isinstance(t, Piece) else DTensor(o, r, requires_grad=False)
-            for t, o, r in zip(first, out, refs)]
-
-
-def contiguous_runs(ts: list[torch.Tensor]) -> list[int]:
-    """Lengths of the runs of consecutive 1-D contiguous tensors in ``ts`` that lie back to
-    back in one storage (the pieces of a group's flat buffer), front to back."""
-    lengths: list[int] = []
-    end = None  # (storage pointer, dtype, offset) where the previous tensor ended
-    for t in ts:
-        flat = t.dim() == 1 and t.stride(0) == 1
-        here = (t.untyped_storage().data_ptr(), t.dtype, t.storage_offset())
-        if flat and here[0] and end == here:  # a null pointer: meta tensors
-            lengths[-1] += 1
-        else:
-            lengths.append(1)
-        end = (here[0], here[1], here[2] + t.numel()) if flat else None
-    return lengths
-
-
-def _by_runs(func, args: list, kwargs: dict) -> list[torch.Tensor] | torch.Tensor:
-    """An out-of-place op on local tensors. A foreach op whose only tensor argument is its
-    first list runs once over each run of back-to-back pieces (``contiguous_runs``), the results
-    being views of one new tensor per run: one allocation of the group's size instead of
-    one odd-sized allocation per piece (each of which the caching allocator rounds), as
-    for the packed optimizer state; same values, element by element."""
-    ts = args[0]
-    if not (isinstance(ts, list) and func.__name__.startswith("_foreach_") and not kwargs
-            and not any(isinstance(a, (torch.Tensor, list, tuple)) for a in args[1:])):
-        return func(*args, **kwargs)
-    lengths = contiguous_runs(ts)
-    if len(lengths) == len(ts):
-        return func(*args, **kwargs)
-    spans, i = [], 0
-    for n in lengths:
-        first = ts[i]
-        numel = sum(t.numel() for t in ts[i:i + n])
-        spans.append(first if n == 1 else first.as_strided((numel,), (1,),
-                                                           first.storage_offset()))
-        i += n
-    out, i = [], 0
-    for n, res in zip(lengths, func(spans, *args[1:])):
-        out += [res] if n == 1 else list(res.split([t.numel() for t in ts[i:i + n]]))
-        i += n
-    return out
-
-
 _DISABLED = torch._C._disabled_torch_function_impl
 _GRAD, _IS_SPARSE = torch._C.TensorBase.grad, torch._C.TensorBase.is_sparse
+
+
+def _laid_out_like(t: DTensor, local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """A new result ``local`` of an elementwise op on ``t``: a Piece where ``t`` is one."""
+    return piece_like(t, local) if isinstance(t, Piece) else DTensor(local, spec,
+                                                                    requires_grad=False)
 
 
 def _as_piece(out: DTensor, arg: object) -> DTensor:
@@ -262,7 +86,7 @@ class Piece(DTensor):
     state-dict views are. ``full_tensor()`` assembles the pieces (a collective over the
     mesh, host groups); ``redistribute`` to replicated placements goes through it, any other
     is refused (torch's redistribution assumes ``torch.chunk`` rows and would misread
-    the pieces). Elementwise foreach ops on Pieces return Pieces (``_on_locals``), other
+    the pieces). Elementwise foreach ops on Pieces return Pieces (``local_ops.on_locals``), other
     ops plain DTensors (torch's dispatch)."""
 
     _hsdp_range: tuple[int, int]  # (start, length) in the flattened TP-local tensor
@@ -281,16 +105,16 @@ class Piece(DTensor):
         # that requires grad must meet autograd's checks and recording, which the local
         # op would skip.
         kwargs = kwargs or {}
-        if func not in _READS:  # (a read writes nothing and is none of the ops below)
+        if func not in READS:  # (a read writes nothing and is none of the ops below)
             if getattr(func, "__self__", None) is DATA:
                 group = getattr(args[0], "_hsdp_group", None)
                 if group is not None:  # writes through .data bump no version counter
                     group.mark_written()
             if PENDING.data:  # (``len(PENDING)`` is a Python call)
                 before_write(written(func, args, kwargs))
-            if func in _ELEMENTWISE and not (torch.is_grad_enabled() and any_requires_grad(
+            if func in ELEMENTWISE and not (torch.is_grad_enabled() and any_requires_grad(
                     (*args, *kwargs.values()))):
-                out = _on_locals(func, args, kwargs)
+                out = on_locals(func, args, kwargs, _laid_out_like)
                 if out is not DECLINED:
                     return out
             kind = SPECIAL.get(func)

@@ -39,9 +39,14 @@ def test_two_replica_groups_train_in_one_quorum(tmp_path):
                  "--outer", "2", "--steps", str(STEPS), "--step-s", "0"],
                 env=env, stdout=log, stderr=subprocess.STDOUT))
         codes = [g.wait(timeout=300) for g in groups]
-    finally:
+    finally:  # SIGTERM first: torchrun then stops its workers
         for p in (*groups, lighthouse):
-            p.kill()
+            p.terminate()
+        for p in (*groups, lighthouse):
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
     logs = [(tmp_path / f"group{g}.log").read_text() for g in range(2)]
     assert codes == [0, 0], [log[-3000:] for log in logs]
     for group, log in enumerate(logs):

@@ -279,7 +279,7 @@ def adamw_job(rank: int, world: int, outer: int) -> dict[str, tuple[bool, bool]]
                 torch.autograd.graph.increment_version(plain)
         a, b = (hsdp.full_state_dict(m) for m in models)
         out[f"{strategy}/{impl}"] = (all(torch.equal(a[k], b[k]) for k in a),
-                                                any(not torch.equal(a[k], start[k]) for k in a))
+                                     any(not torch.equal(a[k], start[k]) for k in a))
     return out
 
 

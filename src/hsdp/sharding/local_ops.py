@@ -102,8 +102,8 @@ def on_locals(func, args: tuple, kwargs: dict, like: Like):
     Then the local op is exactly the distributed one: elementwise over aligned pieces."""
     if args and not isinstance(args[0], (list, tuple)):
         return _on_local(func, args, kwargs, like)
-    refs: list | None = None  # the spec at each position (one for single-tensor ops)
-    first: list | None = None  # the first tensor argument (list) itself
+    refs: list | None = None  # the spec at each position of the first list
+    first: list | None = None  # the first list itself
 
     def unwrap(a):
         nonlocal refs, first
@@ -147,9 +147,8 @@ def on_locals(func, args: tuple, kwargs: dict, like: Like):
     new_kwargs = {k: unwrap(v) for k, v in kwargs.items()}
     if any(a is DECLINED for a in (*new_args, *new_kwargs.values())):
         return DECLINED
-    if func.__name__.endswith("_"):  # in place: foreach -> None, single -> self
-        out = func(*new_args, **new_kwargs)
-        return args[0] if isinstance(args[0], DTensor) else out
+    if func.__name__.endswith("_"):  # in place (foreach ops return None)
+        return func(*new_args, **new_kwargs)
     out = _by_runs(func, new_args, new_kwargs)
     # New tensors (e.g. AdamW's sqrt of its second moment) are laid out like the first
     # argument's: Pieces where those are, so that the ops the optimizer runs on them next

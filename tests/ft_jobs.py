@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -48,6 +49,22 @@ def _wait_for(path: str, seconds: float) -> None:
     while not os.path.exists(path):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} did not appear in {seconds} s")
+        time.sleep(0.05)
+
+
+def _wait_for_joiner(lighthouse: str, seconds: float) -> None:
+    """Until another replica group's quorum request is pending at the lighthouse: a group
+    that requests first, alone, gets a fast quorum without the newcomer (torchft 0.2)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        with urllib.request.urlopen(f"{lighthouse}/status", timeout=seconds) as f:
+            status = f.read().decode()
+        pending = re.search(r"only have (\d+) participants", status)
+        if pending and int(pending.group(1)) > 0:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no quorum request pending at {lighthouse} in {seconds} s:"
+                               f" {status}")
         time.sleep(0.05)
 
 
@@ -179,9 +196,12 @@ def train(cfg: dict, model: nn.Module, opt: torch.optim.Optimizer, sched: Any,
     gates = {int(s): f for s, f in cfg.get("gates", {}).items()}
     while manager.current_step() < cfg["steps"]:
         step = manager.current_step()
-        for r in range(2):
-            if step in gates:
-                _wait_for(os.path.join(cfg["out"], f"{gates[step]}_{r}"), 180)
+        if step in gates:  # the first attempt only: a step redone after a loss goes on
+            gate = gates.pop(step)
+            for r in range(2):
+                _wait_for(os.path.join(cfg["out"], f"{gate}_{r}"), 180)
+            if cfg.get("await_joiner"):
+                _wait_for_joiner(cfg["lighthouse"], 180)
         manager.start_quorum()
         x, y = batch(step, replica, rank)
         loss = nn.functional.mse_loss(model(x), y)

@@ -98,9 +98,11 @@ def test_replica_group_lost_and_recovered(tmp_path, library):
     deadline = time.monotonic() + DEADLINE_S
     try:
         common = dict(lighthouse=lighthouse.address(), library=library)
-        # group 0 starts each gated step only once that incarnation of group 1 is up
+        # group 0 starts each gated step only once that incarnation of group 1 is up and
+        # its quorum request is pending at the lighthouse
         gates = {0: "ready_g1.0", 7: "ready_g1.1", 9: "ready_g1.2"}
-        g0 = _launch(out, "g0", 0, gates=gates, check_hfsdp=library == "hsdp", **common)
+        g0 = _launch(out, "g0", 0, gates=gates, await_joiner=True,
+                     check_hfsdp=library == "hsdp", **common)
         killed = _launch(out, "g1.0", 1, kill_at=KILL_AT, gates={0: "ready_g0"}, **common)
         assert _wait(killed, deadline, out) == [-9, -9], _logs(out)
         in_transfer = _launch(out, "g1.1", 1, die_in_transfer=True, **common)

@@ -55,10 +55,10 @@ def _aligned(s: DTensorSpec, r: DTensorSpec | None) -> bool:
                       and s.mesh == r.mesh)
 
 
-def _local_arg(a, spec: DTensorSpec):
-    """A later argument of ``_on_local`` (``spec``: its first's): the local tensor of a
-    DTensor aligned with the first, a plain scalar tensor or a non-tensor as is, else
-    ``DECLINED``."""
+def _local_arg(a, spec: DTensorSpec | None):
+    """An argument as the local op takes it (``spec``: the first argument's at its
+    position, ``None`` where that is a plain tensor): the local tensor of a DTensor
+    aligned with it, a plain scalar tensor or a non-tensor as is, else ``DECLINED``."""
     if isinstance(a, DTensor):
         return a._local_tensor if _aligned(a._spec, spec) else DECLINED
     if isinstance(a, torch.Tensor):
@@ -133,14 +133,10 @@ def on_locals(func, args: tuple, kwargs: dict, like: Like):
             return locals_[0] if isinstance(a, torch.Tensor) else locals_
         out = []
         for t, r in zip(tensors, refs):
-            if isinstance(t, DTensor):
-                if not _aligned(t._spec, r):
-                    return DECLINED
-                out.append(t._local_tensor)
-            elif t.dim() == 0:
-                out.append(t)
-            else:
+            t = _local_arg(t, r)
+            if t is DECLINED:
                 return DECLINED
+            out.append(t)
         return out[0] if isinstance(a, torch.Tensor) else out
 
     new_args = [unwrap(a) for a in args]

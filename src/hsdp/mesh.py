@@ -117,7 +117,7 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
     (tp fastest, as torchtitan): give ``mesh["tp"]`` to torch's ``parallelize_module``,
     then the whole mesh to ``hsdp.fully_shard``. With ``fault_tolerance`` (strategy hsdp,
     no tp), each replica group is its own torch world and the outer gradient all-reduce
-    goes through torchft (README: Surviving failures).
+    goes through torchft (docs/guide/fault_tolerance.md).
 
     Sizes left out come from the launch: outer = nodes, inner = ranks per node (torchrun's
     ``LOCAL_WORLD_SIZE``, SLURM's tasks per node, else the ranks' hosts) / tp; one given,

@@ -1,4 +1,4 @@
-"""Ranks must agree before hsdp acts (README "Failure semantics"), on 4 gloo ranks (2x2):
+"""Ranks must agree before hsdp acts (docs/guide/failure_semantics.md), on 4 gloo ranks (2x2):
 init_mesh's arguments, the model given to fully_shard, a peer stalled in
 clip_grad_norm_; and a world re-created in one process gets new groups and leaks nothing.
 Job bodies: ``world_jobs.py``."""

@@ -1,4 +1,4 @@
-"""README "Surviving failures" as written: ``torchft_lighthouse`` and two torchruns of
+"""docs/guide/fault_tolerance.md as written: ``torchft_lighthouse`` and two torchruns of
 ``examples/ft_train.py`` (two replica groups of two gloo ranks) train to the last step in
 one quorum. One change: the lighthouse waits for both groups (``--min_replicas 2``), else
 the group that starts first may finish its few steps alone before the other has

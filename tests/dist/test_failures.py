@@ -1,4 +1,4 @@
-"""Failure semantics (issue 9; README "Failure semantics") on 4 gloo ranks (a 2x2 mesh),
+"""Failure semantics (docs/guide/failure_semantics.md) on 4 gloo ranks (a 2x2 mesh),
 each rank its own process, so that a hang shows as a hang (bounded by short timeouts).
 
 Job 1 runs every recoverable case in one spawn and compares the trained parameters with a

@@ -1,6 +1,6 @@
 """hsdp as torchtitan's data-parallel backend (``hsdp.integrations.torchtitan``): Llama3
 ``debugmodel`` on a 2x2 gloo mesh equals one process and torchtitan's FSDP2 path
-(torchtitan_jobs.py). Needs the ``hsdp[torchtitan]`` extra (README: Using hsdp in torchtitan)."""
+(torchtitan_jobs.py). Needs the ``hsdp[torchtitan]`` extra (docs/guide/torchtitan.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 pytest.importorskip("torchtitan.train", reason="torchtitan is not installed: pip install "
-                    "--no-deps per the hsdp[torchtitan] extra (README: Using hsdp in torchtitan)")
+                    "--no-deps per the hsdp[torchtitan] extra (docs/guide/torchtitan.md)")
 
 from dist_utils import run_jobs, run_ranks  # noqa: E402
 from torchtitan_jobs import (  # noqa: E402

@@ -16,8 +16,8 @@ from hsdp.sharding.group import ParamGroup, owner
 
 
 def quiesce(model: nn.Module, what: str) -> None:
-    """Wait for every stream (after abandoning a step that raised: see README, "Failure
-    semantics"); refuse during forward / backward."""
+    """Wait for every stream (after abandoning a step that raised: see
+    docs/guide/failure_semantics.md); refuse during forward / backward."""
     unit = getattr(model, "_hsdp_unit", None)
     if unit is not None and unit.runtime is not None:
         unit.runtime.synchronize()

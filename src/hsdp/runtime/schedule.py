@@ -19,7 +19,7 @@ runs it again in backward), ``BWD:<unit>`` from its pre-backward to its post-bac
 ``COPY_IN:<group>``, ``OPTIMIZER:<root>``. The simulator prices compute by phase; on CUDA
 and CPU they are trace marks.
 
-Failures (README, "Failure semantics"): every collective is logged and the step's structure
+Failures (docs/guide/failure_semantics.md): every collective is logged and the step's structure
 is agreed on at its end (``agreement.py``); a step whose forward or backward raised is
 abandoned consistently on every rank by the next call into hsdp (``Runtime.settle``).
 """

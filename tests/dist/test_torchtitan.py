@@ -110,8 +110,10 @@ def test_torchtitan_trainer_main_with_hsdp_matches_its_fsdp2(tmp_path):
     got = _trainer(tmp_path, "hsdp_debugmodel", 4, *mesh, "--dump_folder", "hsdp")
     want = _trainer(tmp_path, "fsdp2_debugmodel", 4, *mesh, "--dump_folder", "fsdp2")
     assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    # Values a float ulp apart can print one unit apart in the 5th decimal when they sit
+    # on a rounding boundary (seen once: 8.18448 vs 8.18447), so one printed unit is allowed.
     for step, (loss, norm) in want.items():
-        assert got[step] == pytest.approx((loss, norm), abs=1e-5), (step, got, want)
+        assert got[step] == pytest.approx((loss, norm), abs=1.5e-5), (step, got, want)
 
 
 def test_float8_converters_match_one_process_and_fsdp2(jobs_4):

@@ -24,10 +24,9 @@ class GradientState:
                          if self.shard_outer else self.accum)
         # The sharded .grad DTensors, made once (while the storage exists), then freed.
         locals_ = placeholders_if_empty([self.grad_buf[a:a + n] for a, n in self._slices])
-        self._grad_views = [as_dtensor(local, dspec, start, n, groups)
-                            for local, (_, n), dspec, start, groups in zip(
-                                locals_, self._slices, self.specs, self.shard_starts,
-                                self._groups_of)]
+        self._grad_views = [as_dtensor(local, dspec, start, n)
+                            for local, (_, n), dspec, start in zip(
+                                locals_, self._slices, self.specs, self.shard_starts)]
         self._placeholder_grads = [g._local_tensor for g, (_, n) in
                                    zip(self._grad_views, self._slices) if n == 0]
         for buf in {id(b): b for b in (self.accum, self.grad_buf)}.values():

@@ -112,6 +112,8 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
         # None: gradients are means over the DP ranks; f: sums divided by f (FSDP2's
         # set_gradient_divide_factor; 1.0 gives plain sums).
         self.divide_factor: float | None = None
+        # FSDP2's set_all_reduce_hook: called with the outer all-reduce's result (hsdp)
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.on_all_grads: Callable[[ParamGroup], None] | None = None
         self.param_requires_grad = [p.requires_grad for p in params]
         self.trainable_count = sum(self.param_requires_grad)

@@ -131,8 +131,10 @@ class GroupCollectives:
     def has_outer_reduction(self) -> bool:
         """False for hsdp on one outer rank: ``accum`` is already the reduced gradient (an
         outer reduction would only cast it to the reduce dtype and back). Always True
-        with fault tolerance: replica groups may join at any step."""
-        return self.shard_outer or self.comms.outer_size > 1 or self.comms.elastic is not None
+        with fault tolerance (replica groups may join at any step) and with an all-reduce
+        hook (FSDP2 calls it after the reduce-scatter when there is no all-reduce)."""
+        return (self.shard_outer or self.comms.outer_size > 1 or self.comms.elastic is not None
+                or self.all_reduce_hook is not None)
 
     def outer_reduce(self, stream: SideStream, coll: Collectives,
                      after: Sequence[Event]) -> Event:
@@ -155,6 +157,8 @@ class GroupCollectives:
             else:
                 coll.all_reduce(src, self.comms.grad_outer, "outer",
                                 avg=self.divide_factor is None)
+                if self.all_reduce_hook is not None:
+                    self.all_reduce_hook(src)
                 if src is not self.accum:
                     self.accum.copy_(src)
         return stream.submit(run, after, label(self.outer_reduction, self.label))

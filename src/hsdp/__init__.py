@@ -14,7 +14,7 @@ from hsdp.ft.outer import FaultTolerance, FaultToleranceError
 from hsdp.materialize import materialize
 from hsdp.module import register_forward_method
 from hsdp.runtime.optim import attach_optimizer
-from hsdp.sharding.policy import MixedPrecision
+from hsdp.sharding.policy import MixedPrecision, Strategy
 from hsdp.topology.mesh import NcclConfig, init_mesh
 
 __version__ = "0.1.0"
@@ -24,6 +24,7 @@ __all__ = [
     "FaultTolerance",
     "FaultToleranceError",
     "MixedPrecision",
+    "Strategy",
     "NcclConfig",
     "attach_optimizer",
     "clip_grad_norm_",

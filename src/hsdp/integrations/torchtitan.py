@@ -38,15 +38,17 @@ from torchtitan.protocols.module import Module as TitanModule
 
 import hsdp
 from hsdp.checkpoint.dcp import load_state_dict_hook
+from hsdp.sharding.policy import Strategy
 
 MODEL_NAME = "hsdp_llama3"
 
 
-def options_from_env() -> tuple[str, bool]:
+def options_from_env() -> tuple[Strategy, bool]:
     """(strategy, overlap_outer) from ``HSDP_STRATEGY`` and ``HSDP_OVERLAP_OUTER``."""
-    strategy = os.environ.get("HSDP_STRATEGY", "hsdp")
-    if strategy not in ("hsdp", "hfsdp"):
-        raise ValueError(f"hsdp: HSDP_STRATEGY must be hsdp or hfsdp, got {strategy!r}")
+    try:
+        strategy = Strategy.parse(os.environ.get("HSDP_STRATEGY", "hsdp"))
+    except ValueError as e:
+        raise ValueError(f"hsdp: HSDP_STRATEGY: {e}") from None
     overlap = os.environ.get("HSDP_OVERLAP_OUTER", "1")
     if overlap not in ("0", "1"):
         raise ValueError(f"hsdp: HSDP_OVERLAP_OUTER must be 0 or 1, got {overlap!r}")
@@ -101,7 +103,7 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
                       training: TrainingConfig, parallelism: ParallelismConfig,
                       compile_config: CompileConfig,
                       ac_config: ActivationCheckpointingConfig | None, dump_folder: str,
-                      strategy: str | None = None,
+                      strategy: Strategy | str | None = None,
                       overlap_outer: bool | None = None) -> nn.Module:
     """torchtitan's ``parallelize_llama`` with hsdp in place of ``apply_fsdp_to_decoder``:
     torchtitan's own TP plan (the model's ``parallelize`` on its "tp" mesh, when
@@ -116,7 +118,7 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
 
         wrap_float8_all_gather_weights(model)
     env_strategy, env_overlap = options_from_env()
-    strategy = strategy or env_strategy
+    strategy = Strategy.parse(strategy or env_strategy)
     overlap_outer = env_overlap if overlap_outer is None else overlap_outer
     if parallel_dims.tp_enabled:
         model.parallelize(parallel_dims)

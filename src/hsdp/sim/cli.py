@@ -20,7 +20,7 @@ from pathlib import Path
 from hsdp.models import PRESETS, preset
 from hsdp.report.args import DTYPES, parse_mesh
 from hsdp.report.table import print_table
-from hsdp.sharding.policy import STRATEGIES
+from hsdp.sharding.policy import Strategy
 from hsdp.sim.calibrate import calibrate
 from hsdp.sim.costs import CostModel
 from hsdp.sim.engine import Setup, SimResult, simulate
@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "hsdp.sim.tp_pricing): "
                         "its collectives priced on compute; with tp filling a node the inner "
                         "group crosses nodes (set --inner-gbps to match)")
-    p.add_argument("--strategy", choices=STRATEGIES, default="hsdp")
+    p.add_argument("--strategy", choices=[s.value for s in Strategy], default="hsdp")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameter dtype")
     p.add_argument("--float8", action="store_true",
                    help="torchao float8 linears (tensorwise, float8 all-gather on: 1 byte "

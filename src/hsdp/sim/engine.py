@@ -34,7 +34,7 @@ from hsdp.models import LlamaConfig, ModelConfig, build_model, lm_loss, shard_un
 from hsdp.report.args import DTYPES
 from hsdp.report.metrics import Interval, step_metrics
 from hsdp.sharding.comm import Collectives
-from hsdp.sharding.policy import check_strategy
+from hsdp.sharding.policy import Strategy
 from hsdp.sim.clock import Program, virtual_streams
 from hsdp.sim.costs import CostModel
 from hsdp.sim.fabric import Link
@@ -63,7 +63,7 @@ class Setup:
     float8: bool = False  # torchao float8 linears (tensorwise), float8 all-gather on
 
     def __post_init__(self) -> None:
-        check_strategy(self.strategy)
+        Strategy.parse(self.strategy)
         if min(self.outer, self.inner, self.microbatches, self.mbs) < 1:
             raise ValueError("sim: outer, inner, microbatches and mbs must be >= 1")
         if self.tp < 1 or (self.tp > 1 and not isinstance(self.model, LlamaConfig)):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hsdp.report.args import DTYPES
 from hsdp.report.table import print_table
-from hsdp.sharding.policy import STRATEGIES
+from hsdp.sharding.policy import Strategy
 from hsdp.sim.costs import CostModel
 from hsdp.sim.engine import Setup, SimResult, evaluate, record
 from hsdp.sim.fabric import Link
@@ -46,7 +46,7 @@ def parse_sweep(items: list[str]) -> dict[str, list]:
         if not grid[key]:
             raise ValueError(f"bad --sweep item {item!r}: no values")
         bad = [v for v in grid[key] if (key == "reduce" and v not in DTYPES)
-               or (key == "strategy" and v not in STRATEGIES)
+               or (key == "strategy" and v not in {s.value for s in Strategy})
                or (KEYS[key][0] is not str and v <= 0)]
         if bad:
             raise ValueError(f"bad --sweep values for {key}: {bad}")

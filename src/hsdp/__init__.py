@@ -15,7 +15,8 @@ from hsdp.materialize import materialize
 from hsdp.module import register_forward_method
 from hsdp.runtime.optim import attach_optimizer
 from hsdp.sharding.policy import MixedPrecision, Strategy
-from hsdp.topology.mesh import NcclConfig, init_mesh
+from hsdp.topology.communicators import NcclConfig
+from hsdp.topology.mesh import init_mesh
 
 __version__ = "0.1.0"
 

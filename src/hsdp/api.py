@@ -30,7 +30,8 @@ from hsdp.sharding.policy import (
     check_reshard_after_forward,
 )
 from hsdp.sharding.tp_blocks import block_of, check_params
-from hsdp.topology.mesh import as_hsdp_mesh, comm_groups
+from hsdp.topology.communicators import comm_groups
+from hsdp.topology.mesh_dims import as_hsdp_mesh
 
 _UNIT_IDS = itertools.count()
 _CLIPS: weakref.WeakKeyDictionary[Unit, itertools.count] = weakref.WeakKeyDictionary()

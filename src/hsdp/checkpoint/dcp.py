@@ -39,7 +39,7 @@ from hsdp.sharding.group import owner
 from hsdp.sharding.pieces import Piece, adopt_state
 from hsdp.sharding.write_guard import before_write
 from hsdp.streams.teardown import before_destroy
-from hsdp.topology.mesh import host_group
+from hsdp.topology.communicators import host_group
 
 ModelState = dict[str, Any]
 OptimState = dict[str, Any]

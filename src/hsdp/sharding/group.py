@@ -43,7 +43,7 @@ from hsdp.sharding.pieces import as_dtensor, placeholders_if_empty, spec
 from hsdp.sharding.policy import MixedPrecision, Strategy
 from hsdp.sharding.tp_blocks import block_of, local_of, placement_of, unsharded_spec
 from hsdp.streams.contract import Event
-from hsdp.topology.mesh import CommGroups
+from hsdp.topology.communicators import CommGroups
 
 Slot = tuple[nn.Module, str]
 

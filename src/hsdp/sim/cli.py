@@ -27,7 +27,7 @@ from hsdp.sim.engine import Setup, SimResult, simulate
 from hsdp.sim.fabric import Fabric, Link
 from hsdp.sim.profile import MachineProfile, calibrate_profile
 from hsdp.sim.sweep import parse_sweep, print_sweep, run_sweep
-from hsdp.topology.mesh import COMMUNICATORS
+from hsdp.topology.communicators import COMMUNICATORS
 
 # (overlapped, serialized) schedule names per strategy, as in ``bench step``
 SCHEDULE_NAMES = {"hsdp": ("overlap", "serial"), "hfsdp": ("hfsdp", "hfsdp-serial")}

@@ -39,7 +39,7 @@ from hsdp.sim.clock import Program, virtual_streams
 from hsdp.sim.costs import CostModel
 from hsdp.sim.fabric import Link
 from hsdp.sim.tp_pricing import tp_pricer
-from hsdp.topology.mesh import axis_groups
+from hsdp.topology.mesh_dims import axis_groups
 
 
 @dataclass(frozen=True)

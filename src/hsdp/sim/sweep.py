@@ -19,7 +19,7 @@ from hsdp.sim.costs import CostModel
 from hsdp.sim.engine import Setup, SimResult, evaluate, record
 from hsdp.sim.fabric import Link
 from hsdp.streams.op_table import OPS, OpKind
-from hsdp.topology.mesh import COMMUNICATORS
+from hsdp.topology.communicators import COMMUNICATORS
 
 # key -> (parser, applies to the recording (True) or only to the fabric (False))
 KEYS = {

@@ -14,7 +14,7 @@ from hsdp.ft.replica_state import fault_tolerance
 from hsdp.materialize import materialize
 from hsdp.mesh import NcclConfig, init_mesh
 from hsdp.module import register_forward_method
-from hsdp.policy import MixedPrecision
+from hsdp.policy import MixedPrecision, OuterReduce
 from hsdp.runtime.optim import attach_optimizer
 
 __version__ = "0.1.0"
@@ -24,6 +24,7 @@ __all__ = [
     "FaultTolerance",
     "FaultToleranceError",
     "MixedPrecision",
+    "OuterReduce",
     "NcclConfig",
     "attach_optimizer",
     "clip_grad_norm_",

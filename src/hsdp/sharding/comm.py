@@ -62,7 +62,8 @@ class Collectives:
     def before(self, kind: str, axis: str, nbytes: int, group_size: int) -> None:
         """Called ahead of each collective with other ranks: ``kind`` ("all_gather",
         "reduce_scatter", "all_reduce", "all_to_all") on mesh ``axis`` over ``group_size``
-        ranks, of a full buffer of ``nbytes``. A real collective needs nothing; tools override it."""
+        ranks, of a full buffer of ``nbytes``. A real collective needs nothing; tools
+        override it."""
 
     def _reduction(self, avg: bool, group: dist.ProcessGroup, t: torch.Tensor,
                    n: int) -> tuple[dist.ReduceOp, int]:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from dist_utils import run_jobs, run_ranks
+from dist_utils import run_jobs
 from parity_jobs import Case, adamw_job, checkpoint_job, odd_job, parity_job
+
+from hsdp.bench.convergence import Plan, convergence_job, final_losses
 
 TOL = 1e-5  # fp32, SGD with momentum, 4 steps
 BF16_TOL = 2e-2  # bf16 params for compute (and reduction): ~3 significant digits
@@ -80,9 +82,30 @@ def results_4(jobs_4: dict[str, list]) -> list[dict]:
     return jobs_4["parity"]
 
 
+# The short convergence check of the compressed outer reduction rides on the 8-rank job.
+CONVERGENCE = Plan(((2, 4, "hsdp"),), (0,), ("exact", "int8+EF"), steps=25)
+CONVERGENCE_TOL = 0.02  # nats, final loss (mean of the last 5 steps); the loss falls > 1
+
+
 @pytest.fixture(scope="module")
-def results_8() -> dict:
-    return run_ranks(parity_job, 8, CASES_8)
+def jobs_8() -> dict[str, list]:
+    return run_jobs(8, {"parity": (parity_job, (CASES_8,)),
+                        "convergence": (convergence_job, (CONVERGENCE,))})
+
+
+@pytest.fixture(scope="module")
+def results_8(jobs_8: dict[str, list]) -> list[dict]:
+    return jobs_8["parity"]
+
+
+def test_compressed_outer_reduction_converges_like_exact(jobs_8: dict[str, list]) -> None:
+    curves = jobs_8["convergence"][0]
+    exact, int8 = (curves[f"2x4 hsdp/seed0/{run}"] for run in CONVERGENCE.runs)
+    assert exact[0] - exact[-1] > 1.0, exact  # it learns
+    assert int8 != exact  # it compressed
+    finals = final_losses(curves, tail=5)
+    assert abs(finals[("2x4 hsdp", "int8+EF")][0] - finals[("2x4 hsdp", "exact")][0]) \
+        < CONVERGENCE_TOL, finals
 
 
 def _check(case: Case, per_rank: list[dict]) -> None:

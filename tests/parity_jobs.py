@@ -300,8 +300,8 @@ def lagging_outer_job(rank: int, world: int, no_hold: bool = False) -> dict[str,
     this job sees the reuse it guards against)."""
     from hsdp.bench.emulate import emulate
     from hsdp.models import GPT, GPTConfig, lm_loss
-    from hsdp.runtime.cuda import CudaSideStream
     from hsdp.sim.fabric import Fabric, Link
+    from hsdp.streams.cuda_backend import CudaSideStream
 
     if no_hold:
         CudaSideStream.hold = lambda self, t: None

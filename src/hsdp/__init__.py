@@ -9,13 +9,13 @@ from hsdp.api import (
 )
 from hsdp.checkpoint.dcp import CheckpointError, get_state_dict, load, save, set_state_dict
 from hsdp.checkpoint.full_state import full_state_dict, load_full_state_dict
+from hsdp.checkpoint.replica_state import fault_tolerance
 from hsdp.ft.outer import FaultTolerance, FaultToleranceError
-from hsdp.ft.replica_state import fault_tolerance
 from hsdp.materialize import materialize
-from hsdp.mesh import NcclConfig, init_mesh
 from hsdp.module import register_forward_method
-from hsdp.policy import MixedPrecision, OuterReduce
 from hsdp.runtime.optim import attach_optimizer
+from hsdp.sharding.policy import MixedPrecision, OuterReduce
+from hsdp.topology.mesh import NcclConfig, init_mesh
 
 __version__ = "0.1.0"
 

@@ -15,9 +15,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp.checkpoint.dcp import finish_saves, load_state_dict_hook, state_dict_hook
 from hsdp.ft.outer import FaultToleranceError
-from hsdp.mesh import CommGroups, as_hsdp_mesh, comm_groups
 from hsdp.module import adopt
-from hsdp.policy import (
+from hsdp.runtime.hooks import units_below
+from hsdp.runtime.optim import watch_optimizers
+from hsdp.runtime.state import Phase
+from hsdp.runtime.step_agreement import joined
+from hsdp.runtime.unit import Unit
+from hsdp.sharding.float8_weights import float8_dtype
+from hsdp.sharding.group import ParamGroup, Slot, owner
+from hsdp.sharding.policy import (
     MixedPrecision,
     OuterReduce,
     as_mixed_precision,
@@ -25,14 +31,8 @@ from hsdp.policy import (
     check_reshard_after_forward,
     check_strategy,
 )
-from hsdp.runtime.agreement import joined
-from hsdp.runtime.hooks import units_below
-from hsdp.runtime.optim import watch_optimizers
-from hsdp.runtime.state import Phase
-from hsdp.runtime.unit import Unit
-from hsdp.sharding.float8 import float8_dtype
-from hsdp.sharding.group import ParamGroup, Slot, owner
-from hsdp.sharding.tp import block_of, check_params
+from hsdp.sharding.tp_blocks import block_of, check_params
+from hsdp.topology.mesh import CommGroups, as_hsdp_mesh, comm_groups
 
 _UNIT_IDS = itertools.count()
 _CLIPS: weakref.WeakKeyDictionary[Unit, itertools.count] = weakref.WeakKeyDictionary()
@@ -55,7 +55,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
     ``MixedPrecisionPolicy``; ``mesh`` a 1-D mesh (outer=1) or one with torchtitan's dim
     names ``("dp_replicate", "dp_shard")``, or hsdp's 3-D ("outer", "inner", "tp") mesh
     after torch's ``parallelize_module`` on ``mesh["tp"]`` (hsdp shards each parameter's
-    TP-local tensor; see ``sharding/tp.py``). ``outer_reduce=hsdp.OuterReduce(...)``
+    TP-local tensor; see ``sharding/tp_blocks.py``). ``outer_reduce=hsdp.OuterReduce(...)``
     compresses the outer gradient reduction to 8 bits with error feedback
     (docs/guide/slow_outer_links.md); None: the exact reduction.
 
@@ -243,7 +243,7 @@ def synchronize(model: nn.Module) -> None:
 def precompute_float8_scales(model: nn.Module) -> None:
     """Compute the scales of every torchao float8 weight of ``model`` (float8 all-gather
     on) from the weights as they are now: one MAX all-reduce for all of them
-    (``sharding/float8.py``). hsdp does this itself after each ``optimizer.step()``; call
+    (``sharding/float8_weights.py``). hsdp does this itself after each ``optimizer.step()``; call
     it on every rank after changing the weights any other way (loading a checkpoint,
     editing them). torchao's ``precompute_float8_dynamic_scale_for_fsdp`` is FSDP2's."""
     _root_unit(model).root_runtime().refresh_float8_scales()

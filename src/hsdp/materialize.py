@@ -27,7 +27,7 @@ from hsdp.runtime.hooks import units_below
 from hsdp.runtime.unit import Unit
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.group import ParamGroup, owner
-from hsdp.sharding.tp import block_of, meta_like
+from hsdp.sharding.tp_blocks import block_of, meta_like
 
 
 @torch.no_grad()

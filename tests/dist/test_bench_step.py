@@ -20,7 +20,7 @@ from hsdp.bench.step import (
     resolve,
 )
 from hsdp.models import GPTConfig, LlamaConfig
-from hsdp.sim.tp import unit_collectives
+from hsdp.sim.tp_pricing import unit_collectives
 from hsdp.sim.fabric import Fabric, Link
 
 SRC = Path(__file__).resolve().parents[2] / "src"

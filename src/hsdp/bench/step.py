@@ -57,7 +57,7 @@ step-time ranges overlap, each one's spread otherwise; on CPU labelled as schedu
 
 ``--tp N``: tensor parallelism inside each data-parallel rank, on a 3-D (outer, inner, tp)
 mesh (``hsdp.init_mesh(..., tp=N)``, tp fastest): every schedule's Llama gets torch's TP
-plan on ``mesh["tp"]`` (``hsdp.bench.tp``), FSDP2 shards on ``mesh["outer", "inner"]``; a
+plan on ``mesh["tp"]`` (``hsdp.bench.tp_plan``), FSDP2 shards on ``mesh["outer", "inner"]``; a
 TP group shares its tokens (global tokens count the outer x inner data-parallel ranks).
 The TP collectives run where torch issues them, on the compute stream; under
 ``--emulate`` they are delayed there by their modelled time on the ``--tp-gbps`` link.
@@ -123,8 +123,8 @@ from hsdp.report.compare import CPU_NOTE, compare, describe
 from hsdp.report.metrics import Interval, step_metrics
 from hsdp.report.table import print_table as print_rows
 from hsdp.report.timeline import plot_timeline
-from hsdp.runtime.streams import OpRecord
 from hsdp.sim.fabric import Fabric, Link, fit_link
+from hsdp.streams.contract import OpRecord
 
 # (overlapped, serialized) pairs whose saving is reported
 PAIRS = (("overlap", "serial"), ("hfsdp", "hfsdp-serial"))

@@ -9,9 +9,9 @@ Schedules (same mesh, same seed, same synthetic tokens; each block is a unit, th
 - ``mfsdp``: Megatron-FSDP as HSDP on the same ranks (``hsdp.bench.mfsdp``; optional).
 
 With tensor parallelism (a 3-D mesh) every schedule's model first gets torch's TP plan on
-``mesh["tp"]`` (``hsdp.bench.tp``); hsdp shards on the 3-D mesh, FSDP2 on
+``mesh["tp"]`` (``hsdp.bench.tp_plan``); hsdp shards on the 3-D mesh, FSDP2 on
 ``mesh["outer", "inner"]``, as torchtitan does; the TP collectives are counted and, under
-emulation, delayed on the compute stream (``hsdp.bench.tp.tp_collectives``).
+emulation, delayed on the compute stream (``hsdp.bench.tp_plan.tp_collectives``).
 
 Every trainee uses torch AdamW (foreach) on what its library hands the optimizer. The
 ``unsharded`` reference (not a schedule) is the same layers unsharded in the parameter
@@ -37,17 +37,17 @@ import hsdp
 from hsdp.bench.emulate import DelayedCollectives, SleepClock, emulate
 from hsdp.bench.fsdp2 import fsdp2_collectives, shard_fsdp2
 from hsdp.bench.mfsdp import shard_mfsdp
-from hsdp.bench.tp import parallelize_llama, tp_collectives
+from hsdp.bench.tp_plan import parallelize_llama, tp_collectives
 from hsdp.float8 import convert_to_float8
 from hsdp.models import ModelConfig, build_model, lm_loss, shard_units
-from hsdp.runtime.streams import Tracer
 from hsdp.sharding.comm import Collectives
-from hsdp.sharding.tp import local_of
+from hsdp.sharding.tp_blocks import local_of
 from hsdp.sim.fabric import Fabric
+from hsdp.streams.contract import Tracer
 
 
 @dataclass(frozen=True)
-class Schedule:
+class BenchSchedule:
     """``library``: "hsdp", "fsdp2" or "mfsdp"; hsdp's strategy and overlap_outer."""
 
     library: str
@@ -55,10 +55,12 @@ class Schedule:
     overlap: bool | None = None
 
 
-SCHEDULES: dict[str, Schedule] = {
-    "overlap": Schedule("hsdp", "hsdp", True), "serial": Schedule("hsdp", "hsdp", False),
-    "hfsdp": Schedule("hsdp", "hfsdp", True), "hfsdp-serial": Schedule("hsdp", "hfsdp", False),
-    "fsdp2": Schedule("fsdp2"), "mfsdp": Schedule("mfsdp")}
+SCHEDULES: dict[str, BenchSchedule] = {
+    "overlap": BenchSchedule("hsdp", "hsdp", True),
+    "serial": BenchSchedule("hsdp", "hsdp", False),
+    "hfsdp": BenchSchedule("hsdp", "hfsdp", True),
+    "hfsdp-serial": BenchSchedule("hsdp", "hfsdp", False),
+    "fsdp2": BenchSchedule("fsdp2"), "mfsdp": BenchSchedule("mfsdp")}
 PEERS = ("fsdp2", "mfsdp")
 PHASES = ("forward", "backward", "optimizer")
 LR = 1e-4

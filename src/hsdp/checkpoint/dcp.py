@@ -34,12 +34,12 @@ import hsdp.checkpoint.torch_state_dict  # noqa: F401  (torch's full-state-dict 
 from hsdp.checkpoint import dirs, integrity
 from hsdp.checkpoint.full_state import clean_key, clean_keys, model_keys, quiesce
 from hsdp.checkpoint.sync import CheckpointError, Meeting
-from hsdp.mesh import host_group
-from hsdp.runtime.teardown import before_destroy
 from hsdp.sharding.chunks import attach_chunks
 from hsdp.sharding.group import owner
 from hsdp.sharding.pieces import Piece, adopt_state
 from hsdp.sharding.write_guard import before_write
+from hsdp.streams.teardown import before_destroy
+from hsdp.topology.mesh import host_group
 
 ModelState = dict[str, Any]
 OptimState = dict[str, Any]

@@ -9,10 +9,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hsdp.mesh import host_group
 from hsdp.runtime.state import Phase
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.group import ParamGroup, owner
+from hsdp.topology.mesh import host_group
 
 
 def quiesce(model: nn.Module, what: str) -> None:

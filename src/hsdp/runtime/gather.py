@@ -6,11 +6,11 @@ import functools
 from typing import TYPE_CHECKING
 
 from hsdp.runtime.hooks import UnshardHandle
-from hsdp.runtime.ops import OpKind
 from hsdp.runtime.state import Phase
-from hsdp.runtime.streams import Event
 from hsdp.sharding.group import ParamGroup
 from hsdp.sharding.write_guard import PENDING
+from hsdp.streams.contract import Event
+from hsdp.streams.op_table import OpKind
 
 if TYPE_CHECKING:
     from hsdp.runtime.unit import Unit

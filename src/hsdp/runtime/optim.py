@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hsdp.runtime.hooks import in_backward
-from hsdp.sharding.float8 import refresh_scales
+from hsdp.sharding.float8_weights import refresh_scales
 from hsdp.sharding.group import owner
 from hsdp.sharding.pieces import adopt_state, same_layout
 

@@ -8,12 +8,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from hsdp.runtime.agreement import Verdict, agree, missing, post_note, read_note
 from hsdp.runtime.hooks import in_backward
-from hsdp.runtime.ops import OUTER_REDUCTIONS, OpKind
 from hsdp.runtime.state import Phase
-from hsdp.runtime.streams import Event
+from hsdp.runtime.step_agreement import Verdict, agree, missing, post_note, read_note
 from hsdp.sharding.group import ParamGroup
+from hsdp.streams.contract import Event
+from hsdp.streams.op_table import OUTER_REDUCTIONS, OpKind
 
 
 class Recovery:

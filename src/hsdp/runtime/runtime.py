@@ -7,20 +7,20 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING
 
-import hsdp.runtime.teardown  # noqa: F401  (destroy_process_group waits for hsdp's streams)
-from hsdp.mesh import CommGroups, comm_groups
-from hsdp.runtime.agreement import StepLog
-from hsdp.runtime.consensus import agree_on_group
+import hsdp.streams.teardown  # noqa: F401  (destroy_process_group waits for hsdp's streams)
 from hsdp.runtime.gather import Gathering
 from hsdp.runtime.hooks import units_below
-from hsdp.runtime.ops import OpKind, op_table
 from hsdp.runtime.optim import RUNTIMES, OptimizerSteps
 from hsdp.runtime.recovery import Recovery
 from hsdp.runtime.schedule import Schedule
 from hsdp.runtime.state import StepState
-from hsdp.runtime.stream_set import Streams
-from hsdp.runtime.streams import Event, SideStream
+from hsdp.runtime.step_agreement import StepLog
 from hsdp.sharding.group import ParamGroup
+from hsdp.streams.contract import Event, SideStream
+from hsdp.streams.op_table import OpKind, op_table
+from hsdp.streams.stream_set import Streams
+from hsdp.topology.build_agreement import agree_on_group
+from hsdp.topology.mesh import CommGroups, comm_groups
 
 if TYPE_CHECKING:
     from hsdp.runtime.unit import Unit

@@ -41,9 +41,9 @@ from hsdp.runtime.hooks import (
     outside_root,
     plain_call,
 )
-from hsdp.runtime.ops import OpKind
 from hsdp.runtime.state import Phase
 from hsdp.sharding.group import ParamGroup
+from hsdp.streams.op_table import OpKind
 
 if TYPE_CHECKING:
     from hsdp.runtime.unit import Unit

@@ -11,14 +11,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 
-from hsdp.policy import MixedPrecision
 from hsdp.runtime.hooks import in_backward, outside_root
 from hsdp.runtime.runtime import Runtime
 from hsdp.runtime.state import Phase
-from hsdp.runtime.stream_set import Streams
-from hsdp.runtime.streams import Tracer
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.group import ParamGroup, Slot
+from hsdp.sharding.policy import MixedPrecision
+from hsdp.streams.contract import Tracer
+from hsdp.streams.stream_set import Streams
 
 
 class Unit:

@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hsdp.policy import OuterReduce
 from hsdp.sharding.comm import Collectives
+from hsdp.sharding.policy import OuterReduce
 from hsdp.sharding.quant import Rows, dequantize, quantize
 
 

@@ -35,18 +35,18 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from hsdp.mesh import CommGroups
-from hsdp.policy import MixedPrecision, OuterReduce
-from hsdp.runtime.streams import Event
 from hsdp.sharding.chunks import attach_chunks
 from hsdp.sharding.compressed import CompressedOuter
-from hsdp.sharding.float8 import Float8Weights, float8_dtype
+from hsdp.sharding.float8_weights import Float8Weights, float8_dtype
 from hsdp.sharding.grad_state import GradientState
 from hsdp.sharding.group_comm import GroupCollectives
-from hsdp.sharding.group_state import GroupState
+from hsdp.sharding.group_state_dict import GroupState
 from hsdp.sharding.layout import FlatLayout
 from hsdp.sharding.pieces import as_dtensor, placeholders_if_empty, spec
-from hsdp.sharding.tp import block_of, local_of, placement_of, unsharded_spec
+from hsdp.sharding.policy import MixedPrecision, OuterReduce
+from hsdp.sharding.tp_blocks import block_of, local_of, placement_of, unsharded_spec
+from hsdp.streams.contract import Event
+from hsdp.topology.mesh import CommGroups
 
 Slot = tuple[nn.Module, str]
 

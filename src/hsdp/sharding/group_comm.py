@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 import torch
 
-from hsdp.runtime.ops import OpKind, label
-from hsdp.runtime.streams import Event, SideStream
 from hsdp.sharding.comm import Collectives
-from hsdp.sharding.float8 import as_bytes
-from hsdp.sharding.tp import grad_local
+from hsdp.sharding.float8_weights import as_bytes
+from hsdp.sharding.tp_blocks import grad_local
+from hsdp.streams.contract import Event, SideStream
+from hsdp.streams.op_table import OpKind, label
 
 
 def _allocate(t: torch.Tensor) -> None:

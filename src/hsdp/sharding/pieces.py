@@ -34,11 +34,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from hsdp.mesh import registered_groups
 from hsdp.sharding.chunks import Chunks, attach_chunks
 from hsdp.sharding.local_ops import ELEMENTWISE, READS, on_locals
 from hsdp.sharding.reductions import DECLINED, SPECIAL, special
-from hsdp.sharding.tp import block_of
+from hsdp.sharding.tp_blocks import block_of
 from hsdp.sharding.write_guard import (
     DATA,
     PENDING,
@@ -47,6 +46,7 @@ from hsdp.sharding.write_guard import (
     direct,
     written,
 )
+from hsdp.topology.mesh import registered_groups
 
 
 def placements(shard_outer: bool, tp: Placement | None = None) -> tuple:

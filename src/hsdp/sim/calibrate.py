@@ -70,7 +70,6 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from hsdp.mesh import COMMUNICATORS
 from hsdp.models import config_from_dict
 from hsdp.report.chrome_trace import MARK, SIDE_OP, load_chrome_trace, read_events, thread_of
 from hsdp.report.metrics import Interval, op_kind
@@ -86,6 +85,7 @@ from hsdp.sim.costs import (
 )
 from hsdp.sim.engine import Recording, Setup, evaluate, record
 from hsdp.sim.fabric import Fabric, Link
+from hsdp.topology.mesh import COMMUNICATORS
 
 # a trace's phases saved beside its JSON (``save_phases``): the calibration needs no trace
 PHASES_SUFFIX = ".phases.json"

@@ -17,17 +17,17 @@ import dataclasses
 import json
 from pathlib import Path
 
-from hsdp.mesh import COMMUNICATORS
 from hsdp.models import PRESETS, preset
-from hsdp.policy import STRATEGIES
 from hsdp.report.args import DTYPES, parse_mesh
 from hsdp.report.table import print_table
+from hsdp.sharding.policy import STRATEGIES
 from hsdp.sim.calibrate import calibrate
 from hsdp.sim.costs import CostModel
 from hsdp.sim.engine import Setup, SimResult, simulate
 from hsdp.sim.fabric import Fabric, Link
 from hsdp.sim.profile import MachineProfile, calibrate_profile
 from hsdp.sim.sweep import parse_sweep, print_sweep, run_sweep
+from hsdp.topology.mesh import COMMUNICATORS
 
 # (overlapped, serialized) schedule names per strategy, as in ``bench step``
 SCHEDULE_NAMES = {"hsdp": ("overlap", "serial"), "hfsdp": ("hfsdp", "hfsdp-serial")}
@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="microbatches per step (outer reduction on the last only)")
     p.add_argument("--mesh", type=parse_mesh, default=(16, 8), help="OUTERxINNER (16x8)")
     p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel ranks per data-parallel rank (llama; hsdp.sim.tp): "
+                   help="tensor-parallel ranks per data-parallel rank (llama; "
+                        "hsdp.sim.tp_pricing): "
                         "its collectives priced on compute; with tp filling a node the inner "
                         "group crosses nodes (set --inner-gbps to match)")
     p.add_argument("--strategy", choices=STRATEGIES, default="hsdp")

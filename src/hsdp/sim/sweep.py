@@ -12,14 +12,14 @@ import dataclasses
 import itertools
 from pathlib import Path
 
-from hsdp.mesh import COMMUNICATORS
-from hsdp.policy import STRATEGIES
 from hsdp.report.args import DTYPES
 from hsdp.report.table import print_table
-from hsdp.runtime.ops import OPS, OpKind
+from hsdp.sharding.policy import STRATEGIES
 from hsdp.sim.costs import CostModel
 from hsdp.sim.engine import Setup, SimResult, evaluate, record
 from hsdp.sim.fabric import Link
+from hsdp.streams.op_table import OPS, OpKind
+from hsdp.topology.mesh import COMMUNICATORS
 
 # key -> (parser, applies to the recording (True) or only to the fabric (False))
 KEYS = {

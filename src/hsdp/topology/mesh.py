@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hsdp import hosts
 from hsdp.ft.outer import ElasticOuter, FaultTolerance, FaultToleranceError, make_manager
-from hsdp.runtime.consensus import agree_in_store
+from hsdp.topology import hosts
+from hsdp.topology.build_agreement import agree_in_store
 
 DIM_NAMES = ("outer", "inner")
 TP_DIM_NAMES = (*DIM_NAMES, "tp")
@@ -334,7 +334,7 @@ _ON_FIRST_USE: list[Callable[[], None]] = []
 
 def on_first_use(fn: Callable[[], None]) -> None:
     """Run ``fn`` whenever hsdp starts making groups in a world (the teardown wrapper of
-    ``runtime/teardown.py`` is installed then; ``fn`` must be idempotent)."""
+    ``streams/teardown.py`` is installed then; ``fn`` must be idempotent)."""
     _ON_FIRST_USE.append(fn)
 
 

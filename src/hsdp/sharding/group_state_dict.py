@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 
 from hsdp.sharding.pieces import Piece, checkpoint_view, piece_like
-from hsdp.sharding.tp import block_of
+from hsdp.sharding.tp_blocks import block_of
 from hsdp.sharding.write_guard import before_write
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hsdp.runtime.streams import (
+from hsdp.streams.contract import (
     POLL_S,
     ComputeStream,
     Event,

@@ -14,7 +14,7 @@ from hsdp.ft.outer import FaultTolerance, FaultToleranceError
 from hsdp.materialize import materialize
 from hsdp.module import register_forward_method
 from hsdp.runtime.optim import attach_optimizer
-from hsdp.sharding.policy import MixedPrecision, Strategy
+from hsdp.sharding.policy import MixedPrecision, OuterReduce, Strategy
 from hsdp.topology.communicators import NcclConfig
 from hsdp.topology.mesh import init_mesh
 
@@ -25,6 +25,7 @@ __all__ = [
     "FaultTolerance",
     "FaultToleranceError",
     "MixedPrecision",
+    "OuterReduce",
     "Strategy",
     "NcclConfig",
     "attach_optimizer",

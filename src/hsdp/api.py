@@ -25,12 +25,14 @@ from hsdp.sharding.float8_weights import float8_dtype
 from hsdp.sharding.group import ParamGroup, Slot, owner
 from hsdp.sharding.policy import (
     MixedPrecision,
+    OuterReduce,
     Strategy,
     as_mixed_precision,
+    as_outer_reduce,
     check_reshard_after_forward,
 )
 from hsdp.sharding.tp_blocks import block_of, check_params
-from hsdp.topology.communicators import comm_groups
+from hsdp.topology.communicators import CommGroups, comm_groups
 from hsdp.topology.mesh_dims import as_hsdp_mesh
 
 _UNIT_IDS = itertools.count()
@@ -39,7 +41,8 @@ _CLIPS: weakref.WeakKeyDictionary[Unit, itertools.count] = weakref.WeakKeyDictio
 
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str = "hsdp",
                 mp_policy: MixedPrecision | None = None, overlap_outer: bool = True,
-                reshard_after_forward: bool | None = True) -> nn.Module:
+                reshard_after_forward: bool | None = True,
+                outer_reduce: OuterReduce | str | None = None) -> nn.Module:
     """Shard the parameters ``module`` owns (those not owned by an already sharded
     submodule) over ``mesh``. Call bottom-up: units first, the root last. ``module``
     becomes an ``HSDPModule`` (see ``module.py`` for the methods it gains).
@@ -54,7 +57,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
     ``MixedPrecisionPolicy``; ``mesh`` a 1-D mesh (outer=1) or one with torchtitan's dim
     names ``("dp_replicate", "dp_shard")``, or hsdp's 3-D ("outer", "inner", "tp") mesh
     after torch's ``parallelize_module`` on ``mesh["tp"]`` (hsdp shards each parameter's
-    TP-local tensor; see ``sharding/tp_blocks.py``).
+    TP-local tensor; see ``sharding/tp_blocks.py``). ``outer_reduce=hsdp.OuterReduce(...)``
+    compresses the outer gradient reduction to 8 bits with error feedback
+    (docs/guide/slow_outer_links.md); None: the exact reduction.
 
     A module whose parameters are all on the meta device gets meta shards and buffers
     (no memory, no data): ``hsdp sim`` runs the schedule on such models.
@@ -62,6 +67,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
     strategy = Strategy.parse(strategy)
     reshard_after_forward = check_reshard_after_forward(reshard_after_forward)
     mp = as_mixed_precision(mp_policy)
+    outer_reduce = as_outer_reduce(outer_reduce)
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module)}")
     if getattr(module, "_hsdp_unit", None) is not None:
@@ -73,9 +79,11 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
             "fully_shard: strategy='hfsdp' cannot be made fault tolerant: its optimizer "
             "state is sharded over the outer axis, so a lost replica group takes state no "
             "other group holds. Use strategy='hsdp' with init_mesh(fault_tolerance=...)")
-    watch_optimizers()
     device = (torch.device("cuda", torch.cuda.current_device())
               if mesh.device_type == "cuda" else torch.device(mesh.device_type))
+    if outer_reduce is not None:
+        _check_outer_reduce(comms, device)
+    watch_optimizers()
 
     # torch.compile(module) made before fully_shard: hooks go on the wrapper (outside the
     # compiled region), the unit and the hsdp methods on the module it wraps.
@@ -95,7 +103,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
         ss.append(s)
     label = f"{type(inner).__name__}{next(_UNIT_IDS)}"  # same on every rank
     groups = [
-        ParamGroup(f"{label}/{k}", ps, ss, comms, shard_device, strategy, mp)
+        ParamGroup(f"{label}/{k}", ps, ss, comms, shard_device, strategy, mp, outer_reduce)
         for k, (ps, ss) in enumerate(keyed.values())]
     for g in groups:
         g.use_sharded()
@@ -106,7 +114,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
     unit = Unit(module, label, groups, mesh, device, overlap_outer, mp, reshard_after_forward)
     unit.description = _describe(inner, params, slots, strategy=strategy.value, mp_policy=mp,
                                  overlap_outer=overlap_outer,
-                                 reshard_after_forward=reshard_after_forward)
+                                 reshard_after_forward=reshard_after_forward,
+                                 outer_reduce=outer_reduce)
     for nested in units_below(module):
         if nested.enclosing is None and nested is not unit:
             nested.enclosing = unit
@@ -120,6 +129,26 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
 
 
 Tie = tuple[ParamGroup, int, Slot]
+
+# Backends known to run all_to_all_single (torch's fake one stands for NCCL in emulation).
+_ALL_TO_ALL = ("nccl", "gloo", "fake", "mpi", "ucc", "xccl")
+
+
+def _check_outer_reduce(comms: CommGroups, device: torch.device) -> None:
+    """``outer_reduce`` needs an all-to-all on the outer communicator, which torchft's
+    managed group (fault tolerance) lacks."""
+    if comms.elastic is not None:
+        raise FaultToleranceError(
+            "fully_shard: outer_reduce (compressed outer reduction) is not supported with "
+            "fault tolerance: torchft's replica-group communicator has no all-to-all, and "
+            "its quorum may change the ranks a residual belongs to. Use outer_reduce=None")
+    if comms.outer_size == 1:
+        return
+    name = comms.outer._get_backend(device).name().lower()
+    if name not in _ALL_TO_ALL:
+        raise ValueError(f"fully_shard: outer_reduce needs all_to_all on the outer "
+                         f"communicator; its backend {name!r} is not one known to have it "
+                         f"({', '.join(_ALL_TO_ALL)})")
 
 
 def _names(module: nn.Module, slots: list[list[Slot]]) -> list[str]:

@@ -131,11 +131,15 @@ class GradientState:
         self.local_grads = None
         self._to_outer = None
         self.carry = None
+        if self.compressed is not None:
+            self.compressed.drop()
         self.reset_backward()
 
     def expose_grads(self, used: Sequence[bool]) -> None:
         """Hand the reduced gradients to the optimizer; a parameter that no rank used
         keeps ``.grad = None`` (as with DDP)."""
+        if self.compressed is not None:  # the step counts: its residual is the state now
+            self.compressed.commit()
         if self._placeholder_grads:  # zero, whatever the user did to them last step
             torch._foreach_zero_(self._placeholder_grads)
         if self.carry is not None:  # the gradients left set before this step's backward

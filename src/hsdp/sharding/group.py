@@ -19,6 +19,8 @@ hfsdp's ``inner_shard`` are float8, cast from ``main`` with the weights' global 
 - ``accum``      [S] original dtype: the inner reduce-scatter accumulates microbatches here;
                  hsdp's outer all-reduce runs on it in place, so it is also hsdp's grad.
 - ``grad_buf``   [C]: hfsdp's outer reduce-scatter output (hsdp: ``accum``).
+With ``outer_reduce`` the outer reduction is compressed (``compressed.py``), which keeps
+an fp32 error-feedback residual of about S elements per group.
 ``accum`` and ``grad_buf`` exist from the step's first reduce-scatter until the user has
 cleared the gradients (``zero_grad``) and the next step starts: allocated by the stream
 that first writes them, freed by ``release_grads``.
@@ -34,13 +36,14 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from hsdp.sharding.chunks import attach_chunks
+from hsdp.sharding.compressed import CompressedOuter
 from hsdp.sharding.float8_weights import Float8Weights, float8_dtype
 from hsdp.sharding.grad_state import GradientState
 from hsdp.sharding.group_comm import GroupCollectives
 from hsdp.sharding.group_state_dict import GroupState
 from hsdp.sharding.layout import FlatLayout
 from hsdp.sharding.pieces import as_dtensor, placeholders_if_empty, spec
-from hsdp.sharding.policy import MixedPrecision, Strategy
+from hsdp.sharding.policy import MixedPrecision, OuterReduce, Strategy
 from hsdp.sharding.tp_blocks import block_of, local_of, placement_of, unsharded_spec
 from hsdp.streams.contract import Event
 from hsdp.topology.communicators import CommGroups
@@ -69,7 +72,7 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
 
     def __init__(self, label: str, params: list[nn.Parameter], slots: list[list[Slot]],
                  comms: CommGroups, device: torch.device, strategy: Strategy,
-                 mp: MixedPrecision) -> None:
+                 mp: MixedPrecision, outer_reduce: OuterReduce | None = None) -> None:
         self.label = label
         self.slots = slots
         self.comms = comms
@@ -103,6 +106,10 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
                 self.main = _alias(self.inner_shard, self.chunk_offset, C)
             self.ag_src = self.inner_shard
 
+        self.outer_config = outer_reduce
+        # The compressed outer reduction and its residual (None: the exact one).
+        self.compressed = (CompressedOuter(outer_reduce, S, comms.outer_size, o, device)
+                           if outer_reduce is not None and comms.outer_size > 1 else None)
         self._make_sharded(owned_lo, owned_hi)
         self.synced_version: int | None = self.version()
         if self.float8 is not None and not self.main.is_meta:

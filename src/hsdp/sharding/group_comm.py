@@ -124,7 +124,11 @@ class GroupCollectives:
 
     @property
     def outer_reduction(self) -> OpKind:
-        """hfsdp's outer reduce-scatter, else hsdp's outer all-reduce."""
+        """hfsdp's outer reduce-scatter, else hsdp's outer all-reduce (compressed ones with
+        ``outer_reduce``)."""
+        if self.compressed is not None:
+            return (OpKind.OUTER_Q_REDUCE_SCATTER if self.shard_outer
+                    else OpKind.OUTER_Q_ALL_REDUCE)
         return OpKind.OUTER_REDUCE_SCATTER if self.shard_outer else OpKind.OUTER_ALL_REDUCE
 
     @property
@@ -136,25 +140,32 @@ class GroupCollectives:
 
     def outer_reduce(self, stream: SideStream, coll: Collectives,
                      after: Sequence[Event]) -> Event:
-        """Outer all-reduce of ``accum`` (hsdp) or outer reduce-scatter into ``grad_buf``."""
+        """Outer all-reduce of ``accum`` (hsdp) or outer reduce-scatter into ``grad_buf``;
+        compressed ones (``compressed.py``) with ``outer_reduce``."""
         def run() -> None:
             _allocate(self.accum)  # a replayed reduction may find it freed
             src, self._to_outer = self._to_outer, None  # the inner result, if left for us
             if src is not None:
                 stream.hold(src)  # allocated on rs: not reused before this stream is done
+            elif self.compressed is not None:
+                src = self.accum  # quantized from fp32 (it is the accumulated gradient)
             else:
                 src = self.accum.to(self.reduce_dtype)  # no copy when dtypes match
-            if self.shard_outer:
+            avg = self.divide_factor is None
+            if self.compressed is not None:  # fp32 sums straight into the fp32 buffers
+                _allocate(self.grad_buf)
+                reduce = (self.compressed.reduce_scatter if self.shard_outer
+                          else self.compressed.all_reduce)
+                reduce(coll, self.grad_buf, src, self.comms.outer, avg)
+            elif self.shard_outer:
                 _allocate(self.grad_buf)
                 out = self.grad_buf if self.grad_buf.dtype == src.dtype else torch.empty(
                     self.grad_buf.numel(), dtype=src.dtype, device=src.device)
-                coll.reduce_scatter(out, src, self.comms.outer, "outer",
-                                    avg=self.divide_factor is None)
+                coll.reduce_scatter(out, src, self.comms.outer, "outer", avg=avg)
                 if out is not self.grad_buf:
                     self.grad_buf.copy_(out)
             else:
-                coll.all_reduce(src, self.comms.grad_outer, "outer",
-                                avg=self.divide_factor is None)
+                coll.all_reduce(src, self.comms.grad_outer, "outer", avg=avg)
                 if src is not self.accum:
                     self.accum.copy_(src)
         return stream.submit(run, after, label(self.outer_reduction, self.label))

@@ -62,6 +62,50 @@ class MixedPrecision:
         return param, self.reduce_dtype or param
 
 
+OUTER_DTYPES = ("int8", "fp8_e4m3")
+
+
+@dataclass(frozen=True)
+class OuterReduce:
+    """Compressed outer gradient reduction (``fully_shard(..., outer_reduce=...)``).
+
+    ``dtype``: what crosses the outer link, "int8" or "fp8_e4m3" (one byte per element).
+    ``block``: elements per quantization block, each with an fp32 scale (4 bytes per
+    block: 1.6 % at the default 256); a power of two from 16 to 65536, so that blocks
+    tile each outer chunk (padded to whole blocks).
+    ``error_feedback``: each rank adds what quantization dropped last step to its next
+    gradient before quantizing (training state: checkpoints carry it).
+    The reduced gradient's sum is taken in fp32 (docs/guide/slow_outer_links.md)."""
+
+    dtype: str = "int8"
+    block: int = 256
+    error_feedback: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in OUTER_DTYPES:
+            raise ValueError(f"hsdp.OuterReduce: unknown dtype {self.dtype!r}; expected one "
+                             f"of {OUTER_DTYPES}")
+        block = self.block
+        if (not isinstance(block, int) or isinstance(block, bool) or block < 16
+                or block > 65536 or block & (block - 1)):
+            raise ValueError(f"hsdp.OuterReduce: block={block!r} does not divide the outer "
+                             f"chunks into whole blocks; use a power of two from 16 to 65536")
+        if not isinstance(self.error_feedback, bool):
+            raise TypeError(f"hsdp.OuterReduce: error_feedback must be a bool, got "
+                            f"{self.error_feedback!r}")
+
+
+def as_outer_reduce(value: object) -> OuterReduce | None:
+    """``fully_shard``'s ``outer_reduce``: an ``OuterReduce``, None (exact reduction), or
+    a dtype name as shorthand for ``OuterReduce(dtype=name)``."""
+    if value is None or isinstance(value, OuterReduce):
+        return value
+    if isinstance(value, str):
+        return OuterReduce(dtype=value)
+    raise TypeError(f"fully_shard: outer_reduce must be an hsdp.OuterReduce, a dtype name "
+                    f"({OUTER_DTYPES}) or None, got {value!r}")
+
+
 def as_mixed_precision(mp_policy: object) -> MixedPrecision:
     """``fully_shard``'s ``mp_policy``: an ``hsdp.MixedPrecision``, torch FSDP2's
     ``MixedPrecisionPolicy`` (the same four fields, same meaning) or None (no casts)."""

@@ -123,6 +123,7 @@ from hsdp.report.compare import CPU_NOTE, compare, describe
 from hsdp.report.metrics import Interval, step_metrics
 from hsdp.report.table import print_table as print_rows
 from hsdp.report.timeline import plot_timeline
+from hsdp.sharding.policy import parse_outer_reduce as as_outer_reduce_text
 from hsdp.sim.fabric import Fabric, Link, fit_link
 from hsdp.streams.contract import OpRecord
 
@@ -219,11 +220,10 @@ def add_arguments(p: argparse.ArgumentParser,
                    help="Chrome traces and timeline.png (default: ./out/bench_step)")
 
 
-def parse_outer_reduce(text: str) -> hsdp.OuterReduce:
+def parse_outer_reduce(text: str) -> hsdp.OuterReduce | None:
     """``--outer-reduce``: "int8", "fp8_e4m3:128"."""
-    dtype, _, block = text.partition(":")
     try:
-        return hsdp.OuterReduce(dtype, int(block)) if block else hsdp.OuterReduce(dtype)
+        return as_outer_reduce_text(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
 

@@ -1,5 +1,6 @@
 """GPU time of the compressed outer reduction's local work (quantize / dequantize), per
-unit and per step, eager against ``torch.compile`` (what hsdp uses on CUDA).
+unit and per step (torch's eager kernels, what hsdp runs: on an H200 ``torch.compile``
+of the same functions was slower, 1.36 against 1.15 ms per unit).
 
     python scripts/outer_reduce_kernels.py [--numel 27262976] [--outer 16] [--units 10]
 
@@ -21,7 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hsdp.sharding.quant import Rows, kernels  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+from hsdp.sharding import quant  # noqa: E402
 
 
 def _time(repeat: int, fn, *args) -> float:
@@ -47,9 +50,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=20)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    rows = Rows(args.numel, args.outer, args.block)
+    rows = quant.Rows(args.numel, args.outer, args.block)
     x = torch.randn(args.numel, device=dev)
-    eager, fused = kernels(torch.device("cpu")), kernels(dev)
+    eager = SimpleNamespace(quantize=quant.quantize, dequantize=quant.dequantize,
+                            dequantize_sum=quant.dequantize_sum)
     print(f"numel {args.numel}, outer {args.outer}, block {args.block}, "
           f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
     print("| dtype | kernels | quantize ms | dequantize ms | dequantize+sum ms | "
@@ -58,7 +62,7 @@ def main() -> None:
     for fmt in ("int8", "fp8_e4m3"):
         xr = rows.split(x)
         ref = eager.dequantize(eager.quantize(xr, fmt, args.block), fmt, args.block, rows.m)
-        for name, k in (("eager", eager), ("torch.compile", fused)):
+        for name, k in (("eager", eager),):
             packed = k.quantize(xr, fmt, args.block)
             diff = (k.dequantize(packed, fmt, args.block, rows.m) - ref).abs().max().item()
             one = xr[:1].contiguous()

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.policy import OuterReduce
-from hsdp.sharding.quant import Rows, kernels
+from hsdp.sharding.quant import Rows, dequantize, dequantize_sum, quantize
 
 
 class CompressedOuter:
@@ -43,7 +43,6 @@ class CompressedOuter:
         self.device = device
         self.rows = Rows(numel, n, config.block)
         self.rank = rank
-        self._k = kernels(device)
         self.residual: torch.Tensor | None = None  # [n, m]; None: zeros
         self._next: torch.Tensor | None = None  # this step's, until commit
 
@@ -53,10 +52,10 @@ class CompressedOuter:
         return 4 * self.rows.n * self.rows.m if self.config.error_feedback else 0
 
     def _quantize(self, x: torch.Tensor) -> torch.Tensor:
-        return self._k.quantize(x, self.config.dtype, self.config.block)
+        return quantize(x, self.config.dtype, self.config.block)
 
     def _dequantize(self, packed: torch.Tensor) -> torch.Tensor:
-        return self._k.dequantize(packed, self.config.dtype, self.config.block, self.rows.m)
+        return dequantize(packed, self.config.dtype, self.config.block, self.rows.m)
 
     def _scatter(self, coll: Collectives, src: torch.Tensor, group: dist.ProcessGroup,
                  avg: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -71,8 +70,7 @@ class CompressedOuter:
         coll.all_to_all(received, packed, group, "outer")
         if feedback:
             x.sub_(self._dequantize(packed))  # what this quantization dropped
-        reduced = self._k.dequantize_sum(received, self.config.dtype, self.config.block,
-                                         self.rows.m)
+        reduced = dequantize_sum(received, self.config.dtype, self.config.block, self.rows.m)
         if avg:
             reduced.div_(self.rows.n)
         return reduced, x if feedback else None

@@ -12,7 +12,6 @@ absolute maximum over the format's largest value (fp32 scale) and rounded to one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
@@ -86,12 +85,3 @@ def dequantize_sum(packed: torch.Tensor, fmt: str, block: int, m: int) -> torch.
     """The fp32 sum ``[m]`` of ``quantize``'s packed rows, dequantized."""
     return dequantize(packed, fmt, block, m).sum(dim=0)
 
-
-def kernels(device: torch.device) -> SimpleNamespace:
-    """``quantize``, ``dequantize`` and ``dequantize_sum`` for ``device``: on CUDA fused
-    by ``torch.compile`` (each is several elementwise passes in eager mode), else as
-    they are."""
-    fns = {"quantize": quantize, "dequantize": dequantize, "dequantize_sum": dequantize_sum}
-    if device.type == "cuda":
-        fns = {name: torch.compile(fn, dynamic=True) for name, fn in fns.items()}
-    return SimpleNamespace(**fns)

@@ -168,6 +168,21 @@ def test_mx_converted_model_is_refused_before_sharding():
     _refused_before_sharding(model, TrainingConfig(), "float8 linears only, not NVFP4Linear")
 
 
+def test_outer_reduce_from_the_environment(monkeypatch):
+    """``HSDP_OUTER_REDUCE`` picks the compressed outer reduction; a bad value is refused
+    naming the variable."""
+    import hsdp
+    from hsdp.integrations.torchtitan import options_from_env
+
+    monkeypatch.setenv("HSDP_OUTER_REDUCE", "fp8_e4m3:128")
+    assert options_from_env()[2] == hsdp.OuterReduce("fp8_e4m3", 128)
+    monkeypatch.setenv("HSDP_OUTER_REDUCE", "none")
+    assert options_from_env()[2] is None
+    monkeypatch.setenv("HSDP_OUTER_REDUCE", "int4")
+    with pytest.raises(ValueError, match="HSDP_OUTER_REDUCE: hsdp.OuterReduce: unknown dtype"):
+        options_from_env()
+
+
 def test_cuda_graphs_are_refused_and_off_in_hsdps_configs(monkeypatch):
     """torchtitan captures forward + backward in a CUDA graph on CUDA unless
     ``training.disable_cuda_graphs``; hsdp runs eagerly: its configs turn the capture off,

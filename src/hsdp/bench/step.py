@@ -123,6 +123,7 @@ from hsdp.report.compare import CPU_NOTE, compare, describe
 from hsdp.report.metrics import Interval, step_metrics
 from hsdp.report.table import print_table as print_rows
 from hsdp.report.timeline import plot_timeline
+from hsdp.sharding.policy import parse_outer_reduce as as_outer_reduce_text
 from hsdp.sim.fabric import Fabric, Link, fit_link
 from hsdp.streams.contract import OpRecord
 
@@ -189,6 +190,10 @@ def add_arguments(p: argparse.ArgumentParser,
     p.add_argument("--schedules", type=parse_schedules, default=parse_schedules(
         "overlap,serial,fsdp2"), help=f"comma-separated among {', '.join(SCHEDULES)} "
                                       f"(default: overlap,serial,fsdp2)")
+    p.add_argument("--outer-reduce", type=parse_outer_reduce, default=None,
+                   metavar="DTYPE[:BLOCK]", help="the compressed outer reduction of the "
+                   "schedules overlap-q and hfsdp-q: int8 or fp8_e4m3, block 256 unless "
+                   "given (default: int8)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per schedule")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per schedule first")
     p.add_argument("--record-steps", type=int, default=3,
@@ -213,6 +218,14 @@ def add_arguments(p: argparse.ArgumentParser,
     p.add_argument("--json", default=None, metavar="PATH", help="write results here")
     p.add_argument("--out-dir", default="out/bench_step",
                    help="Chrome traces and timeline.png (default: ./out/bench_step)")
+
+
+def parse_outer_reduce(text: str) -> hsdp.OuterReduce | None:
+    """``--outer-reduce``: "int8", "fp8_e4m3:128"."""
+    try:
+        return as_outer_reduce_text(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def parse_schedules(text: str) -> tuple[str, ...]:
@@ -284,6 +297,7 @@ class Config:
     float8: bool = False  # torchao float8 linears (--float8)
     tp: int = 1  # tensor-parallel ranks (--tp): world = outer * inner * tp
     tp_fabric: Fabric | None = None  # emulated TP collectives (its inner link: --tp-gbps)
+    outer_reduce: hsdp.OuterReduce | None = None  # the "-q" schedules' (--outer-reduce)
 
     @property
     def global_tokens(self) -> int:
@@ -378,7 +392,7 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
                   tuple(args.schedules), args.steps, args.warmup, args.record_steps,
                   args.trace_steps, args.emulate, fabric,
                   source, args.json, args.out_dir, cuda, share, fit, args.float8, tp,
-                  tp_fabric)
+                  tp_fabric, args.outer_reduce)
 
 
 def _check_tp(args: argparse.Namespace, fail: Callable[[str], SystemExit]) -> None:
@@ -480,7 +494,7 @@ def bench(cfg: Config, device: torch.device, mesh: DeviceMesh) -> dict:
         with _oom_guard(name, cfg):
             before = _allocated(device)
             trainees.append(build(name, cfg.model, cfg.mp, mesh, device, cfg.fabric,
-                                  cfg.emulate, cfg.float8, cfg.tp_fabric))
+                                  cfg.emulate, cfg.float8, cfg.tp_fabric, cfg.outer_reduce))
             trainees[-1].resident_bytes = _allocated(device) - before
         progress(f"built {name}")
     for t in trainees:
@@ -808,6 +822,8 @@ def _meta(cfg: Config, device: torch.device, trainees: list[Trainee]) -> dict:
                    "one process (fake process group)" if cfg.emulate else "one rank per GPU"
                    if cuda else "gloo ranks on CPU"),
         "emulate": cfg.emulate,
+        "outer_reduce": asdict(cfg.outer_reduce or hsdp.OuterReduce()) if any(
+            SCHEDULES[n].compressed for n in cfg.schedules) else None,
         "fabric": None,
         "calibration_error": {t.name: t.calibration_error for t in trainees},
         "model": {**asdict(cfg.model), "mbs": cfg.mbs, "microbatches": cfg.microbatches,

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 import hsdp.checkpoint.torch_state_dict  # noqa: F401  (torch's full-state-dict loads on Pieces)
 from hsdp.checkpoint import dirs, integrity
 from hsdp.checkpoint.full_state import clean_key, clean_keys, model_keys, quiesce
+from hsdp.checkpoint.outer_residual import KEY, in_checkpoint, load_residuals, residual_state
 from hsdp.checkpoint.sync import CheckpointError, Meeting
 from hsdp.sharding.chunks import attach_chunks
 from hsdp.sharding.group import owner
@@ -134,7 +135,11 @@ def get_state_dict(model: nn.Module,
     groups = [{**{k: v for k, v in pg.items() if k != "params"},
                "params": [_name_of(names, p) for p in pg["params"]]}
               for pg in optimizer.param_groups]
-    return model_sd, {"state": state, "param_groups": groups}
+    optim_sd = {"state": state, "param_groups": groups}
+    residuals = residual_state(model)  # compressed outer reduction: training state too
+    if residuals:
+        optim_sd[KEY] = residuals
+    return model_sd, optim_sd
 
 
 def _name_of(names: dict[int, str], p: torch.Tensor) -> str:
@@ -199,6 +204,7 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
               for pg in optim_state_dict["param_groups"]]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
     adopt_state(optimizer.state)
+    load_residuals(model, optim_state_dict.get(KEY))
 
 
 # ---------------------------------------------------------------- save / load
@@ -434,6 +440,9 @@ def load(path: str | os.PathLike, model: nn.Module,
     meeting = Meeting("hsdp.load", path)
     fresh = optimizer is not None and not optimizer.state
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    if KEY in optim_sd:  # those of another mesh are none of this rank's (outer_residual.py)
+        optim_sd[KEY] = in_checkpoint(optim_sd[KEY], metadata.state_dict_metadata,
+                                      f"optim.{KEY}.")
     state = {"model": model_sd, "optim": optim_sd}
     try:
         _check(path, state, metadata.state_dict_metadata)
@@ -476,6 +485,7 @@ def _check(path: str, state: dict[str, Any], saved: dict[str, Any]) -> None:
                              f"at {path}, {tuple(t.shape)} here")
     extra = sorted(k for k, md in saved.items()
                    if isinstance(md, TensorStorageMetadata) and k not in ours
+                   and not k.startswith(f"optim.{KEY}.")  # other ranks' residuals
                    and (k.startswith("model.") or (k.startswith("optim.") and state["optim"])))
     if extra:
         raise KeyError(f"hsdp.load: the checkpoint at {path} has {extra[0]}, which this model "

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.policy import OuterReduce
-from hsdp.sharding.quant import Rows, dequantize, quantize
+from hsdp.sharding.quant import Rows, dequantize, dequantize_sum, quantize
 
 
 class CompressedOuter:
@@ -70,7 +70,7 @@ class CompressedOuter:
         coll.all_to_all(received, packed, group, "outer")
         if feedback:
             x.sub_(self._dequantize(packed))  # what this quantization dropped
-        reduced = self._dequantize(received).sum(dim=0)
+        reduced = dequantize_sum(received, self.config.dtype, self.config.block, self.rows.m)
         if avg:
             reduced.div_(self.rows.n)
         return reduced, x if feedback else None

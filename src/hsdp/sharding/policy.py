@@ -95,6 +95,16 @@ class OuterReduce:
                             f"{self.error_feedback!r}")
 
 
+def parse_outer_reduce(text: str) -> OuterReduce | None:
+    """A command line's outer reduction: "none", "int8", "fp8_e4m3:128" (DTYPE[:BLOCK])."""
+    if text == "none":
+        return None
+    dtype, _, block = text.partition(":")
+    if block and not block.isdigit():
+        raise ValueError(f"bad outer reduction {text!r}: expected none or DTYPE[:BLOCK]")
+    return OuterReduce(dtype, int(block)) if block else OuterReduce(dtype)
+
+
 def as_outer_reduce(value: object) -> OuterReduce | None:
     """``fully_shard``'s ``outer_reduce``: an ``OuterReduce``, None (exact reduction), or
     a dtype name as shorthand for ``OuterReduce(dtype=name)``."""

@@ -79,3 +79,9 @@ def dequantize(packed: torch.Tensor, fmt: str, block: int, m: int) -> torch.Tens
     scale = packed[:, m:].contiguous().view(torch.float32)
     values = packed[:, :m].view(dtype).float().view(r, m // block, block)
     return (values * scale.unsqueeze(-1)).view(r, m)
+
+
+def dequantize_sum(packed: torch.Tensor, fmt: str, block: int, m: int) -> torch.Tensor:
+    """The fp32 sum ``[m]`` of ``quantize``'s packed rows, dequantized."""
+    return dequantize(packed, fmt, block, m).sum(dim=0)
+

@@ -34,7 +34,7 @@ from hsdp.models import LlamaConfig, ModelConfig, build_model, lm_loss, shard_un
 from hsdp.report.args import DTYPES
 from hsdp.report.metrics import Interval, step_metrics
 from hsdp.sharding.comm import Collectives
-from hsdp.sharding.policy import Strategy
+from hsdp.sharding.policy import Strategy, parse_outer_reduce
 from hsdp.sim.clock import Program, virtual_streams
 from hsdp.sim.costs import CostModel
 from hsdp.sim.fabric import Link
@@ -61,9 +61,11 @@ class Setup:
     tp: int = 1
     tp_gbps: float = 370.0
     float8: bool = False  # torchao float8 linears (tensorwise), float8 all-gather on
+    outer_reduce: str = "none"  # the compressed outer reduction: "int8", "fp8_e4m3[:block]"
 
     def __post_init__(self) -> None:
         Strategy.parse(self.strategy)
+        parse_outer_reduce(self.outer_reduce)  # raises on a bad one
         if min(self.outer, self.inner, self.microbatches, self.mbs) < 1:
             raise ValueError("sim: outer, inner, microbatches and mbs must be >= 1")
         if self.tp < 1 or (self.tp > 1 and not isinstance(self.model, LlamaConfig)):
@@ -280,7 +282,8 @@ def shard(model: torch.nn.Module, mesh: DeviceMesh, setup: Setup,
     with ``setup``'s strategy; returns stable names for the units' labels (the root: the
     model class; Embed, Block<i>, Head)."""
     kw = dict(mesh=mesh, strategy=setup.strategy, mp_policy=mp,
-              overlap_outer=setup.overlap_outer)
+              overlap_outer=setup.overlap_outer,
+              outer_reduce=parse_outer_reduce(setup.outer_reduce))
     for unit, reshard in shard_units(model):
         hsdp.fully_shard(unit, reshard_after_forward=reshard, **kw)
     hsdp.fully_shard(model, **kw)

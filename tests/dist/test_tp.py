@@ -31,7 +31,7 @@ CASES = [TPCase(strategy, overlap, mb) for strategy, overlap, mb in itertools.pr
     TPCase("hfsdp", True, 1, compile=True), TPCase("hsdp", False, 1, compile=True),
     TPCase("hsdp", False, 1, frozen=True, meta=True), TPCase("hfsdp", True, 3, meta=True)] + [
     TPCase("hsdp", True, 1, outer_reduce="int8"),
-    TPCase("hfsdp", True, 3, "hsdp-2", outer_reduce="int8")]
+    TPCase("hfsdp", True, 3, outer_reduce="int8")]
 
 
 @pytest.fixture(scope="module")

@@ -66,8 +66,8 @@ def test_init_mesh_3d(results: list[dict]) -> None:
 def test_tp_parity(case: TPCase, results: list[dict]) -> None:
     errs = [r[case] for r in results]
     assert all(e == errs[0] for e in errs), f"ranks disagree: {errs}"
-    if case.outer_reduce:  # compressed: within its tolerance, and not exact
-        assert 10 * TOL < errs[0]["ref"] < COMPRESSED_TOL, errs[0]
+    if case.outer_reduce:  # compressed (3 SGD steps: 7.7e-5 hfsdp): not exact, close
+        assert 2 * TOL < errs[0]["ref"] < COMPRESSED_TOL, errs[0]
     elif not case.compile:
         assert errs[0]["ref"] < (BF16_TOL if case.bf16 else TOL), errs[0]
     if case.clip:  # the norm over every TP and DP shard, and clipping was active

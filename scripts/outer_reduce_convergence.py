@@ -50,11 +50,12 @@ def _entry(rank: int, world: int, port: int, plan: Plan, out: str) -> None:
 
 def table(rows: list[dict]) -> str:
     lines = ["| mesh | run | seeds | final loss mean [min-max] | minus exact mean | "
-             "exact seed spread |", "|---|---|---|---|---|---|"]
+             "exact seed spread | largest gap of one step to exact |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['mesh']} | {r['run']} | {r['seeds']} | {r['final_mean']:.4f} "
                      f"[{r['final_min']:.4f}-{r['final_max']:.4f}] | {r['vs_exact']:+.4f} "
-                     f"| {r['exact_spread']:.4f} |")
+                     f"| {r['exact_spread']:.4f} | {r['max_step_gap']:.4f} |")
     return "\n".join(lines)
 
 

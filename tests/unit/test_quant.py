@@ -55,3 +55,12 @@ def test_outer_reduce_validates_its_fields() -> None:
     with pytest.raises(TypeError, match="error_feedback"):
         hsdp.OuterReduce("int8", error_feedback=1)
     assert hsdp.OuterReduce("fp8_e4m3", block=64).block == 64
+
+
+@pytest.mark.parametrize("numel,n", [(64, 4), (100, 4)])
+def test_rows_join_into_equals_join(numel: int, n: int) -> None:
+    rows = Rows(numel, n, 16)
+    r = rows.split(torch.randn(numel))
+    out = torch.empty(numel)
+    rows.join_into(out, r)
+    assert torch.equal(out, rows.join(r))

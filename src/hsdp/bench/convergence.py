@@ -107,9 +107,18 @@ def final_losses(curves: dict[str, list[float]], tail: int) -> dict[tuple[str, s
     return out
 
 
+def _curve_gap(curves: dict[str, list[float]], mesh: str, run: str) -> float:
+    """The largest |loss - exact loss| of one step, over the seeds and steps of ``run``."""
+    gaps = [max(abs(a - b) for a, b in zip(losses, curves[key.rsplit("/", 1)[0] + "/exact"]))
+            for key, losses in curves.items() if key.startswith(mesh + "/")
+            and key.endswith("/" + run)]
+    return max(gaps)
+
+
 def summarize(curves: dict[str, list[float]], tail: int = 20) -> list[dict]:
-    """One row per (mesh, run): final-loss mean and spread over seeds, and the
-    difference to the exact run's mean in units of the exact runs' seed spread."""
+    """One row per (mesh, run): final-loss mean and spread over seeds, its difference to
+    the exact runs' mean, the exact runs' spread over seeds, and the largest gap of one
+    step's loss to the exact run of the same seed."""
     finals = final_losses(curves, tail)
     rows = []
     for (mesh, run), values in finals.items():
@@ -119,5 +128,6 @@ def summarize(curves: dict[str, list[float]], tail: int = 20) -> list[dict]:
         rows.append({"mesh": mesh, "run": run, "seeds": len(values), "final_mean": mean,
                      "final_min": min(values), "final_max": max(values),
                      "exact_spread": spread,
-                     "vs_exact": mean - statistics.fmean(exact)})
+                     "vs_exact": mean - statistics.fmean(exact),
+                     "max_step_gap": _curve_gap(curves, mesh, run)})
     return rows

@@ -96,7 +96,7 @@ class CompressedOuter:
         if error is not None:
             error[self.rank].add_(reduced.sub_(rows[self.rank]),
                                   alpha=float(self.rows.n) if avg else 1.0)
-        out.copy_(self.rows.join(rows))
+        self.rows.join_into(out, rows)
         self._keep(error)
 
     def _keep(self, error: torch.Tensor | None) -> None:

@@ -9,8 +9,10 @@ from hsdp.api import (
 )
 from hsdp.checkpoint.dcp import CheckpointError, get_state_dict, load, save, set_state_dict
 from hsdp.checkpoint.full_state import full_state_dict, load_full_state_dict
-from hsdp.ft.outer import FaultTolerance, FaultToleranceError
+from hsdp.ft.errors import FaultToleranceError
+from hsdp.ft.outer import FaultTolerance
 from hsdp.ft.replica_state import fault_tolerance
+from hsdp.ft.transport import RecoveryTransport
 from hsdp.materialize import materialize
 from hsdp.mesh import NcclConfig, init_mesh
 from hsdp.module import register_forward_method
@@ -25,6 +27,7 @@ __all__ = [
     "FaultToleranceError",
     "MixedPrecision",
     "NcclConfig",
+    "RecoveryTransport",
     "attach_optimizer",
     "clip_grad_norm_",
     "fault_tolerance",

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hsdp import hosts
-from hsdp.ft.outer import ElasticOuter, FaultTolerance, FaultToleranceError, make_manager
+from hsdp.ft.errors import FaultToleranceError
+from hsdp.ft.outer import ElasticOuter, FaultTolerance, make_manager
 from hsdp.runtime.consensus import agree_in_store
 
 DIM_NAMES = ("outer", "inner")

@@ -34,7 +34,8 @@ def _imports(path: Path) -> set[str]:
 # Lowest first; a module may import modules of its own layer or lower ones. The longest
 # matching name decides (``hsdp.runtime.streams`` before ``hsdp.runtime``).
 LAYERS = [
-    ("hsdp.policy", "hsdp.hosts", "hsdp.models", "hsdp.runtime.consensus", "hsdp.ft.outer"),
+    ("hsdp.policy", "hsdp.hosts", "hsdp.models", "hsdp.runtime.consensus", "hsdp.ft.errors",
+     "hsdp.ft.transport", "hsdp.ft.outer"),
     ("hsdp.mesh",),
     ("hsdp.runtime.streams", "hsdp.runtime.ops"),  # the stream contract, the op table
     ("hsdp.runtime.cpu", "hsdp.runtime.cuda", "hsdp.sharding.layout", "hsdp.sharding.comm"),

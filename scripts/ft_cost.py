@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 import hsdp
 from hsdp.models import build_model, lm_loss, preset, shard_units
-from hsdp.topology.mesh import comm_groups
+from hsdp.topology.communicators import comm_groups
 
 
 class Phases:

@@ -14,8 +14,9 @@ from hsdp.ft.outer import FaultTolerance, FaultToleranceError
 from hsdp.materialize import materialize
 from hsdp.module import register_forward_method
 from hsdp.runtime.optim import attach_optimizer
-from hsdp.sharding.policy import MixedPrecision, OuterReduce
-from hsdp.topology.mesh import NcclConfig, init_mesh
+from hsdp.sharding.policy import MixedPrecision, OuterReduce, Strategy
+from hsdp.topology.communicators import NcclConfig
+from hsdp.topology.mesh import init_mesh
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "FaultToleranceError",
     "MixedPrecision",
     "OuterReduce",
+    "Strategy",
     "NcclConfig",
     "attach_optimizer",
     "clip_grad_norm_",

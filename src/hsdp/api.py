@@ -26,19 +26,20 @@ from hsdp.sharding.group import ParamGroup, Slot, owner
 from hsdp.sharding.policy import (
     MixedPrecision,
     OuterReduce,
+    Strategy,
     as_mixed_precision,
     as_outer_reduce,
     check_reshard_after_forward,
-    check_strategy,
 )
 from hsdp.sharding.tp_blocks import block_of, check_params
-from hsdp.topology.mesh import CommGroups, as_hsdp_mesh, comm_groups
+from hsdp.topology.communicators import CommGroups, comm_groups
+from hsdp.topology.mesh_dims import as_hsdp_mesh
 
 _UNIT_IDS = itertools.count()
 _CLIPS: weakref.WeakKeyDictionary[Unit, itertools.count] = weakref.WeakKeyDictionary()
 
 
-def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
+def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str = "hsdp",
                 mp_policy: MixedPrecision | None = None, overlap_outer: bool = True,
                 reshard_after_forward: bool | None = True,
                 outer_reduce: OuterReduce | str | None = None) -> nn.Module:
@@ -46,9 +47,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
     submodule) over ``mesh``. Call bottom-up: units first, the root last. ``module``
     becomes an ``HSDPModule`` (see ``module.py`` for the methods it gains).
 
-    strategy: "hsdp" (shard over inner, replicate over outer) or "hfsdp" (gradients and
-    optimizer state sharded over outer too). ``overlap_outer=False`` issues the outer
-    reduction on the inner reduce-scatter stream (the serialized baseline).
+    strategy: ``hsdp.Strategy`` or its value, "hsdp" (shard over inner, replicate over
+    outer) or "hfsdp" (gradients and optimizer state sharded over outer too).
+    ``overlap_outer=False`` issues the outer reduction on the inner reduce-scatter stream
+    (the serialized baseline).
     ``reshard_after_forward=False`` keeps the unit's gathered parameters from its forward
     to its backward (no re-gather; more memory), as FSDP2's option of that name (its
     None means True here; its int is refused). ``mp_policy`` may also be torch's
@@ -62,7 +64,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
     A module whose parameters are all on the meta device gets meta shards and buffers
     (no memory, no data): ``hsdp sim`` runs the schedule on such models.
     """
-    check_strategy(strategy)
+    strategy = Strategy.parse(strategy)
     reshard_after_forward = check_reshard_after_forward(reshard_after_forward)
     mp = as_mixed_precision(mp_policy)
     outer_reduce = as_outer_reduce(outer_reduce)
@@ -72,7 +74,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
         raise RuntimeError(f"fully_shard was already applied to this {type(module).__name__}")
     mesh = as_hsdp_mesh(mesh)
     comms = comm_groups(mesh)
-    if comms.elastic is not None and strategy == "hfsdp":
+    if comms.elastic is not None and strategy is Strategy.HFSDP:
         raise FaultToleranceError(
             "fully_shard: strategy='hfsdp' cannot be made fault tolerant: its optimizer "
             "state is sharded over the outer axis, so a lost replica group takes state no "
@@ -101,8 +103,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
         ss.append(s)
     label = f"{type(inner).__name__}{next(_UNIT_IDS)}"  # same on every rank
     groups = [
-        ParamGroup(f"{label}/{k}", ps, ss, comms, shard_device, strategy == "hfsdp", mp,
-                   outer_reduce)
+        ParamGroup(f"{label}/{k}", ps, ss, comms, shard_device, strategy, mp, outer_reduce)
         for k, (ps, ss) in enumerate(keyed.values())]
     for g in groups:
         g.use_sharded()
@@ -111,7 +112,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
             if b is not None and not b.is_meta and b.device != device:
                 m._buffers[name] = b.to(device)
     unit = Unit(module, label, groups, mesh, device, overlap_outer, mp, reshard_after_forward)
-    unit.description = _describe(inner, params, slots, strategy=strategy, mp_policy=mp,
+    unit.description = _describe(inner, params, slots, strategy=strategy.value, mp_policy=mp,
                                  overlap_outer=overlap_outer,
                                  reshard_after_forward=reshard_after_forward,
                                  outer_reduce=outer_reduce)

@@ -23,7 +23,7 @@ from dist_utils import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
 import hsdp
-from hsdp.topology.mesh import comm_groups
+from hsdp.topology.communicators import comm_groups
 from hsdp.runtime.step_agreement import post_note, read_note
 
 WORLD = 4

@@ -32,7 +32,7 @@ from hsdp.bench.launch import (
 )
 from hsdp.models import build_model, lm_loss, preset
 from hsdp.report.args import parse_mesh
-from hsdp.topology.mesh import host_group
+from hsdp.topology.communicators import host_group
 
 
 @dataclass(frozen=True)

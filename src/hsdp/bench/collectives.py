@@ -62,7 +62,8 @@ from hsdp.sharding.comm import Collectives
 from hsdp.streams.contract import SideStream
 from hsdp.streams.op_table import OpKind, op_table
 from hsdp.streams.stream_set import Streams
-from hsdp.topology.mesh import CommGroups, NcclConfig, comm_groups, init_mesh, new_communicator
+from hsdp.topology.communicators import CommGroups, NcclConfig, comm_groups, new_communicator
+from hsdp.topology.mesh import init_mesh
 
 # Multicast (NVLS) off on multi-GPU machines: see docs/design.md ("Testing on CPU and GPU").
 UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 import hsdp.checkpoint.torch_state_dict  # noqa: F401  (torch's full-state-dict loads on Pieces)
 from hsdp.checkpoint import dirs, integrity
 from hsdp.checkpoint.full_state import clean_key, clean_keys, model_keys, quiesce
+from hsdp.checkpoint.lazy_state import initial_state, supported
 from hsdp.checkpoint.outer_residual import KEY, in_checkpoint, load_residuals, residual_state
 from hsdp.checkpoint.sync import CheckpointError, Meeting
 from hsdp.sharding.chunks import attach_chunks
@@ -40,7 +41,7 @@ from hsdp.sharding.group import owner
 from hsdp.sharding.pieces import Piece, adopt_state
 from hsdp.sharding.write_guard import before_write
 from hsdp.streams.teardown import before_destroy
-from hsdp.topology.mesh import host_group
+from hsdp.topology.communicators import host_group
 
 ModelState = dict[str, Any]
 OptimState = dict[str, Any]
@@ -120,18 +121,40 @@ def get_state_dict(model: nn.Module,
     ``load``: original names (``_orig_mod.`` dropped, as torch's ``get_model_state_dict``
     does) and global shapes; each rank's values are views of what it
     owns (nothing is gathered or copied). The optimizer state is keyed by parameter name
-    and sharded like the parameters. A fresh optimizer gets its state initialized first (a
-    step with lr 0 on zero gradients), so that ``dcp.load`` has tensors to load into."""
+    and sharded like the parameters. A parameter without optimizer state yet gets the state
+    its first step would create (``lazy_state``: new tensors, nothing is stored in the
+    optimizer, which is not stepped), so that ``dcp.load`` has tensors to load into; for an
+    optimizer whose initial state hsdp cannot build that way it raises ``ValueError``."""
     quiesce(model, "get_state_dict")
     model_sd = clean_keys(model.state_dict())
     if optimizer is None:
         return model_sd, {}
-    _init_optimizer_state(optimizer)
+    return model_sd, optim_state_dict(model, optimizer, strict=True)
+
+
+def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                     strict: bool) -> OptimState:
+    """The optimizer's part of ``get_state_dict``. A trainable parameter without state gets
+    ``lazy_state.initial_state`` (never stored in the optimizer); where that cannot be built,
+    ``strict`` raises ``ValueError`` and otherwise the parameter is left without state in
+    the dict (``hsdp.load`` restores it so)."""
     names = _param_names(model)
     state: dict[str, dict[str, Any]] = {}
-    for p, st in optimizer.state.items():
-        name = _name_of(names, p)
-        state[name] = {k: _state_view(p, name, k, v) for k, v in st.items()}
+    for pg in optimizer.param_groups:
+        for p in pg["params"]:
+            name = _name_of(names, p)
+            st = optimizer.state.get(p)  # .get: the state is a defaultdict
+            if not st and p.requires_grad:
+                st = initial_state(optimizer, pg, p)
+                if st is None and strict:
+                    raise ValueError(
+                        f"hsdp.get_state_dict: {name} has no optimizer state yet, and hsdp "
+                        f"cannot build {type(optimizer).__name__}'s initial state without "
+                        f"stepping the optimizer (it can for {supported()}; SGD without "
+                        f"dampening). Take an optimizer step first, or use hsdp.save / "
+                        f"hsdp.load, which need no such state.")
+            if st:
+                state[name] = {k: _state_view(p, name, k, v) for k, v in st.items()}
     groups = [{**{k: v for k, v in pg.items() if k != "params"},
                "params": [_name_of(names, p) for p in pg["params"]]}
               for pg in optimizer.param_groups]
@@ -139,7 +162,7 @@ def get_state_dict(model: nn.Module,
     residuals = residual_state(model)  # compressed outer reduction: training state too
     if residuals:
         optim_sd[KEY] = residuals
-    return model_sd, optim_sd
+    return optim_sd
 
 
 def _name_of(names: dict[int, str], p: torch.Tensor) -> str:
@@ -161,28 +184,6 @@ def _state_view(p: torch.Tensor, name: str, key: str, value: Any) -> Any:
             f"hsdp: optimizer state {name}.{key} is not laid out like its parameter (shape "
             f"{tuple(value.shape)}); hsdp checkpoints support elementwise optimizer state")
     return group.checkpoint_view(idx, value._local_tensor)
-
-
-@torch.no_grad()
-def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the state of every parameter that has none: one step with lr 0 on zero
-    gradients (the parameters do not change), the existing gradients restored after."""
-    params = [p for pg in optimizer.param_groups for p in pg["params"] if p.requires_grad]
-    if all(p in optimizer.state for p in params):
-        return
-    grads = [p.grad for p in params]
-    lrs = [pg["lr"] for pg in optimizer.param_groups]
-    try:
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        for pg in optimizer.param_groups:
-            pg["lr"] = torch.zeros_like(pg["lr"]) if torch.is_tensor(pg["lr"]) else 0.0
-        optimizer.step()
-    finally:
-        for pg, lr in zip(optimizer.param_groups, lrs):
-            pg["lr"] = lr
-        for p, g in zip(params, grads):
-            p.grad = g
 
 
 def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -388,8 +389,10 @@ def save(path: str | os.PathLike, model: nn.Module,
     group = host_group()
     meeting = Meeting("hsdp.save", path)
     staging = meeting.agree(group, "start", lambda: dirs.claim(path))
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    quiesce(model, "save")
+    state = {"model": clean_keys(model.state_dict()),
+             "optim": {} if optimizer is None else optim_state_dict(model, optimizer,
+                                                                   strict=False)}
     writer = CheckpointWriter(staging, meeting)
 
     def publish() -> None:
@@ -438,7 +441,6 @@ def load(path: str | os.PathLike, model: nn.Module,
     except Exception as e:
         raise FileNotFoundError(f"hsdp.load: {path} is not a checkpoint ({e})") from e
     meeting = Meeting("hsdp.load", path)
-    fresh = optimizer is not None and not optimizer.state
     model_sd, optim_sd = get_state_dict(model, optimizer)
     if KEY in optim_sd:  # those of another mesh are none of this rank's (outer_residual.py)
         optim_sd[KEY] = in_checkpoint(optim_sd[KEY], metadata.state_dict_metadata,
@@ -450,14 +452,8 @@ def load(path: str | os.PathLike, model: nn.Module,
         with meeting.at("reading"):
             dcp.load(read, storage_reader=_Reader(path), process_group=host_group())
     except CheckpointException as e:  # a BaseException: keep it catchable as an error
-        if fresh:
-            optimizer.state.clear()
         raise CheckpointError(f"hsdp.load: reading {path} failed; the model and optimizer "
                               f"are unchanged. {_failures(e)}") from e
-    except Exception:
-        if fresh:
-            optimizer.state.clear()  # undo get_state_dict's initialization
-        raise
     state = _commit(state, read)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])

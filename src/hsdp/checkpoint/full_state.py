@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hsdp.runtime.state import Phase
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.group import ParamGroup, owner
-from hsdp.topology.mesh import host_group
+from hsdp.topology.communicators import host_group
 
 
 def quiesce(model: nn.Module, what: str) -> None:

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from hsdp.ft.outer import FaultToleranceError
 from hsdp.sharding.pieces import Piece, piece_like
-from hsdp.topology.mesh import comm_groups
+from hsdp.topology.communicators import comm_groups
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from hsdp.topology.mesh import default_timeout
+from hsdp.topology.communicators import default_timeout
 
 T = TypeVar("T")
 _IDS = itertools.count()  # saves and loads are collectives: the same sequence on every rank

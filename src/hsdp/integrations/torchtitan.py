@@ -40,17 +40,18 @@ from torchtitan.protocols.module import Module as TitanModule
 
 import hsdp
 from hsdp.checkpoint.dcp import load_state_dict_hook
-from hsdp.sharding.policy import parse_outer_reduce
+from hsdp.sharding.policy import Strategy, parse_outer_reduce
 
 MODEL_NAME = "hsdp_llama3"
 
 
-def options_from_env() -> tuple[str, bool, hsdp.OuterReduce | None]:
+def options_from_env() -> tuple[Strategy, bool, hsdp.OuterReduce | None]:
     """(strategy, overlap_outer, outer_reduce) from ``HSDP_STRATEGY``,
     ``HSDP_OVERLAP_OUTER`` and ``HSDP_OUTER_REDUCE``."""
-    strategy = os.environ.get("HSDP_STRATEGY", "hsdp")
-    if strategy not in ("hsdp", "hfsdp"):
-        raise ValueError(f"hsdp: HSDP_STRATEGY must be hsdp or hfsdp, got {strategy!r}")
+    try:
+        strategy = Strategy.parse(os.environ.get("HSDP_STRATEGY", "hsdp"))
+    except ValueError as e:
+        raise ValueError(f"hsdp: HSDP_STRATEGY: {e}") from None
     overlap = os.environ.get("HSDP_OVERLAP_OUTER", "1")
     if overlap not in ("0", "1"):
         raise ValueError(f"hsdp: HSDP_OVERLAP_OUTER must be 0 or 1, got {overlap!r}")
@@ -109,7 +110,8 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
                       training: TrainingConfig, parallelism: ParallelismConfig,
                       compile_config: CompileConfig,
                       ac_config: ActivationCheckpointingConfig | None, dump_folder: str,
-                      strategy: str | None = None, overlap_outer: bool | None = None,
+                      strategy: Strategy | str | None = None,
+                      overlap_outer: bool | None = None,
                       outer_reduce: hsdp.OuterReduce | str | None = None) -> nn.Module:
     """torchtitan's ``parallelize_llama`` with hsdp in place of ``apply_fsdp_to_decoder``:
     torchtitan's own TP plan (the model's ``parallelize`` on its "tp" mesh, when
@@ -124,7 +126,7 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
 
         wrap_float8_all_gather_weights(model)
     env_strategy, env_overlap, env_outer_reduce = options_from_env()
-    strategy = strategy or env_strategy
+    strategy = Strategy.parse(strategy or env_strategy)
     outer_reduce = outer_reduce or env_outer_reduce
     overlap_outer = env_overlap if overlap_outer is None else overlap_outer
     if parallel_dims.tp_enabled:

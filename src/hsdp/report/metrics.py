@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from hsdp.streams.op_table import OPS, communicator_of
 from hsdp.streams.op_table import OUTER_REDUCTIONS as OUTER_REDUCTION_KINDS
-from hsdp.topology.mesh import COMMUNICATORS
+from hsdp.topology.communicators import COMMUNICATORS
 
 Span = tuple[float, float]
 

@@ -20,7 +20,7 @@ from hsdp.streams.contract import Event, SideStream
 from hsdp.streams.op_table import OpKind, op_table
 from hsdp.streams.stream_set import Streams
 from hsdp.topology.build_agreement import agree_on_group
-from hsdp.topology.mesh import CommGroups, comm_groups
+from hsdp.topology.communicators import CommGroups, comm_groups
 
 if TYPE_CHECKING:
     from hsdp.runtime.unit import Unit

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from hsdp.streams.contract import Event
 from hsdp.streams.op_table import OPS, OpKind
-from hsdp.topology.mesh import COMMUNICATORS
+from hsdp.topology.communicators import COMMUNICATORS
 
 SLOW_S = 1.0  # an agreement waiting this long leaves a note for blocked peers
 _FIELDS = ("step", "forwards", "microbatches", *(f"{c} collectives" for c in COMMUNICATORS),

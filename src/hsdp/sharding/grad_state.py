@@ -61,7 +61,7 @@ class GradientState:
         if now == self.param_requires_grad:
             return
         if any(now) and not self.has_grads:
-            if self.outer_requested:
+            if self.strategy.shards_outer:
                 module, name = self.slots[now.index(True)][0]
                 raise RuntimeError(
                     f"hsdp: {type(module).__name__}.{name} was frozen when fully_shard ran; "

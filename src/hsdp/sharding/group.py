@@ -43,10 +43,10 @@ from hsdp.sharding.group_comm import GroupCollectives
 from hsdp.sharding.group_state_dict import GroupState
 from hsdp.sharding.layout import FlatLayout
 from hsdp.sharding.pieces import as_dtensor, placeholders_if_empty, spec
-from hsdp.sharding.policy import MixedPrecision, OuterReduce
+from hsdp.sharding.policy import MixedPrecision, OuterReduce, Strategy
 from hsdp.sharding.tp_blocks import block_of, local_of, placement_of, unsharded_spec
 from hsdp.streams.contract import Event
-from hsdp.topology.mesh import CommGroups
+from hsdp.topology.communicators import CommGroups
 
 Slot = tuple[nn.Module, str]
 
@@ -71,20 +71,21 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
     """The parameters of one unit that share a dtype and requires_grad, flattened."""
 
     def __init__(self, label: str, params: list[nn.Parameter], slots: list[list[Slot]],
-                 comms: CommGroups, device: torch.device, shard_outer: bool,
+                 comms: CommGroups, device: torch.device, strategy: Strategy,
                  mp: MixedPrecision, outer_reduce: OuterReduce | None = None) -> None:
         self.label = label
         self.slots = slots
         self.comms = comms
         self.mp = mp
-        self.outer_requested = shard_outer  # the strategy's (only trainable groups get it)
+        self.strategy = strategy
         self.requires_grad = params[0].requires_grad
         self.orig_dtype = params[0].dtype
         self.param_dtype, self.reduce_dtype = mp.resolve(self.orig_dtype)
         f8 = float8_dtype(params[0])  # the group key makes it the same for all
         self.float8 = None if f8 is None else Float8Weights(params, f8)
         gather_dtype = self.param_dtype if f8 is None else f8
-        self.shard_outer = shard_outer and self.requires_grad
+        # The flat buffer is sharded over outer too: hfsdp's trainable groups.
+        self.shard_outer = strategy.shards_outer and self.requires_grad
         params = self._tp_locals(params)
         self.layout = lay = FlatLayout.build([tuple(p.shape) for p in params],
                                              comms.inner_size, comms.outer_size,

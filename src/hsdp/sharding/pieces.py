@@ -46,7 +46,7 @@ from hsdp.sharding.write_guard import (
     direct,
     written,
 )
-from hsdp.topology.mesh import registered_groups
+from hsdp.topology.communicators import registered_groups
 
 
 def placements(shard_outer: bool, tp: Placement | None = None) -> tuple:

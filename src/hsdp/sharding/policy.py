@@ -3,10 +3,35 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
-STRATEGIES = ("hsdp", "hfsdp")
+
+class Strategy(str, Enum):
+    """How a unit's state lies on the outer axis. ``HSDP``: parameters, gradients and
+    optimizer state sharded over inner, replicated over outer (gradients: inner
+    reduce-scatter, outer all-reduce). ``HFSDP``: gradients and optimizer state sharded
+    over outer too (outer reduce-scatter, then an outer all-gather of the updated
+    weights). Equal to its string value, so ``"hfsdp"`` is accepted wherever a
+    ``Strategy`` is."""
+
+    HSDP = "hsdp"
+    HFSDP = "hfsdp"
+
+    @classmethod
+    def parse(cls, value: Strategy | str) -> Strategy:
+        """``value`` as a ``Strategy``; ValueError naming the choices otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown strategy {value!r}; expected one of "
+                             f"{[s.value for s in cls]}") from None
+
+    @property
+    def shards_outer(self) -> bool:
+        """Whether trainable state is sharded over the outer axis too."""
+        return self is Strategy.HFSDP
 
 
 @dataclass(frozen=True)
@@ -89,11 +114,6 @@ def as_outer_reduce(value: object) -> OuterReduce | None:
         return OuterReduce(dtype=value)
     raise TypeError(f"fully_shard: outer_reduce must be an hsdp.OuterReduce, a dtype name "
                     f"({OUTER_DTYPES}) or None, got {value!r}")
-
-
-def check_strategy(strategy: str) -> None:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
 
 
 def as_mixed_precision(mp_policy: object) -> MixedPrecision:

@@ -85,7 +85,7 @@ from hsdp.sim.costs import (
 )
 from hsdp.sim.engine import Recording, Setup, evaluate, record
 from hsdp.sim.fabric import Fabric, Link
-from hsdp.topology.mesh import COMMUNICATORS
+from hsdp.topology.communicators import COMMUNICATORS
 
 # a trace's phases saved beside its JSON (``save_phases``): the calibration needs no trace
 PHASES_SUFFIX = ".phases.json"

@@ -20,14 +20,14 @@ from pathlib import Path
 from hsdp.models import PRESETS, preset
 from hsdp.report.args import DTYPES, parse_mesh
 from hsdp.report.table import print_table
-from hsdp.sharding.policy import STRATEGIES
+from hsdp.sharding.policy import Strategy
 from hsdp.sim.calibrate import calibrate
 from hsdp.sim.costs import CostModel
 from hsdp.sim.engine import Setup, SimResult, simulate
 from hsdp.sim.fabric import Fabric, Link
 from hsdp.sim.profile import MachineProfile, calibrate_profile
 from hsdp.sim.sweep import parse_sweep, print_sweep, run_sweep
-from hsdp.topology.mesh import COMMUNICATORS
+from hsdp.topology.communicators import COMMUNICATORS
 
 # (overlapped, serialized) schedule names per strategy, as in ``bench step``
 SCHEDULE_NAMES = {"hsdp": ("overlap", "serial"), "hfsdp": ("hfsdp", "hfsdp-serial")}
@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "hsdp.sim.tp_pricing): "
                         "its collectives priced on compute; with tp filling a node the inner "
                         "group crosses nodes (set --inner-gbps to match)")
-    p.add_argument("--strategy", choices=STRATEGIES, default="hsdp")
+    p.add_argument("--strategy", choices=[s.value for s in Strategy], default="hsdp")
     p.add_argument("--outer-reduce", default="none", metavar="DTYPE[:BLOCK]",
                    help="compressed outer reduction: none, int8 or fp8_e4m3 (sweep key "
                         "outer_reduce=none,int8 compares them)")

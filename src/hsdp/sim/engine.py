@@ -34,12 +34,12 @@ from hsdp.models import LlamaConfig, ModelConfig, build_model, lm_loss, shard_un
 from hsdp.report.args import DTYPES
 from hsdp.report.metrics import Interval, step_metrics
 from hsdp.sharding.comm import Collectives
-from hsdp.sharding.policy import check_strategy, parse_outer_reduce
+from hsdp.sharding.policy import Strategy, parse_outer_reduce
 from hsdp.sim.clock import Program, virtual_streams
 from hsdp.sim.costs import CostModel
 from hsdp.sim.fabric import Link
 from hsdp.sim.tp_pricing import tp_pricer
-from hsdp.topology.mesh import axis_groups
+from hsdp.topology.mesh_dims import axis_groups
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Setup:
     outer_reduce: str = "none"  # the compressed outer reduction: "int8", "fp8_e4m3[:block]"
 
     def __post_init__(self) -> None:
-        check_strategy(self.strategy)
+        Strategy.parse(self.strategy)
         parse_outer_reduce(self.outer_reduce)  # raises on a bad one
         if min(self.outer, self.inner, self.microbatches, self.mbs) < 1:
             raise ValueError("sim: outer, inner, microbatches and mbs must be >= 1")

@@ -14,12 +14,12 @@ from pathlib import Path
 
 from hsdp.report.args import DTYPES
 from hsdp.report.table import print_table
-from hsdp.sharding.policy import STRATEGIES, parse_outer_reduce
+from hsdp.sharding.policy import Strategy, parse_outer_reduce
 from hsdp.sim.costs import CostModel
 from hsdp.sim.engine import Setup, SimResult, evaluate, record
 from hsdp.sim.fabric import Link
 from hsdp.streams.op_table import OPS, OpKind
-from hsdp.topology.mesh import COMMUNICATORS
+from hsdp.topology.communicators import COMMUNICATORS
 
 # key -> (parser, applies to the recording (True) or only to the fabric (False))
 KEYS = {
@@ -46,7 +46,7 @@ def parse_sweep(items: list[str]) -> dict[str, list]:
         if not grid[key]:
             raise ValueError(f"bad --sweep item {item!r}: no values")
         bad = [v for v in grid[key] if (key == "reduce" and v not in DTYPES)
-               or (key == "strategy" and v not in STRATEGIES)
+               or (key == "strategy" and v not in {s.value for s in Strategy})
                or (key == "outer_reduce" and not _outer_reduce_ok(v))
                or (KEYS[key][0] is not str and v <= 0)]
         if bad:

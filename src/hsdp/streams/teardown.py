@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from hsdp.streams.stream_set import quiesce_all
-from hsdp.topology.mesh import forget_world, longest_timeout, on_first_use
+from hsdp.topology.communicators import forget_world, longest_timeout, on_first_use
 
 _BEFORE: list[Callable[[], None]] = []
 

@@ -112,6 +112,31 @@ def microbatch_job(rank: int, world: int) -> dict[str, int]:
     return out
 
 
+def divide_job(rank: int, world: int) -> dict[str, float]:
+    """``set_gradient_divide_factor(1.0)`` (sums, as torchtitan sets it): the compressed
+    reduction's gradients against the exact one's after two steps of error feedback,
+    relative error of all gradients, per strategy."""
+    mesh = hsdp.init_mesh(2, world // 2, "cpu")
+    out = {}
+    for strategy in ("hsdp", "hfsdp"):
+        grads = []
+        for outer_reduce in (None, INT8):
+            model = _build(mesh, strategy, 0, outer_reduce=outer_reduce)
+            model.set_gradient_divide_factor(1.0)
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the gradients only
+            cfg, rows = GPTConfig(), slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+            for step in range(2):
+                opt.zero_grad()
+                tokens = _batches(step, 0, world, cfg)[rows]
+                lm_loss(model(tokens), tokens).backward()
+                opt.step()
+            grads.append(torch.cat([p.grad.to_local().reshape(-1) for p in model.parameters()
+                                    if p.grad is not None]))
+        exact, compressed = grads
+        out[strategy] = ((compressed - exact).norm() / exact.norm()).item()
+    return out
+
+
 def _units(model: nn.Module) -> list:
     return [m._hsdp_unit for m in model.modules() if "_hsdp_unit" in vars(m)]
 

@@ -34,7 +34,7 @@ import hsdp.checkpoint.torch_state_dict  # noqa: F401  (torch's full-state-dict 
 from hsdp.checkpoint import dirs, integrity
 from hsdp.checkpoint.full_state import clean_key, clean_keys, model_keys, quiesce
 from hsdp.checkpoint.lazy_state import initial_state, supported
-from hsdp.checkpoint.outer_residual import KEY, in_checkpoint, load_residuals, residual_state
+from hsdp.checkpoint.outer_residual import KEY, from_read, load_residuals, residual_state, to_read
 from hsdp.checkpoint.sync import CheckpointError, Meeting
 from hsdp.sharding.chunks import attach_chunks
 from hsdp.sharding.group import owner
@@ -442,9 +442,9 @@ def load(path: str | os.PathLike, model: nn.Module,
         raise FileNotFoundError(f"hsdp.load: {path} is not a checkpoint ({e})") from e
     meeting = Meeting("hsdp.load", path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    if KEY in optim_sd:  # those of another mesh are none of this rank's (outer_residual.py)
-        optim_sd[KEY] = in_checkpoint(optim_sd[KEY], metadata.state_dict_metadata,
-                                      f"optim.{KEY}.")
+    if KEY in optim_sd:  # this rank's, or another mesh's to reshard (outer_residual.py)
+        optim_sd[KEY] = to_read(model, optim_sd[KEY], metadata.state_dict_metadata,
+                                f"optim.{KEY}.")
     state = {"model": model_sd, "optim": optim_sd}
     try:
         _check(path, state, metadata.state_dict_metadata)
@@ -455,6 +455,8 @@ def load(path: str | os.PathLike, model: nn.Module,
         raise CheckpointError(f"hsdp.load: reading {path} failed; the model and optimizer "
                               f"are unchanged. {_failures(e)}") from e
     state = _commit(state, read)
+    if KEY in state["optim"]:
+        state["optim"][KEY] = from_read(model, state["optim"][KEY])
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
 

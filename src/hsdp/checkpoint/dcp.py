@@ -27,13 +27,13 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 import hsdp.checkpoint.torch_state_dict  # noqa: F401  (torch's full-state-dict loads on Pieces)
 from hsdp.checkpoint import dirs, integrity
 from hsdp.checkpoint.full_state import clean_key, clean_keys, model_keys, quiesce
 from hsdp.checkpoint.lazy_state import initial_state, supported
+from hsdp.checkpoint.load_targets import check_groups, check_model, optim_targets
 from hsdp.checkpoint.outer_residual import KEY, from_read, load_residuals, residual_state, to_read
 from hsdp.checkpoint.sync import CheckpointError, Meeting
 from hsdp.sharding.chunks import attach_chunks
@@ -191,21 +191,35 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
                    optim_state_dict: OptimState | None = None) -> None:
     """Load what ``torch.distributed.checkpoint.load`` read into ``get_state_dict``'s
     dicts: the model's values (already in place when loaded into those views) and the
-    optimizer's state and hyperparameters."""
+    optimizer's state and hyperparameters. The optimizer's parameter groups are checked
+    first: a mismatch raises ``ValueError`` before the model is written."""
     quiesce(model, "set_state_dict")
+    groups = None
+    if optimizer is not None and optim_state_dict:
+        groups = _optimizer_input(model, optimizer, optim_state_dict, "hsdp.set_state_dict")
     model.load_state_dict(model_keys(model, model_state_dict))
-    if optimizer is None or not optim_state_dict:
-        return
+    if groups is not None:
+        optimizer.load_state_dict(groups)
+        adopt_state(optimizer.state)
+        load_residuals(model, optim_state_dict.get(KEY))
+
+
+def _optimizer_input(model: nn.Module, optimizer: torch.optim.Optimizer,
+                     optim_state_dict: OptimState, where: str) -> dict[str, Any]:
+    """``optim_state_dict`` (keyed by names) as ``optimizer.load_state_dict`` takes it, once
+    its groups are checked against the optimizer's (``load_targets.check_groups``)."""
     names = _param_names(model)
+    ours = [[_name_of(names, p) for p in pg["params"]] for pg in optimizer.param_groups]
+    hyper = [set(pg) for pg in optimizer.param_groups]
+    check_groups(where, optim_state_dict["param_groups"], ours, hyper,
+                 optim_state_dict["state"])
     index: dict[str, int] = {}
-    for p in (p for pg in optimizer.param_groups for p in pg["params"]):
-        index.setdefault(_name_of(names, p), len(index))
+    for name in (n for group in ours for n in group):
+        index.setdefault(name, len(index))
     state = {index[name]: st for name, st in optim_state_dict["state"].items()}
     groups = [{**pg, "params": [index[n] for n in pg["params"]]}
               for pg in optim_state_dict["param_groups"]]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-    adopt_state(optimizer.state)
-    load_residuals(model, optim_state_dict.get(KEY))
+    return {"state": state, "param_groups": groups}
 
 
 # ---------------------------------------------------------------- save / load
@@ -428,64 +442,57 @@ def _save_failed(path: str, error: BaseException | str) -> CheckpointError:
 def load(path: str | os.PathLike, model: nn.Module,
          optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load a checkpoint written by ``save`` (on any mesh, strategy or world size) into
-    ``model`` (and ``optimizer``). A collective, all or nothing: names and shapes are
-    checked against the checkpoint, then everything is read into a CPU copy of this
-    rank's pieces (the parameters' and optimizer state's: the memory they take, once more)
-    and checked against the checksums ``save`` recorded; only then are the model and
-    optimizer changed. A mismatch, a missing, truncated or corrupt file raises an error
-    naming it on every rank (``CheckpointError`` for the files) and changes nothing."""
+    ``model`` (and ``optimizer``). A collective, all or nothing: the model's names, shapes
+    and dtypes and the optimizer state's layout are checked against the checkpoint on every
+    rank, then everything is read into a CPU copy of this rank's pieces (the parameters'
+    and optimizer state's: the memory they take, once more) and checked against the
+    checksums ``save`` recorded, and the optimizer's parameter groups against the saved
+    ones; only then are the model and optimizer changed. The optimizer gets exactly the
+    saved state (``load_targets``). A mismatch, a missing, truncated or corrupt file raises
+    an error naming it on every rank (``CheckpointError`` for the files) and changes
+    nothing."""
     _check_root(model, "hsdp.load")
+    quiesce(model, "load")
     path = os.fspath(path)
+    group = host_group()
+    meeting = Meeting("hsdp.load", path)
+    state = meeting.verdict(group, "checked", lambda: _load_targets(path, model, optimizer))
+    read = _to_cpu(state)
+    try:
+        with meeting.at("reading"):
+            dcp.load(read, storage_reader=_Reader(path), process_group=group)
+    except CheckpointException as e:  # a BaseException: keep it catchable as an error
+        raise CheckpointError(f"hsdp.load: reading {path} failed; the model and optimizer "
+                              f"are unchanged. {_failures(e)}") from e
+    where = f"hsdp.load: the checkpoint at {path}"
+    if optimizer is not None:  # the groups, read from the checkpoint, are checked too
+        meeting.verdict(group, "groups",
+                        lambda: _optimizer_input(model, optimizer, read["optim"], where))
+    state = _commit(state, read)
+    model.load_state_dict(model_keys(model, state["model"]))
+    if optimizer is not None:
+        optimizer.load_state_dict(_optimizer_input(model, optimizer, state["optim"], where))
+        adopt_state(optimizer.state)
+        load_residuals(model, from_read(model, state["optim"][KEY])
+                       if KEY in state["optim"] else None)
+
+
+def _load_targets(path: str, model: nn.Module,
+                  optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What ``load`` reads into, once the checkpoint's metadata says it fits."""
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as e:
         raise FileNotFoundError(f"hsdp.load: {path} is not a checkpoint ({e})") from e
-    meeting = Meeting("hsdp.load", path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    if KEY in optim_sd:  # this rank's, or another mesh's to reshard (outer_residual.py)
-        optim_sd[KEY] = to_read(model, optim_sd[KEY], metadata.state_dict_metadata,
-                                f"optim.{KEY}.")
-    state = {"model": model_sd, "optim": optim_sd}
-    try:
-        _check(path, state, metadata.state_dict_metadata)
-        read = _to_cpu(state)
-        with meeting.at("reading"):
-            dcp.load(read, storage_reader=_Reader(path), process_group=host_group())
-    except CheckpointException as e:  # a BaseException: keep it catchable as an error
-        raise CheckpointError(f"hsdp.load: reading {path} failed; the model and optimizer "
-                              f"are unchanged. {_failures(e)}") from e
-    state = _commit(state, read)
-    if KEY in state["optim"]:
-        state["optim"][KEY] = from_read(model, state["optim"][KEY])
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-
-
-def _tensors(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(flattened DCP key, tensor) for every tensor in nested dicts."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, torch.Tensor):
-        yield prefix, obj
-
-
-def _check(path: str, state: dict[str, Any], saved: dict[str, Any]) -> None:
-    """Every tensor we would load exists in the checkpoint with the same global shape, and
-    the checkpoint holds no model or optimizer tensor we lack."""
-    ours = dict(_tensors(state, ""))
-    for key, t in ours.items():
-        md = saved.get(key)
-        if not isinstance(md, TensorStorageMetadata):
-            raise KeyError(f"hsdp.load: {key} is not in the checkpoint at {path}")
-        if tuple(md.size) != tuple(t.shape):
-            raise ValueError(f"hsdp.load: {key} has shape {tuple(md.size)} in the checkpoint "
-                             f"at {path}, {tuple(t.shape)} here")
-    extra = sorted(k for k, md in saved.items()
-                   if isinstance(md, TensorStorageMetadata) and k not in ours
-                   and not k.startswith(f"optim.{KEY}.")  # other ranks' residuals
-                   and (k.startswith("model.") or (k.startswith("optim.") and state["optim"])))
-    if extra:
-        raise KeyError(f"hsdp.load: the checkpoint at {path} has {extra[0]}, which this model "
-                       f"(or optimizer) lacks" + (f" (and {len(extra) - 1} more)"
-                                                  if len(extra) > 1 else ""))
+    saved = metadata.state_dict_metadata
+    model_sd = clean_keys(model.state_dict())
+    check_model(path, model_sd, saved)
+    if optimizer is None:
+        return {"model": model_sd, "optim": {}}
+    names = _param_names(model)
+    params = {_name_of(names, p): p for pg in optimizer.param_groups for p in pg["params"]}
+    ours = optim_state_dict(model, optimizer, strict=False)
+    optim = optim_targets(path, ours, params, saved)
+    if KEY in ours:  # this rank's residuals, or another mesh's to reshard (outer_residual.py)
+        optim[KEY] = to_read(model, ours[KEY], saved, f"optim.{KEY}.")
+    return {"model": model_sd, "optim": optim}

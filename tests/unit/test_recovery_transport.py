@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hsdp.ft.errors import FaultToleranceError
-from hsdp.ft.outer import make_manager
+from hsdp.ft.outer import FaultTolerance, make_manager
 from hsdp.ft.transport import RecoveryTransport
 
 T = timedelta(seconds=5)
@@ -89,7 +89,7 @@ def _recover(wire: Wire, world: int, step: int = 5, **kw: Any) -> list[Any]:
     store, results = dist.HashStore(), [None] * world
 
     def run(r: int) -> None:
-        transport = RecoveryTransport(End(wire, 1), T / 10, **kw)
+        transport = RecoveryTransport(End(wire, 1), **kw)
         transport.bind(lambda: 7, store=store, rank=r, world=world)
         try:
             results[r] = transport.recv_checkpoint(0, "hsdp", step, T / 10)
@@ -105,7 +105,7 @@ def _recover(wire: Wire, world: int, step: int = 5, **kw: Any) -> list[Any]:
 
 
 def _send(wire: Wire, state: Any, step: int = 5) -> None:
-    RecoveryTransport(End(wire, 0), T).send_checkpoint([1], step, state, T)
+    RecoveryTransport(End(wire, 0)).send_checkpoint([1], step, state, T)
 
 
 def test_what_arrives_equals_what_was_sent():
@@ -153,11 +153,11 @@ def test_a_recovery_failing_on_one_rank_fails_on_every_rank():
     wire = Wire()
     store = dist.HashStore()
     results: list[Any] = [None, None]
-    sender = RecoveryTransport(End(wire, 0), T)
+    sender = RecoveryTransport(End(wire, 0))
 
     def run(r: int) -> None:
         # rank r of the recovering group listens on its own wire to rank r of the live one
-        transport = RecoveryTransport(End(wires[r], 1), T / 10)
+        transport = RecoveryTransport(End(wires[r], 1))
         transport.bind(lambda: 7, store=store, rank=r, world=2)
         try:
             results[r] = transport.recv_checkpoint(0, "hsdp", 5, T / 10)
@@ -179,7 +179,7 @@ def test_a_recovery_failing_on_one_rank_fails_on_every_rank():
 
 def _failed_recovery(allowed: bool) -> RecoveryTransport:
     """A transport whose recovery of step 5 failed: nothing came (the live group is gone)."""
-    transport = RecoveryTransport(End(Wire(), 1), T / 10, allow_lost_progress=allowed)
+    transport = RecoveryTransport(End(Wire(), 1), allow_lost_progress=allowed)
     transport.bind(lambda: 7, store=dist.HashStore(), rank=0, world=1)
     with pytest.raises(FaultToleranceError, match="recovering step 5"):
         transport.recv_checkpoint(0, "hsdp", 5, T / 10)
@@ -195,6 +195,8 @@ def test_progress_a_failed_recovery_lost_is_refused_unless_allowed(caplog):
     allowing.check_progress(0)
     assert "drops 5 step(s) of progress (allow_lost_progress=True)" in caplog.text
     allowing.check_progress(0)  # said once; training goes on from step 0
+    with pytest.raises(TypeError, match="allow_lost_progress must be a bool"):
+        FaultTolerance(allow_lost_progress="yes")
 
 
 def test_a_manager_recovering_through_another_transport_is_refused():

@@ -59,6 +59,9 @@ class FaultTolerance:
         if not isinstance(self.min_replicas, int) or self.min_replicas < 1:
             raise ValueError(f"FaultTolerance.min_replicas must be an int >= 1, "
                              f"got {self.min_replicas!r}")
+        if not isinstance(self.allow_lost_progress, bool):
+            raise TypeError(f"FaultTolerance.allow_lost_progress must be a bool, "
+                            f"got {self.allow_lost_progress!r}")
 
 
 def torchft() -> Any:
@@ -248,8 +251,7 @@ def make_manager(ft: FaultTolerance | Any, device_type: str) -> Any:
             quorum_timeout=ft.quorum_timeout, connect_timeout=ft.connect_timeout,
             rank=rank, world_size=world, store_addr=host, store_port=port,
             lighthouse_addr=lighthouse, replica_id=replica_id, init_sync=False,
-            checkpoint_transport=RecoveryTransport(pg, ft.timeout, device_type,
-                                                   ft.allow_lost_progress)))
+            checkpoint_transport=RecoveryTransport(pg, device_type, ft.allow_lost_progress)))
 
     # Rank 0 hosts the group's ManagerServer, which connects to the lighthouse; the
     # others would wait for its address until the store's timeout: share the outcome.
@@ -284,7 +286,7 @@ def _bound(manager: Any) -> Any:
         raise FaultToleranceError(
             f"init_mesh(fault_tolerance=manager): the Manager recovers through "
             f"{type(transport).__name__}; make it with checkpoint_transport="
-            f"hsdp.RecoveryTransport(pg, timeout, device_type) over its own pg "
+            f"hsdp.RecoveryTransport(pg, device_type) over its own pg "
             f"(docs/guide/fault_tolerance.md, 'What recovery exposes')")
     transport.bind(lambda: manager._quorum_id)
     return manager

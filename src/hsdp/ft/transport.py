@@ -47,9 +47,9 @@ class RecoveryTransport:
     transfer), unless ``allow_lost_progress``. ``bind`` gives it the group's store and the
     quorum id (``init_mesh`` does)."""
 
-    def __init__(self, pg: Any, timeout: timedelta, device_type: str = "cpu",
+    def __init__(self, pg: Any, device_type: str = "cpu",
                  allow_lost_progress: bool = False) -> None:
-        self._pg, self._timeout = pg, timeout
+        self._pg = pg  # torchft gives each transfer its timeout (the Manager's)
         self._device = torch.device(device_type)
         self.allow_lost_progress = allow_lost_progress
         self.awaited_step: int | None = None  # the newest step a recovery was to bring

@@ -56,12 +56,12 @@ class RuntimeContext:
         """Once the user has cleared the gradients (zero_grad), free their buffers until
         the next reduce-scatter needs them, so they are not held through the forward."""
         groups = [g for u in self.units for g in u.with_grads
-                  if g.grads_live and not g.grads_exposed()]
+                  if g.grads.grads_live and not g.grads.grads_exposed()]
         if groups:
             # rs / outer wait: the optimizer on compute may still read the gradients.
             read = self.streams.compute.record()
             for g in groups:
-                g.release_grads(self.stream_of(OpKind.FREE_ACCUM),
+                g.grads.release_grads(self.stream_of(OpKind.FREE_ACCUM),
                                 self.stream_of(OpKind.FREE_GRAD_BUF), [read])
 
     def reset_units(self) -> None:
@@ -70,4 +70,4 @@ class RuntimeContext:
             u.backward_started = u.backward_done = False
             u.pending_bwd = u.unattached = 0
         for g in self.trainable:
-            g.reset_backward()
+            g.grads.reset_backward()

@@ -83,7 +83,7 @@ class OptimizerSteps:
         if self._adopted_state.get(optimizer) != key:  # new state (first steps, loads)
             adopt_state(optimizer.state)
             for g in self.ctx.trainable:
-                g.pack_state(optimizer.state)
+                g.state.pack_state(optimizer.state)
             self._adopted_state[optimizer] = key
         if self._in_grad_hooks:
             self._stepped = True  # the float8 scales once, after the last hook
@@ -98,7 +98,7 @@ class OptimizerSteps:
             for p in pg["params"]:
                 managed = owner(p)
                 if managed is not None:
-                    managed[0].mark_written()
+                    managed[0].gather.mark_written()
         if not self._in_grad_hooks:  # else once, after the last hook
             self.gathering.refresh_outer_shards()
 
@@ -111,7 +111,7 @@ class OptimizerSteps:
         self._stepped = False
         try:
             for g in reduced:
-                g.run_grad_hooks()
+                g.grads.run_grad_hooks()
         finally:
             self._in_grad_hooks = False
         if self._stepped:
@@ -131,13 +131,13 @@ class OptimizerSteps:
         def reduce(t: torch.Tensor, group: dist.ProcessGroup) -> None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
 
-        refresh_scales([(g.float8, g.float8_pieces(), g.shard_outer)
+        refresh_scales([(g.float8, g.buffers.float8_pieces(), g.shard_outer)
                         for g in self.float8_groups],
                        (self.ctx.comms.host_inner, self.ctx.comms.host_outer), reduce)
         for g in self.float8_groups:
-            g.float8.version = g.version()
+            g.float8.version = g.buffers.version()
             if g.shard_outer:
-                g.mark_written()
+                g.gather.mark_written()
 
 
 # optimizer -> its number of parameters when ``_detect`` last looked at it

@@ -27,7 +27,7 @@ class Recovery:
 
     def agree(self, failed: str, on_slow: Callable[[], None] | None = None) -> Verdict:
         ctx = self.ctx
-        used = [u for g in ctx.trainable for u in g.used]
+        used = [u for g in ctx.trainable for u in g.grads.used]
         try:
             return agree(ctx.log, failed, used, ctx.comms.control, ctx.comms.timeout, on_slow)
         except RuntimeError as exc:
@@ -101,7 +101,7 @@ class Recovery:
             u.swap(False)
         self.gathering.drop_all()
         for g in ctx.trainable:
-            g.abandon_step()
+            g.grads.abandon_step()
         ctx.release_cleared_grads()
         ctx.step.reset()
         ctx.reset_units()
@@ -113,11 +113,11 @@ class Recovery:
         op table names, on real buffers (their contents are discarded)."""
         stream, coll = self.ctx.stream_of(kind), self.ctx.coll
         if kind is OpKind.GATHER:
-            return g.unshard(stream, coll, after)
+            return g.gather.unshard(stream, coll, after)
         if kind in OUTER_REDUCTIONS:
             return g.outer_reduce(stream, coll, after)
         if kind is OpKind.OUTER_ALL_GATHER:
-            return g.outer_all_gather(stream, coll, after)
+            return g.gather.outer_all_gather(stream, coll, after)
         rs_in = torch.zeros(g.layout.total, dtype=g.reduce_dtype, device=g.main.device)
         keep_alive.append(rs_in)
         # rs waits: rs_in was written on compute.

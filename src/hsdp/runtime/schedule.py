@@ -188,7 +188,7 @@ class Schedule:
         if self.ctx.step.first_microbatch:  # uncleared gradients are accumulated into, as in torch
             for u in self.ctx.units:
                 for g in u.with_grads:
-                    g.hide_grads()
+                    g.grads.hide_grads()
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
     def _pre_backward(self, unit: Unit) -> None:
@@ -216,7 +216,7 @@ class Schedule:
         # for this unit's backward only, not for the reduce-scatter waits below.
         self.gathering.release(unit)
         for g in unit.uses:  # a tied group is reduced once every unit using it is done
-            if (g.requires_grad and not g.reduced
+            if (g.requires_grad and not g.grads.reduced
                     and all(u.backward_done for u in self._users[g])):
                 self.reduce(g)
         if unit.backward_started:
@@ -232,15 +232,15 @@ class Schedule:
         # before this one's is allocated, which waits for their RS (one unit's backward ago).
         self._release_rs_inputs(keep=self._owner[g].groups)
         ctx.streams.compute.begin(f"COPY_IN:{g.label}")
-        rs_in = g.copy_in()
+        rs_in = g.grads.copy_in()
         ctx.streams.compute.end(f"COPY_IN:{g.label}")
         if not step.sync:  # no communication: the gradients stay here until a synced one
-            g.keep_local(rs_in)
+            g.grads.keep_local(rs_in)
             return
         if step.is_last:
             step.reduced.append(g)
         copied = ctx.streams.compute.record()
-        outer_next = step.is_last and g.has_outer_reduction
+        outer_next = step.is_last and g.grads.has_outer_reduction
         # rs waits: the reduce-scatter reads rs_in, written on compute by the copy-in.
         ev_rs = ctx.logged(OpKind.REDUCE_SCATTER, g, g.reduce_scatter(
             ctx.stream_of(OpKind.REDUCE_SCATTER), ctx.coll, rs_in, step.rs_first, [copied],
@@ -248,8 +248,8 @@ class Schedule:
         step.pending_rs.append((g, rs_in, ev_rs))
         if outer_next:
             # outer waits: it reduces the inner shard that RS_i has just accumulated.
-            step.outer_events.append(ctx.logged(g.outer_reduction, g, g.outer_reduce(
-                ctx.stream_of(g.outer_reduction), ctx.coll, [ev_rs])))
+            step.outer_events.append(ctx.logged(g.grads.outer_reduction, g, g.outer_reduce(
+                ctx.stream_of(g.grads.outer_reduction), ctx.coll, [ev_rs])))
 
     def _release_rs_inputs(self, keep: Sequence[ParamGroup] = ()) -> None:
         """Drop the RS inputs of every group but ``keep``'s (normally: the previous unit's,
@@ -282,7 +282,7 @@ class Schedule:
             self.ctx.step.outer_events.clear()
             used = iter(verdict.used)
             for g in self.ctx.trainable:
-                g.expose_grads([next(used) for _ in g.used])
+                g.grads.expose_grads([next(used) for _ in g.grads.used])
             self.ctx.log.next_step()
         self.ctx.step.end_backward()
         self.ctx.reset_units()

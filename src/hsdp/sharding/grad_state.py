@@ -45,9 +45,9 @@ class GradientState:
                          if b.shard_outer else self.accum)
         # The sharded .grad DTensors, made once (while the storage exists), then freed.
         locals_ = placeholders_if_empty([self.grad_buf[a:a + n] for a, n in b.slices])
-        self._grad_views = [as_dtensor(local, dspec, start, n, groups)
-                            for local, (_, n), dspec, start, groups in zip(
-                                locals_, b.slices, b.specs, b.shard_starts, b.piece_groups)]
+        self._grad_views = [as_dtensor(local, dspec, start, n)
+                            for local, (_, n), dspec, start in zip(
+                                locals_, b.slices, b.specs, b.shard_starts)]
         self._placeholder_grads = [g._local_tensor for g, (_, n) in
                                    zip(self._grad_views, b.slices) if n == 0]
         for buf in {id(t): t for t in (self.accum, self.grad_buf)}.values():

@@ -49,7 +49,7 @@ from hsdp.sharding.group_state_dict import GroupState
 from hsdp.sharding.layout import FlatLayout
 from hsdp.sharding.pieces import as_dtensor, placeholders_if_empty, spec
 from hsdp.sharding.policy import MixedPrecision, OuterReduce, Strategy
-from hsdp.sharding.tp_blocks import block_of, local_of, placement_of, unsharded_spec
+from hsdp.sharding.tp_blocks import local_of, placement_of, unsharded_spec
 from hsdp.sharding.write_guard import direct
 from hsdp.streams.contract import Event, SideStream
 from hsdp.topology.communicators import CommGroups
@@ -140,7 +140,7 @@ class ParamGroup:
             inner_shard=self.inner_shard, chunk_offset=self.chunk_offset,
             gathered=self.gathered, gathered_bytes=self._gathered_bytes, sharded=self.sharded,
             unsharded=self.unsharded, slots=self.slots, slices=self._slices,
-            shard_starts=self.shard_starts, specs=self.specs, piece_groups=self._groups_of,
+            shard_starts=self.shard_starts, specs=self.specs,
             tp_specs=self.tp_specs, guard_hooks=self._guard_hooks)
         self.gather = GroupGather(self.buffers)
         if self.float8 is not None and not self.main.is_meta:
@@ -169,8 +169,6 @@ class ParamGroup:
         self.shard_starts: list[int] = []  # first element of each parameter held here
         self.specs = [spec(self.comms.mesh, self.shard_outer, shape, self.orig_dtype, tp)
                       for shape, tp in zip(self._shapes, self._tp)]
-        self._groups_of = [self.comms.piece_groups(self.shard_outer, block_of(s) is not None)
-                           for s in self.specs]
         owned = self.layout.pieces(owned_lo, owned_hi)
         # Hooks on the group's own tensors reach it weakly: a strong reference is a cycle
         # through autograd's C++ that gc cannot see (the model, and with it the process
@@ -178,10 +176,10 @@ class ParamGroup:
         me = weakref.ref(self)
         locals_ = placeholders_if_empty([self.main[pc.range_offset:pc.range_offset + pc.length]
                                          if pc else self.main[:0] for pc in owned])
-        for dspec, piece, local, groups in zip(self.specs, owned, locals_, self._groups_of):
+        for dspec, piece, local in zip(self.specs, owned, locals_):
             a, n = (piece.range_offset, piece.length) if piece else (0, 0)
             start = piece.param_start if piece else 0
-            sp = nn.Parameter(as_dtensor(local, dspec, start, n, groups),
+            sp = nn.Parameter(as_dtensor(local, dspec, start, n),
                               requires_grad=self.requires_grad)
             attach_chunks(sp._local_tensor, dspec, start, n)  # state_dict(keep_vars=True)
             sp._hsdp_group = self  # marks the parameter as managed by hsdp (see owner())

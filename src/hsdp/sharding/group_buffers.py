@@ -40,7 +40,6 @@ class GroupBuffers:
     slices: list[tuple[int, int]]  # (offset in main, length) per parameter
     shard_starts: list[int]  # first element of each parameter held here
     specs: list  # each sharded parameter's DTensor spec
-    piece_groups: list  # the process groups each sharded parameter's Piece reduces over
     tp_specs: list  # each gathered parameter's spec on mesh["tp"] (None: plain)
     guard_hooks: list[int | None]  # hsdp's own grad hook on each sharded parameter
 

@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--meshes", default="4x2,2x4", help="OUTERxINNER[:strategy],...")
     ap.add_argument("--runs", default=",".join(RUNS))
     ap.add_argument("--tail", type=int, default=20, help="final loss: mean of the last N")
-    ap.add_argument("--out", default="outer_reduce_convergence.json")
+    ap.add_argument("--out", "--json", dest="out", default="outer_reduce_convergence.json")
     ap.add_argument("--table", action="store_true", help="only print --out's table")
     args = ap.parse_args()
     if args.table:

@@ -131,3 +131,88 @@ def invisible_saves_job(rank: int, world: int, root: str) -> dict[str, object]:
         }
         dist.barrier()
     return out
+
+
+def _outcome(fn, *args) -> str:
+    try:
+        fn(*args)
+        return "ok"
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return f"{type(e).__name__}: {e}"
+
+
+def _two_groups(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only: two parameter groups."""
+    params = list(model.parameters())
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
+                              {"params": [p for p in params if p.dim() < 2],
+                               "weight_decay": 0.0}], lr=1e-2)
+
+
+def _gpt(seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig()).to(dtype)
+    mesh = _mesh(2, 2)
+    for blk in model.blocks:
+        hsdp.fully_shard(blk, mesh=mesh)
+    return hsdp.fully_shard(model, mesh=mesh)
+
+
+def _gpt_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int,
+               world: int) -> None:
+    for step in steps:
+        tokens = _batches(step, 0, world, GPTConfig())[rank * ROWS_PER_RANK:
+                                                        (rank + 1) * ROWS_PER_RANK]
+        lm_loss(model(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def all_or_nothing_job(rank: int, world: int, root: str) -> dict[str, object]:
+    """Loads that must fail: the error (every rank) and whether model and optimizer are as
+    they were; then that a good load still works after them."""
+    from unittest import mock
+
+    import hsdp.checkpoint.load_targets as targets
+
+    out: dict[str, object] = {}
+    src = _gpt(0)
+    two = _two_groups(src)
+    _gpt_steps(src, two, range(2), rank, world)
+    hsdp.save(os.path.join(root, "two_groups"), src, two)
+    one = torch.optim.AdamW(src.parameters(), lr=1e-2)
+    _gpt_steps(src, one, range(2, 3), rank, world)
+    hsdp.save(os.path.join(root, "one_group"), src, one)
+    saved = _snapshot(src, one)
+
+    dst = _gpt(1)
+    dst_opt = torch.optim.AdamW(dst.parameters(), lr=1e-2)
+    _gpt_steps(dst, dst_opt, range(1), rank, world)  # state to be kept
+    before = _snapshot(dst, dst_opt)
+
+    def unchanged() -> bool:
+        return all(_equal(a, b) for a, b in zip(_snapshot(dst, dst_opt), before))
+
+    out["groups"] = _outcome(hsdp.load, os.path.join(root, "two_groups"), dst, dst_opt)
+    out["groups_unchanged"] = unchanged()
+    sgd = torch.optim.SGD(dst.parameters(), lr=0.1, momentum=0.9)
+    out["class"] = _outcome(hsdp.load, os.path.join(root, "one_group"), dst, sgd)
+    out["class_unchanged"] = unchanged() and not sgd.state
+    half = _gpt(1, torch.bfloat16)
+    half_before = hsdp.full_state_dict(half)
+    out["dtype"] = _outcome(hsdp.load, os.path.join(root, "one_group"), half)
+    out["dtype_unchanged"] = _equal(hsdp.full_state_dict(half), half_before)
+
+    def fails_on_rank_2(*args, **kwargs):
+        if dist.get_rank() == 2:
+            raise ValueError("injected on rank 2")
+        return check_model(*args, **kwargs)
+
+    check_model = targets.check_model
+    with mock.patch("hsdp.checkpoint.dcp.check_model", fails_on_rank_2):
+        out["one_rank"] = _outcome(hsdp.load, os.path.join(root, "one_group"), dst, dst_opt)
+    out["one_rank_unchanged"] = unchanged()
+    hsdp.load(os.path.join(root, "one_group"), dst, dst_opt)
+    out["good_load"] = all(_equal(a, b) for a, b in zip(_snapshot(dst, dst_opt), saved))
+    return out
+

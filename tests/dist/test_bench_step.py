@@ -12,13 +12,9 @@ from pathlib import Path
 import pytest
 
 from hsdp.__main__ import COMMANDS, build_parser
-from hsdp.bench.step import (
-    compare,
-    fabric_from_collectives,
-    parse_schedules,
-    print_table,
-    resolve,
-)
+from hsdp.bench.step_config import fabric_from_collectives, parse_schedules, resolve
+from hsdp.bench.step_results import print_table
+from hsdp.report.compare import compare
 from hsdp.models import GPTConfig, LlamaConfig
 from hsdp.sim.tp_pricing import unit_collectives
 from hsdp.sim.fabric import Fabric, Link

@@ -71,6 +71,7 @@ def test_checkpoint_manager_resumes_bit_for_bit_and_crosses_with_fsdp2(jobs_4):
     per_rank = jobs_4["checkpoint"]
     for r in per_rank:
         assert r["hsdp resume equal"] and r["hfsdp resume equal"], r
+        assert r["hsdp async resume equal"], r  # once: "cannot pickle 'ProcessGroup'"
         bad = {k: e for k, e in r.items() if not isinstance(e, bool) and not e < 1e-5}
         assert not bad, bad
 

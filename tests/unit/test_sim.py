@@ -18,13 +18,15 @@ import torch
 import hsdp
 from hsdp.__main__ import main
 from hsdp.models import GPTConfig, LlamaConfig, build_model
-from hsdp.sim.calibrate import (
+from hsdp.sim.calibrate import calibrate, fit_tflops, host_between_phases
+from hsdp.sim.costs import CostModel, PhaseCost, phase_class, work_flops
+from hsdp.sim.engine import Recording, Setup, evaluate, record, shard, simulate, train_step
+from hsdp.sim.fabric import Fabric, Link
+from hsdp.sim.profile import MachineProfile, calibrate_profile, held_out
+from hsdp.sim.trace_phases import (
     TracePhases,
-    calibrate,
     collective_drag,
     exclusive_shares,
-    fit_tflops,
-    host_between_phases,
     least_device_time,
     least_over_ranks,
     peer_wait_ms,
@@ -33,10 +35,6 @@ from hsdp.sim.calibrate import (
     unprofiled_busy_ms,
     with_host_marks,
 )
-from hsdp.sim.costs import CostModel, PhaseCost, phase_class, work_flops
-from hsdp.sim.engine import Recording, Setup, evaluate, record, shard, simulate, train_step
-from hsdp.sim.fabric import Fabric, Link
-from hsdp.sim.profile import MachineProfile, calibrate_profile, held_out
 
 TINY_GPT = GPTConfig(vocab=32, hidden=16, heads=2, ffn=32, layers=3, seq=8)
 TINY_LLAMA = LlamaConfig(vocab=32, hidden=16, heads=4, kv_heads=2, ffn=24, layers=3, seq=8)

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hsdp.ft.outer import ElasticOuter, FaultTolerance, FaultToleranceError, make_manager
+from hsdp.ft.errors import FaultToleranceError
+from hsdp.ft.outer import ElasticOuter, FaultTolerance, make_manager
 from hsdp.topology import hosts
 from hsdp.topology.build_agreement import agree_in_store
 from hsdp.topology.communicators import (

@@ -93,3 +93,15 @@ def test_outer_reduce_needs_an_all_to_all_on_the_outer_communicator() -> None:
     with pytest.raises(ValueError, match="backend 'custom' is not one known to have it"):
         _check_outer_reduce(comms("custom"), cpu)
     _check_outer_reduce(comms("gloo"), cpu)  # no error
+
+
+def test_outer_reduce_short_form() -> None:
+    from hsdp.sharding.policy import as_outer_reduce
+
+    assert as_outer_reduce("fp8_e4m3:64") == hsdp.OuterReduce("fp8_e4m3", 64)
+    assert as_outer_reduce("int8") == hsdp.OuterReduce()
+    assert as_outer_reduce("none") is None and as_outer_reduce(None) is None
+    with pytest.raises(ValueError, match="expected none or DTYPE"):
+        as_outer_reduce("int8:x")
+    with pytest.raises(TypeError, match="short form"):
+        as_outer_reduce(8)

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from hsdp.policy import check_reshard_after_forward
 from hsdp.runtime.hooks import UnshardHandle, units_below
 from hsdp.runtime.unit import Unit
+from hsdp.sharding.policy import check_reshard_after_forward
 
 _CLASSES: dict[type, type] = {}
 

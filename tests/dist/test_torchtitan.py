@@ -68,6 +68,7 @@ def test_checkpoint_manager_resumes_bit_for_bit_and_crosses_with_fsdp2(jobs_4):
     per_rank = jobs_4["checkpoint"]
     for r in per_rank:
         assert r["hsdp resume equal"] and r["hfsdp resume equal"], r
+        assert r["hsdp async resume equal"], r  # once: "cannot pickle 'ProcessGroup'"
         bad = {k: e for k, e in r.items() if not isinstance(e, bool) and not e < 1e-5}
         assert not bad, bad
 
@@ -166,6 +167,21 @@ def test_mx_converted_model_is_refused_before_sharding():
     ffn.w1.__class__ = type("NVFP4Linear", (type(ffn.w1),),
                             {"__module__": "torchao.prototype.mx_formats"})
     _refused_before_sharding(model, TrainingConfig(), "float8 linears only, not NVFP4Linear")
+
+
+def test_outer_reduce_from_the_environment(monkeypatch):
+    """``HSDP_OUTER_REDUCE`` picks the compressed outer reduction; a bad value is refused
+    naming the variable."""
+    import hsdp
+    from hsdp.integrations.torchtitan import options_from_env
+
+    monkeypatch.setenv("HSDP_OUTER_REDUCE", "fp8_e4m3:128")
+    assert options_from_env()[2] == hsdp.OuterReduce("fp8_e4m3", 128)
+    monkeypatch.setenv("HSDP_OUTER_REDUCE", "none")
+    assert options_from_env()[2] is None
+    monkeypatch.setenv("HSDP_OUTER_REDUCE", "int4")
+    with pytest.raises(ValueError, match="HSDP_OUTER_REDUCE: hsdp.OuterReduce: unknown dtype"):
+        options_from_env()
 
 
 def test_cuda_graphs_are_refused_and_off_in_hsdps_configs(monkeypatch):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hsdp.ft.errors import FaultToleranceError
-from hsdp.runtime.cpu import StreamFailure
-from hsdp.runtime.stream_set import Streams
+from hsdp.streams.cpu_backend import StreamFailure
+from hsdp.streams.stream_set import Streams
 
 
 def test_fifo_order_and_cross_stream_dependency():

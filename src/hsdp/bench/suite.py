@@ -9,7 +9,7 @@ Each run is a subprocess (``python -m hsdp ...``: its own CUDA context and commu
 that writes ``<out>/<folder>/<name>.json`` (compact; ``docs/results/`` has the same
 layout) and its log beside it. A ``bench step`` run's Chrome traces go under
 ``--trace-dir`` (git-ignored ``out/`` by default): beside its JSON the suite keeps only
-what the simulator's calibration reads of them (``hsdp.sim.calibrate.save_phases``), so
+what the simulator's calibration reads of them (``hsdp.sim.trace_phases.save_phases``), so
 ``scripts/sim_vs_measured.py`` runs on ``<out>`` as on ``docs/results``. Runs that fail
 or time out are reported and the suite goes on; it exits 1 if any did.
 """
@@ -200,7 +200,7 @@ def execute(run: Run, out: Path, trace_dir: Path, extra: tuple[str, ...] = ()) -
     if ok:
         path.write_text(json.dumps(json.loads(path.read_text()), separators=(",", ":")))
         if run.argv[:2] == ("bench", "step"):
-            from hsdp.sim.calibrate import save_phases  # a tool of the simulator's
+            from hsdp.sim.trace_phases import save_phases  # a tool of the simulator's
 
             save_phases(path)
     return ok

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hsdp.ft.errors import FaultToleranceError
-from hsdp.runtime.streams import (
+from hsdp.streams.contract import (
     POLL_S,
     ComputeStream,
     Event,

@@ -18,8 +18,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from hsdp.ft.errors import FaultToleranceError
-from hsdp.mesh import comm_groups
 from hsdp.sharding.pieces import Piece, piece_like
+from hsdp.topology.communicators import comm_groups
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

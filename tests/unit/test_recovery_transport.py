@@ -2,8 +2,8 @@
 for torchft's process group (point-to-point queues), recovering ranks receive on threads
 and meet in a shared store. What arrives equals what was sent; a payload carrying code is
 refused without running it (weights_only); a corrupted one is refused by its digest; a
-recovery that fails on one rank fails on every rank; progress a failed recovery lost is
-refused unless allowed."""
+recovery that fails on one rank fails on every rank, and a retry does not read the last
+attempt's outcomes; progress a failed recovery lost is refused unless allowed."""
 
 from __future__ import annotations
 
@@ -175,6 +175,47 @@ def test_a_recovery_failing_on_one_rank_fails_on_every_rank():
         assert isinstance(results[r], FaultToleranceError), results[r]
         assert "failed on 1 of this group's 2 ranks (rank 0: RuntimeError: recv timed out" \
             in str(results[r])
+
+
+def test_a_retry_meets_under_new_keys():
+    """A retry in the same quorum (torchft counted the failed commit in between) does not
+    read the last attempt's outcomes: rank 1, done first, waits for rank 0's new one."""
+    store, failures = dist.HashStore(), [0]
+    results: dict[int, Any] = {}
+
+    def run(r: int, wire: Wire) -> None:
+        transport = RecoveryTransport(End(wire, 1))
+        transport.bind(lambda: f"3/{failures[0]}", store=store, rank=r, world=2)
+        try:
+            results[r] = transport.recv_checkpoint(0, "hsdp", 5, T / 10)
+        except Exception as exc:
+            results[r] = exc
+
+    # attempt 1: rank 0's sender is gone, rank 1's sends everything: both fail
+    dead, live = Wire(), Wire()
+    _send(live, _state(5))
+    threads = [threading.Thread(target=run, args=(r, w)) for r, w in ((0, dead), (1, live))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(isinstance(results[r], FaultToleranceError) for r in range(2))
+    failures[0] += 1  # the group's commit vote failed on every rank
+    # attempt 2: both senders send; rank 1 receives first and must wait for rank 0
+    wires = [Wire(), Wire()]
+    for w in wires:
+        _send(w, _state(5))
+    results.clear()
+    early = threading.Thread(target=run, args=(1, wires[1]))
+    early.start()
+    early.join(0.5)
+    assert early.is_alive() and not results, results  # not decided on a stale outcome
+    late = threading.Thread(target=run, args=(0, wires[0]))
+    late.start()
+    for t in (early, late):
+        t.join()
+    for r in range(2):
+        assert isinstance(results[r], dict) and results[r]["torchft"]["step"] == 5, results[r]
 
 
 def _failed_recovery(allowed: bool) -> RecoveryTransport:

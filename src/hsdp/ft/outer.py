@@ -278,9 +278,9 @@ def make_manager(ft: FaultTolerance | Any, device_type: str) -> Any:
 
 
 def _bound(manager: Any) -> Any:
-    """``manager``, its ``RecoveryTransport`` bound to this replica group's store and to
-    torchft's quorum id; any other transport is refused (torchft's default serves the
-    state over unauthenticated HTTP and unpickles what it receives)."""
+    """``manager``, its ``RecoveryTransport`` bound to this replica group's store; any
+    other transport is refused (torchft's default serves the state over unauthenticated
+    HTTP and unpickles what it receives)."""
     transport = manager._checkpoint_transport  # torchft 0.2.0's attribute
     if not isinstance(transport, RecoveryTransport):
         raise FaultToleranceError(
@@ -288,5 +288,9 @@ def _bound(manager: Any) -> Any:
             f"{type(transport).__name__}; make it with checkpoint_transport="
             f"hsdp.RecoveryTransport(pg, device_type) over its own pg "
             f"(docs/guide/fault_tolerance.md, 'What recovery exposes')")
-    transport.bind(lambda: manager._quorum_id)
+    # an attempt (with the step it recovers): torchft's quorum (the same for the group's
+    # ranks) and the failed commits since the last one (a failed recovery fails the
+    # group's commit vote: +1 on every rank), so that a retry in the same quorum meets
+    # under new keys (torchft 0.2.0's attribute names)
+    transport.bind(lambda: f"{manager._quorum_id}/{manager._commit_failures}")
     return manager

@@ -7,6 +7,7 @@ import pytest
 from ckpt_invariance_jobs import (
     OPTIMIZERS,
     all_or_nothing_job,
+    binding_job,
     invisible_saves_job,
 )
 from dist_utils import run_jobs
@@ -18,7 +19,8 @@ WORLD = 4
 def jobs(tmp_path_factory) -> dict[str, list[dict]]:
     return run_jobs(WORLD, {
         "invisible": (invisible_saves_job, (str(tmp_path_factory.mktemp("invisible")),)),
-        "all_or_nothing": (all_or_nothing_job, (str(tmp_path_factory.mktemp("aon")),))})
+        "all_or_nothing": (all_or_nothing_job, (str(tmp_path_factory.mktemp("aon")),)),
+        "binding": (binding_job, (str(tmp_path_factory.mktemp("binding")),))})
 
 
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
@@ -42,3 +44,19 @@ def test_a_failed_load_changes_nothing_on_any_rank(jobs: dict[str, list[dict]], 
         assert r[f"{case}_unchanged"], r
         assert r["good_load"], r
 
+
+@pytest.mark.parametrize("case,message", [
+    ("foreign_shard", ".hsdp-checksums.1.json is from another checkpoint"),
+    ("foreign_metadata", "is from another checkpoint"),
+    ("swapped", ".metadata does not match the checksum in .hsdp-seal.json")])
+def test_files_of_another_save_or_an_edited_metadata_are_refused(
+        jobs: dict[str, list[dict]], case: str, message: str) -> None:
+    for r in jobs["binding"]:
+        assert r[case].startswith("CheckpointError") and message in r[case], r[case]
+        assert r[f"{case}_unchanged"], r
+        assert r["good_load"], r
+
+
+def test_metadata_is_unpickled_once_per_load(jobs: dict[str, list[dict]]) -> None:
+    for r in jobs["binding"]:
+        assert r["metadata_unpickled"] == 1, r

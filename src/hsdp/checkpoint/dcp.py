@@ -12,6 +12,7 @@ import dataclasses
 import os
 import sys
 import threading
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -22,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.tensor import DTensor
 
 from hsdp.checkpoint import dirs, integrity
@@ -99,38 +101,50 @@ def _finish_at_exit() -> None:
 
 
 class CheckpointWriter(FileSystemWriter):
-    """DCP's file writer that records checksums of what each rank wrote (``integrity``) and
-    whose asynchronous staging keeps hsdp's chunk hooks (DCP's own CPU copy would drop them
-    and fall back to the DTensor placements)."""
+    """DCP's file writer that binds the checkpoint to one save (``integrity``: its id in
+    DCP's metadata and in the checksums of what each rank wrote, and a seal of the metadata)
+    and whose asynchronous staging keeps hsdp's chunk hooks (DCP's own CPU copy would drop
+    them and fall back to the DTensor placements)."""
 
-    def __init__(self, path: str, meeting: Meeting) -> None:
+    def __init__(self, path: str, meeting: Meeting, save_id: str) -> None:
         super().__init__(path)
-        self._dir, self._meeting = path, meeting
+        self._dir, self._meeting, self._save_id = path, meeting, save_id
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         return _to_cpu(state_dict)
 
+    def storage_meta(self) -> StorageMeta:
+        meta = super().storage_meta() or StorageMeta()
+        meta.save_id = self._save_id
+        return meta
+
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
-        integrity.record(self._dir, dist.get_rank(), [r.storage_data for r in future.wait()])
+        integrity.record(self._dir, dist.get_rank(), [r.storage_data for r in future.wait()],
+                         self._save_id)
         self._meeting.arrive("written")
         return future
 
+    def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+        super().finish(metadata, results)
+        integrity.seal(self._dir, self._save_id, len(results))
+
 
 class _Reader(FileSystemReader):
-    """DCP's file reader that checks each file's byte ranges (``integrity.verify``) before
-    DCP reads them, and names the file in any error."""
+    """DCP's file reader over a checkpoint ``integrity.open_checkpoint`` has checked: DCP
+    gets its metadata from there (not unpickled again), and each file's byte ranges are
+    checked (``integrity.verify``) before DCP reads them; any error names the file."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, opened: integrity.Opened) -> None:
         super().__init__(path)
-        self._dir = path
+        self._dir, self._opened = path, opened
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        metadata = self._opened.metadata
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)  # as DCP's reader
+        return metadata
 
     def read_data(self, plan: Any, planner: Any) -> Any:
-        try:
-            sums = integrity.load_sums(self._dir)
-        except ValueError as e:
-            raise CheckpointError(str(e)) from e
-        required = os.path.isfile(os.path.join(self._dir, dirs.MARKER))  # hsdp wrote it
         per_file: dict[str, list] = {}
         for item in plan.items:
             info = self.storage_data[item.storage_index]
@@ -139,7 +153,7 @@ class _Reader(FileSystemReader):
             file = os.path.join(self._dir, name)
             try:
                 integrity.verify(file, [self.storage_data[i.storage_index] for i in items],
-                                 sums, required)
+                                 self._opened.sums, self._opened.required)
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
             except Exception as e:
                 raise CheckpointError(f"{file}: {e}") from e
@@ -210,12 +224,13 @@ def save(path: str | os.PathLike, model: nn.Module,
     path = os.path.abspath(os.fspath(path))
     group = host_group()
     meeting = Meeting("hsdp.save", path)
-    staging = meeting.agree(group, "start", lambda: dirs.claim(path))
+    staging, save_id = meeting.agree(group, "start",
+                                     lambda: (dirs.claim(path), uuid.uuid4().hex))
     quiesce(model, "save")
     state = {"model": clean_keys(model.state_dict()),
              "optim": {} if optimizer is None else optim_state_dict(model, optimizer,
                                                                    strict=False)}
-    writer = CheckpointWriter(staging, meeting)
+    writer = CheckpointWriter(staging, meeting, save_id)
 
     def publish() -> None:
         if dist.get_rank() == 0:
@@ -264,11 +279,12 @@ def load(path: str | os.PathLike, model: nn.Module,
     path = os.fspath(path)
     group = host_group()
     meeting = Meeting("hsdp.load", path)
-    state = meeting.verdict(group, "checked", lambda: _load_targets(path, model, optimizer))
+    opened, state = meeting.verdict(group, "checked",
+                                    lambda: _load_targets(path, model, optimizer))
     read = _to_cpu(state)
     try:
         with meeting.at("reading"):
-            dcp.load(read, storage_reader=_Reader(path), process_group=group)
+            dcp.load(read, storage_reader=_Reader(path, opened), process_group=group)
     except CheckpointException as e:  # a BaseException: keep it catchable as an error
         raise CheckpointError(f"hsdp.load: reading {path} failed; the model and optimizer "
                               f"are unchanged. {_failures(e)}") from e
@@ -285,22 +301,26 @@ def load(path: str | os.PathLike, model: nn.Module,
                        if KEY in state["optim"] else None)
 
 
-def _load_targets(path: str, model: nn.Module,
-                  optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """What ``load`` reads into, once the checkpoint's metadata says it fits."""
+def _load_targets(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None
+                  ) -> tuple[integrity.Opened, dict[str, Any]]:
+    """The checked checkpoint and what ``load`` reads into, once its metadata says it
+    fits."""
     try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as e:
+        opened = integrity.open_checkpoint(path)
+    except FileNotFoundError as e:
         raise FileNotFoundError(f"hsdp.load: {path} is not a checkpoint ({e})") from e
-    saved = metadata.state_dict_metadata
+    except Exception as e:
+        raise CheckpointError(f"hsdp.load: {path}: {e}; the model and optimizer are "
+                              f"unchanged") from e
+    saved = opened.metadata.state_dict_metadata
     model_sd = clean_keys(model.state_dict())
     check_model(path, model_sd, saved)
     if optimizer is None:
-        return {"model": model_sd, "optim": {}}
+        return opened, {"model": model_sd, "optim": {}}
     names = param_names(model)
     params = {name_of(names, p): p for pg in optimizer.param_groups for p in pg["params"]}
     ours = optim_state_dict(model, optimizer, strict=False)
     optim = optim_targets(path, ours, params, saved)
     if KEY in ours:  # this rank's residuals, or another mesh's to reshard (outer_residual.py)
         optim[KEY] = to_read(model, ours[KEY], saved, f"optim.{KEY}.")
-    return {"model": model_sd, "optim": optim}
+    return opened, {"model": model_sd, "optim": optim}

@@ -42,8 +42,8 @@ import hsdp  # noqa: E402
 from hsdp.bench.emulate import fake_mesh  # noqa: E402
 from hsdp.bench.trainee import Trainee, build, build_unsharded, synthetic_batches  # noqa: E402
 from hsdp.models import LlamaConfig  # noqa: E402
-from hsdp.runtime.cpu import ThreadEvent, ThreadSideStream  # noqa: E402
-from hsdp.runtime.streams import Event  # noqa: E402
+from hsdp.streams.contract import Event  # noqa: E402
+from hsdp.streams.cpu_backend import ThreadEvent, ThreadSideStream  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -23,8 +23,8 @@ from collections import defaultdict
 
 import torch
 
-from hsdp.bench import step as bench
 from hsdp.bench.emulate import fake_mesh
+from hsdp.bench.step_config import add_arguments, resolve
 from hsdp.bench.trainee import build, synthetic_batches
 
 OWN = ("/hsdp/", "/fsdp/", "megatron_fsdp", "/_fully_shard/")
@@ -83,13 +83,13 @@ def resident(name: str, snap: dict, device: int, top: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    bench.add_arguments(p)
+    add_arguments(p)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--resident", action="store_true", help="what is held between steps")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("memory_at_peak: needs a GPU")
-    cfg = bench.resolve(args, True, None)
+    cfg = resolve(args, True, None)
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     mesh = fake_mesh(cfg.outer, cfg.inner, "cuda") if cfg.emulate else None

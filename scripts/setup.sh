@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps torchft==0.2.0
 .venv/bin/python -m pip install -q --disable-pip-version-check "opentelemetry-api>=1.39.0" \
     "opentelemetry-sdk>=1.39.0" "opentelemetry-exporter-otlp-proto-http>=1.39.0"
-# hsdp[torchtitan], which includes hsdp[float8] (torchao): --no-deps keeps pip from
-# touching torch.
+# hsdp[torchtitan], which includes hsdp[float8] (torchao), and hsdp[hf] (transformers):
+# --no-deps keeps pip from touching torch.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps $(.venv/bin/python -c \
-  "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['torchtitan']))")
+  "import tomllib; e = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']; print(' '.join(e['torchtitan'] + e['hf']))")

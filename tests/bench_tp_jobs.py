@@ -1,5 +1,5 @@
 """Job of tests/dist/test_bench_step.py's TP parity: the step bench's TP plan for
-``hsdp.models``' Llama (``hsdp.bench.tp.parallelize_llama``) under hsdp and FSDP2 on an
+``hsdp.models``' Llama (``hsdp.bench.tp_plan.parallelize_llama``) under hsdp and FSDP2 on an
 (outer, inner, tp) mesh, against the same model in one process."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 import hsdp
 from hsdp.bench.fsdp2 import shard_fsdp2
-from hsdp.bench.tp import parallelize_llama
+from hsdp.bench.tp_plan import parallelize_llama
 from hsdp.bench.trainee import synthetic_batches
 from hsdp.models import LlamaConfig, build_model, lm_loss, shard_units
 

@@ -408,7 +408,7 @@ def hf_export_job(rank: int, world: int, root: str) -> dict[str, object]:
         return {"keys": len(full)}
     path = os.path.join(root, "hf")
     transformers.LlamaForCausalLM(cfg).save_pretrained(path, state_dict=full)
-    loaded = transformers.LlamaForCausalLM.from_pretrained(path)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(path, use_kernels=False)  # offline
     want = {k: v.detach() for k, v in ref.state_dict().items()}
     return {"keys": len(full), "err": _rel_err(dict(loaded.state_dict()), want),
             "safetensors": os.path.exists(os.path.join(path, "model.safetensors")),

@@ -38,6 +38,7 @@ class Case:
     edit: bool = False  # the float8 weights are scaled by hand after step EDIT_AFTER
     meta: bool = False  # built on the meta device, initialized by hsdp.materialize
     recipe: str = "tensorwise"  # torchao's recipe; "rowwise": no float8 all-gather
+    outer_reduce: str = ""  # "int8": the compressed outer reduction (block 16)
 
 
 class Recorder(Collectives):
@@ -203,11 +204,14 @@ def float8_job(rank: int, world: int, cases: list[Case]) -> dict[Case, dict]:
         float8_numel = sum(m.weight.numel() for m in model.modules()
                            if type(m).__name__ == "Float8Linear")
         mp = hsdp.MixedPrecision(torch.bfloat16) if case.bf16 else None
+        outer = hsdp.OuterReduce(case.outer_reduce, block=16) if case.outer_reduce else None
         for blk in model.blocks:
-            hsdp.fully_shard(blk, mesh=mesh, strategy=case.strategy, mp_policy=mp)
+            hsdp.fully_shard(blk, mesh=mesh, strategy=case.strategy, mp_policy=mp,
+                             outer_reduce=outer)
             if case.compile:
                 blk.compile(backend="aot_eager", fullgraph=True)
-        hsdp.fully_shard(model, mesh=mesh, strategy=case.strategy, mp_policy=mp)
+        hsdp.fully_shard(model, mesh=mesh, strategy=case.strategy, mp_policy=mp,
+                         outer_reduce=outer)
         if case.meta:
             torch.manual_seed(1)
             hsdp.materialize(model, init_fn)

@@ -74,8 +74,8 @@ def _touch(path: str) -> None:
 
 
 def _dying_transport(cfg: dict, timeout: timedelta) -> Any:
-    """torchft's HTTP transport, except that receiving a checkpoint kills this process
-    once the transfer's first bytes have arrived."""
+    """torchft's HTTP transport (the FSDP2 peer's), except that receiving a checkpoint
+    kills this process once the transfer's first bytes have arrived."""
     from torchft.checkpointing import HTTPTransport
 
     class DiesMidTransfer(HTTPTransport):
@@ -84,32 +84,78 @@ def _dying_transport(cfg: dict, timeout: timedelta) -> Any:
             with urllib.request.urlopen(f"{metadata}{step}/full",
                                         timeout=timeout.total_seconds()) as f:
                 f.read(64)
-                _touch(os.path.join(cfg["out"], f"mid_transfer_{cfg['tag']}_{cfg['rank']}"))
-                os.kill(os.getpid(), signal.SIGKILL)
+                _die_mid_transfer(cfg)
             raise AssertionError("unreachable")
 
     return DiesMidTransfer(timeout=timeout, num_chunks=0)
 
 
-def _manager(cfg: dict) -> Any:
-    """A torchft Manager made by hand (what init_mesh also takes as it is)."""
+def _die_mid_transfer(cfg: dict) -> None:
+    _touch(os.path.join(cfg["out"], f"mid_transfer_{cfg['tag']}_{cfg['rank']}"))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _DiesOnRecv:
+    """torchft's process group as hsdp's recovery sees it, except that receiving kills
+    this process once the first message (the header) has arrived."""
+
+    def __init__(self, pg: Any, cfg: dict) -> None:
+        self.pg, self.cfg = pg, cfg
+
+    def send(self, tensors: list, dst: int, tag: int) -> Any:
+        return self.pg.send(tensors, dst, tag)
+
+    def recv(self, tensors: list, src: int, tag: int) -> Any:
+        self.pg.recv(tensors, src, tag).wait()
+        _die_mid_transfer(cfg=self.cfg)
+
+
+class _SenderDies(hsdp.RecoveryTransport):
+    """hsdp's recovery, except that the ranks in ``cfg["die_sending"]`` die when asked to
+    send, once the group's other ranks have sent everything (so that the recovering
+    group's ranks paired with them have received it all: the split a recovery must
+    survive)."""
+
+    def __init__(self, pg: Any, cfg: dict) -> None:
+        super().__init__(pg)
+        self.cfg = cfg
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any,
+                        timeout: timedelta) -> None:
+        out, rank, dying = self.cfg["out"], self.cfg["rank"], self.cfg["die_sending"]
+        if rank not in dying:
+            super().send_checkpoint(dst_ranks, step, state_dict, timeout)
+            _touch(os.path.join(out, f"sent_{self.cfg['tag']}_{rank}"))
+            return
+        for r in sorted(set(range(2)) - set(dying)):
+            _wait_for(os.path.join(out, f"sent_{self.cfg['tag']}_{r}"), 120)
+        _touch(os.path.join(out, f"dies_sending_{self.cfg['tag']}_{rank}"))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _manager(cfg: dict, transport: Any = None) -> Any:
+    """A torchft Manager made by hand (what init_mesh also takes as it is); ``transport``
+    builds its checkpoint transport from its process group (default: torchft's)."""
     import torchft
 
     timeout = timedelta(seconds=cfg["timeout_s"])
-    transport = _dying_transport(cfg, timeout) if cfg.get("die_in_transfer") else None
+    pg = torchft.ProcessGroupGloo(timeout=timeout)
     return torchft.Manager(
-        pg=torchft.ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+        pg=pg, load_state_dict=None, state_dict=None,
         min_replica_size=1, timeout=timeout, rank=cfg["rank"], world_size=2, init_sync=False,
         lighthouse_addr=cfg["lighthouse"], replica_id=str(cfg["replica"]),
-        checkpoint_transport=transport)
+        checkpoint_transport=None if transport is None else transport(pg))
 
 
 def _fault_tolerance(cfg: dict) -> Any:
     if cfg.get("die_in_transfer"):
-        return _manager(cfg)
+        return _manager(cfg, lambda pg: hsdp.RecoveryTransport(_DiesOnRecv(pg, cfg)))
+    if cfg.get("die_sending"):
+        return _manager(cfg, lambda pg: _SenderDies(pg, cfg))
     return hsdp.FaultTolerance(lighthouse=cfg["lighthouse"], replica_id=str(cfg["replica"]),
                                min_replicas=1, timeout=timedelta(seconds=cfg["timeout_s"]),
-                               connect_timeout=timedelta(seconds=cfg["connect_s"]))
+                               connect_timeout=timedelta(seconds=cfg["connect_s"]),
+                               allow_lost_progress=cfg.get("allow_lost_progress", False))
 
 
 def _hsdp(cfg: dict) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
@@ -135,7 +181,8 @@ def _fsdp2(cfg: dict) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor
 
-    manager = _manager(cfg)
+    manager = _manager(cfg, (lambda pg: _dying_transport(cfg, timedelta(seconds=cfg["timeout_s"])))
+                       if cfg.get("die_in_transfer") else None)
     mesh = init_device_mesh("cpu", (2,))
     model = build_model(cfg["seed"])
     for layer in (model[0], model[2]):

@@ -38,6 +38,7 @@ class Case:
     fsdp2: bool = False  # also train torch FSDP2 HSDP and compare
     clip: str = ""  # "torch-2" / "hsdp-inf" ...: clip_grad_norm_ (whose, norm type) each step
     device: str = "cpu"  # "cuda": NCCL ranks, one GPU each (tests/gpu/test_multi_gpu.py)
+    outer_reduce: str = ""  # "int8" / "fp8_e4m3" (+ "-noef"): compressed outer reduction
 
     @property
     def torch_device(self) -> torch.device:
@@ -48,6 +49,13 @@ class Case:
 
 _MP_DTYPES = {"bf16-fp32": (torch.bfloat16, torch.float32),
               "bf16-bf16": (torch.bfloat16, torch.bfloat16)}
+
+
+def _outer_reduce(case: Case) -> hsdp.OuterReduce | None:
+    if not case.outer_reduce:
+        return None
+    dtype, _, noef = case.outer_reduce.partition("-")
+    return hsdp.OuterReduce(dtype, block=16, error_feedback=noef != "noef")
 
 
 def _batches(step: int, micro: int, world: int, cfg: GPTConfig) -> torch.Tensor:
@@ -122,9 +130,9 @@ def parity_job(rank: int, world: int, cases: list[Case]) -> dict[Case, dict[str,
         mp = hsdp.MixedPrecision(*dtypes) if dtypes else None
         for blk in model.blocks:
             hsdp.fully_shard(blk, mesh=mesh, strategy=case.strategy, mp_policy=mp,
-                             overlap_outer=case.overlap)
+                             overlap_outer=case.overlap, outer_reduce=_outer_reduce(case))
         hsdp.fully_shard(model, mesh=mesh, strategy=case.strategy, mp_policy=mp,
-                         overlap_outer=case.overlap)
+                         overlap_outer=case.overlap, outer_reduce=_outer_reduce(case))
         ref_norms = _train(ref, rank, world, cfg, case, "ref")
         norms = _train(model, rank, world, cfg, case, "hsdp")
         ref_state = {k: v.detach() for k, v in ref.state_dict().items()}
@@ -260,7 +268,7 @@ def adamw_job(rank: int, world: int, outer: int) -> dict[str, tuple[bool, bool]]
             models.append(hsdp.fully_shard(m, mesh=mesh, strategy=strategy))
         start = hsdp.full_state_dict(models[0])
         params = list(models[1].parameters())
-        plain = [owner(p)[0].local(owner(p)[1]) for p in params]
+        plain = [owner(p)[0].buffers.local(owner(p)[1]) for p in params]
         kw = dict(lr=1e-2, weight_decay=0.1, **impls[impl])
         opts = [torch.optim.AdamW(models[0].parameters(), **kw), torch.optim.AdamW(plain, **kw)]
         for step in range(STEPS):
@@ -292,8 +300,8 @@ def lagging_outer_job(rank: int, world: int, no_hold: bool = False) -> dict[str,
     this job sees the reuse it guards against)."""
     from hsdp.bench.emulate import emulate
     from hsdp.models import GPT, GPTConfig, lm_loss
-    from hsdp.runtime.cuda import CudaSideStream
     from hsdp.sim.fabric import Fabric, Link
+    from hsdp.streams.cuda_backend import CudaSideStream
 
     if no_hold:
         CudaSideStream.hold = lambda self, t: None

@@ -162,15 +162,19 @@ def parity_job(rank: int, world: int) -> dict[str, float]:
         fsdp2_params = _full_params(fsdp2)
         out[f"fsdp2 mb={microbatches} vs ref"] = _rel(fsdp2_params, want)
 
-        for strategy, overlap, ac, reshard in (("hsdp", True, True, "default"),
-                                               ("hfsdp", False, False, "always")):
+        configs = [("hsdp", True, True, "default", None), ("hfsdp", False, False, "always", None)]
+        if microbatches == 2:  # the compressed outer reduction (block 16), through torchtitan
+            configs.append(("hsdp", True, False, "default", "int8:16"))
+        for strategy, overlap, ac, reshard, outer_reduce in configs:
             model = _parallelize(hsdp_titan.parallelize_llama, _meta_model(), dims, ac,
-                                 reshard, strategy=strategy, overlap_outer=overlap)
+                                 reshard, strategy=strategy, overlap_outer=overlap,
+                                 outer_reduce=outer_reduce)
             model.to_empty(device="cpu")
             torch.manual_seed(0)
             with torch.no_grad():
                 model.init_weights(buffer_device=None)
-            name = f"{strategy} mb={microbatches} ac={ac} reshard={reshard}"
+            name = (f"{strategy}{'+' + outer_reduce if outer_reduce else ''} "
+                    f"mb={microbatches} ac={ac} reshard={reshard}")
             out[f"{name} init vs ref"] = _rel(_full_params(model), _full_params(_reference()))
             _train(model, rank, world, microbatches)
             got = _full_params(model)

@@ -132,6 +132,7 @@ class TPCase:
     compile: bool = False  # block.compile(backend="aot_eager") after TP (and AC)
     frozen: bool = False  # FROZEN parameters do not train
     meta: bool = False  # built on meta, TP on meta, then hsdp.materialize(init_modules)
+    outer_reduce: str = ""  # "int8": the compressed outer reduction (block 16)
 
     @property
     def ref_key(self) -> tuple:
@@ -256,7 +257,9 @@ def sharded_model(mesh: DeviceMesh, case: TPCase) -> Llama:
         return model
     for module in (*model.layers, model):
         hsdp.fully_shard(module, mesh=mesh, strategy=case.strategy, overlap_outer=case.overlap,
-                         mp_policy=hsdp.MixedPrecision(*dtypes) if case.bf16 else None)
+                         mp_policy=hsdp.MixedPrecision(*dtypes) if case.bf16 else None,
+                         outer_reduce=hsdp.OuterReduce(case.outer_reduce, block=16)
+                         if case.outer_reduce else None)
     if case.meta:
         torch.manual_seed(0)
         hsdp.materialize(model, init_module)

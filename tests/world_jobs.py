@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import hsdp
-from hsdp.mesh import comm_groups, host_group
+from hsdp.topology.communicators import comm_groups, host_group
 
 H, ROWS, STEPS = 8, 2, 3
 LR, MOMENTUM = 0.1, 0.9

@@ -7,15 +7,20 @@ from hsdp.api import (
     precompute_float8_scales,
     synchronize,
 )
-from hsdp.checkpoint.dcp import CheckpointError, get_state_dict, load, save, set_state_dict
+from hsdp.checkpoint.dcp import load, save
 from hsdp.checkpoint.full_state import full_state_dict, load_full_state_dict
-from hsdp.ft.outer import FaultTolerance, FaultToleranceError
-from hsdp.ft.replica_state import fault_tolerance
+from hsdp.checkpoint.replica_state import fault_tolerance
+from hsdp.checkpoint.state_dicts import get_state_dict, set_state_dict
+from hsdp.checkpoint.sync import CheckpointError
+from hsdp.ft.errors import FaultToleranceError
+from hsdp.ft.outer import FaultTolerance
+from hsdp.ft.transport import RecoveryTransport
 from hsdp.materialize import materialize
-from hsdp.mesh import NcclConfig, init_mesh
 from hsdp.module import register_forward_method
-from hsdp.policy import MixedPrecision
 from hsdp.runtime.optim import attach_optimizer
+from hsdp.sharding.policy import MixedPrecision, OuterReduce, Strategy
+from hsdp.topology.communicators import NcclConfig
+from hsdp.topology.mesh import init_mesh
 
 __version__ = "0.1.0"
 
@@ -24,7 +29,10 @@ __all__ = [
     "FaultTolerance",
     "FaultToleranceError",
     "MixedPrecision",
+    "OuterReduce",
+    "Strategy",
     "NcclConfig",
+    "RecoveryTransport",
     "attach_optimizer",
     "clip_grad_norm_",
     "fault_tolerance",

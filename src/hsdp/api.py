@@ -14,70 +14,82 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import OffloadPolicy
 
-from hsdp.checkpoint.dcp import finish_saves, load_state_dict_hook, state_dict_hook
-from hsdp.ft.outer import FaultToleranceError
-from hsdp.mesh import as_hsdp_mesh, comm_groups
+from hsdp.checkpoint.dcp import finish_saves
+from hsdp.checkpoint.state_dicts import load_state_dict_hook, state_dict_hook
+from hsdp.ft.errors import FaultToleranceError
 from hsdp.module import adopt
-from hsdp.policy import (
-    MixedPrecision,
-    as_mixed_precision,
-    check_reshard_after_forward,
-    check_strategy,
-)
-from hsdp.runtime.agreement import joined
 from hsdp.runtime.hooks import units_below
 from hsdp.runtime.optim import watch_optimizers
 from hsdp.runtime.state import Phase
+from hsdp.runtime.step_agreement import joined
 from hsdp.runtime.unit import Unit
-from hsdp.sharding.float8 import float8_dtype
+from hsdp.sharding.float8_weights import float8_dtype
 from hsdp.sharding.group import ParamGroup, Slot, owner
-from hsdp.sharding.tp import block_of, check_params
+from hsdp.sharding.policy import (
+    MixedPrecision,
+    OuterReduce,
+    Strategy,
+    as_mixed_precision,
+    as_outer_reduce,
+    check_reshard_after_forward,
+)
+from hsdp.sharding.tp_blocks import block_of, check_params
+from hsdp.topology.communicators import CommGroups, comm_groups
+from hsdp.topology.mesh_dims import as_hsdp_mesh
 
 _UNIT_IDS = itertools.count()
 _CLIPS: weakref.WeakKeyDictionary[Unit, itertools.count] = weakref.WeakKeyDictionary()
 
 
-def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
+def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str = "hsdp",
                 mp_policy: MixedPrecision | None = None, overlap_outer: bool = True,
                 reshard_after_forward: bool | None = True,
+                outer_reduce: OuterReduce | str | None = None,
                 offload_policy: OffloadPolicy | None = None) -> nn.Module:
     """Shard the parameters ``module`` owns (those not owned by an already sharded
     submodule) over ``mesh``. Call bottom-up: units first, the root last. ``module``
     becomes an ``HSDPModule`` (see ``module.py`` for the methods it gains).
 
-    strategy: "hsdp" (shard over inner, replicate over outer) or "hfsdp" (gradients and
-    optimizer state sharded over outer too). ``overlap_outer=False`` issues the outer
-    reduction on the inner reduce-scatter stream (the serialized baseline).
+    strategy: ``hsdp.Strategy`` or its value, "hsdp" (shard over inner, replicate over
+    outer) or "hfsdp" (gradients and optimizer state sharded over outer too).
+    ``overlap_outer=False`` issues the outer reduction on the inner reduce-scatter stream
+    (the serialized baseline).
     ``reshard_after_forward=False`` keeps the unit's gathered parameters from its forward
     to its backward (no re-gather; more memory), as FSDP2's option of that name (its
     None means True here; its int is refused). ``mp_policy`` may also be torch's
     ``MixedPrecisionPolicy``; ``mesh`` a 1-D mesh (outer=1) or one with torchtitan's dim
     names ``("dp_replicate", "dp_shard")``, or hsdp's 3-D ("outer", "inner", "tp") mesh
     after torch's ``parallelize_module`` on ``mesh["tp"]`` (hsdp shards each parameter's
-    TP-local tensor; see ``sharding/tp.py``). ``offload_policy``: FSDP2's; only its default
-    ``OffloadPolicy()`` (no offload) is accepted, CPU offload raises.
+    TP-local tensor; see ``sharding/tp_blocks.py``). ``outer_reduce=hsdp.OuterReduce(...)``
+    compresses the outer gradient reduction to 8 bits with error feedback
+    (docs/guide/slow_outer_links.md); None: the exact reduction. ``offload_policy``:
+    FSDP2's; only its default ``OffloadPolicy()`` (no offload) is accepted, CPU offload
+    raises.
 
     A module whose parameters are all on the meta device gets meta shards and buffers
     (no memory, no data): ``hsdp sim`` runs the schedule on such models.
     """
-    check_strategy(strategy)
+    strategy = Strategy.parse(strategy)
     _check_offload_policy(offload_policy)
     reshard_after_forward = check_reshard_after_forward(reshard_after_forward)
     mp = as_mixed_precision(mp_policy)
+    outer_reduce = as_outer_reduce(outer_reduce)
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module)}")
     if getattr(module, "_hsdp_unit", None) is not None:
         raise RuntimeError(f"fully_shard was already applied to this {type(module).__name__}")
     mesh = as_hsdp_mesh(mesh)
     comms = comm_groups(mesh)
-    if comms.elastic is not None and strategy == "hfsdp":
+    if comms.elastic is not None and strategy is Strategy.HFSDP:
         raise FaultToleranceError(
             "fully_shard: strategy='hfsdp' cannot be made fault tolerant: its optimizer "
             "state is sharded over the outer axis, so a lost replica group takes state no "
             "other group holds. Use strategy='hsdp' with init_mesh(fault_tolerance=...)")
-    watch_optimizers()
     device = (torch.device("cuda", torch.cuda.current_device())
               if mesh.device_type == "cuda" else torch.device(mesh.device_type))
+    if outer_reduce is not None:
+        _check_outer_reduce(comms, device)
+    watch_optimizers()
 
     # torch.compile(module) made before fully_shard: hooks go on the wrapper (outside the
     # compiled region), the unit and the hsdp methods on the module it wraps.
@@ -97,7 +109,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
         ss.append(s)
     label = f"{type(inner).__name__}{next(_UNIT_IDS)}"  # same on every rank
     groups = [
-        ParamGroup(f"{label}/{k}", ps, ss, comms, shard_device, strategy == "hfsdp", mp)
+        ParamGroup(f"{label}/{k}", ps, ss, comms, shard_device, strategy, mp, outer_reduce)
         for k, (ps, ss) in enumerate(keyed.values())]
     for g in groups:
         g.use_sharded()
@@ -106,9 +118,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: str = "hsdp",
             if b is not None and not b.is_meta and b.device != device:
                 m._buffers[name] = b.to(device)
     unit = Unit(module, label, groups, mesh, device, overlap_outer, mp, reshard_after_forward)
-    unit.description = _describe(inner, params, slots, strategy=strategy, mp_policy=mp,
+    unit.description = _describe(inner, params, slots, strategy=strategy.value, mp_policy=mp,
                                  overlap_outer=overlap_outer,
-                                 reshard_after_forward=reshard_after_forward)
+                                 reshard_after_forward=reshard_after_forward,
+                                 outer_reduce=outer_reduce)
     for nested in units_below(module):
         if nested.enclosing is None and nested is not unit:
             nested.enclosing = unit
@@ -134,6 +147,26 @@ def _check_offload_policy(policy: OffloadPolicy | None) -> None:
 
 
 Tie = tuple[ParamGroup, int, Slot]
+
+# Backends known to run all_to_all_single (torch's fake one stands for NCCL in emulation).
+_ALL_TO_ALL = ("nccl", "gloo", "fake", "mpi", "ucc", "xccl")
+
+
+def _check_outer_reduce(comms: CommGroups, device: torch.device) -> None:
+    """``outer_reduce`` needs an all-to-all on the outer communicator, which torchft's
+    managed group (fault tolerance) lacks."""
+    if comms.elastic is not None:
+        raise FaultToleranceError(
+            "fully_shard: outer_reduce (compressed outer reduction) is not supported with "
+            "fault tolerance: torchft's replica-group communicator has no all-to-all, and "
+            "its quorum may change the ranks a residual belongs to. Use outer_reduce=None")
+    if comms.outer_size == 1:
+        return
+    name = comms.outer._get_backend(device).name().lower()
+    if name not in _ALL_TO_ALL:
+        raise ValueError(f"fully_shard: outer_reduce needs all_to_all on the outer "
+                         f"communicator; its backend {name!r} is not one known to have it "
+                         f"({', '.join(_ALL_TO_ALL)})")
 
 
 def _names(module: nn.Module, slots: list[list[Slot]]) -> list[str]:
@@ -229,7 +262,7 @@ def synchronize(model: nn.Module) -> None:
 def precompute_float8_scales(model: nn.Module) -> None:
     """Compute the scales of every torchao float8 weight of ``model`` (float8 all-gather
     on) from the weights as they are now: one MAX all-reduce for all of them
-    (``sharding/float8.py``). hsdp does this itself after each ``optimizer.step()``; call
+    (``sharding/float8_weights.py``). hsdp does this itself after each ``optimizer.step()``; call
     it on every rank after changing the weights any other way (loading a checkpoint,
     editing them). torchao's ``precompute_float8_dynamic_scale_for_fsdp`` is FSDP2's."""
     _root_unit(model).root_runtime().refresh_float8_scales()

@@ -10,16 +10,18 @@ from __future__ import annotations
 import argparse
 
 from hsdp.bench import step
+from hsdp.bench.step_config import MODEL_DEFAULTS
+from hsdp.bench.step_config import add_arguments as add_step_arguments
 
 DEMO_MODEL = {
-    "cuda": step.MODEL_DEFAULTS["cuda"],
+    "cuda": MODEL_DEFAULTS["cuda"],
     "cpu": {"arch": "llama", "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 192,
             "vocab": 512, "seq": 64, "mbs": 2},
 }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    step.add_arguments(p, DEMO_MODEL)
+    add_step_arguments(p, DEMO_MODEL)
     p.set_defaults(steps=5, warmup=2, record_steps=1, trace_steps=1, out_dir="out/demo")
 
 

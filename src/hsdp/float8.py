@@ -1,6 +1,6 @@
 """Float8 training with torchao: converting a model before ``fully_shard``.
 
-How hsdp then gathers the float8 weights: ``hsdp/sharding/float8.py``.
+How hsdp then gathers the float8 weights: ``hsdp/sharding/float8_weights.py``.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from hsdp.runtime.hooks import units_below
 from hsdp.runtime.unit import Unit
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.group import ParamGroup, owner
-from hsdp.sharding.tp import block_of, meta_like
+from hsdp.sharding.tp_blocks import block_of, meta_like
 
 
 @torch.no_grad()
@@ -83,7 +83,7 @@ class _Walk:
                 if g.float8 is not None:  # still gathered in float8
                     metas = g.float8.wrap(metas)
                 old, g = g, ParamGroup(g.label, metas, g.slots, g.comms, unit.device,
-                                       g.outer_requested, g.mp)
+                                       g.strategy, g.mp, g.outer_config)
                 self._replace(old, g)
                 self.fresh.append(g)
                 fill = float("nan") if g.orig_dtype.is_floating_point else 0
@@ -94,7 +94,7 @@ class _Walk:
                 self.flats[g] = flat
                 self.blank.add(g)
             else:  # allocated already: start from its current values (a collective)
-                self.flats[g] = g.full_flat(Collectives())
+                self.flats[g] = g.gather.full_flat(Collectives())
         self.open_units.append(unit)
 
     def _replace(self, old: ParamGroup, new: ParamGroup) -> None:

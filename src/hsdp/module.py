@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from hsdp.policy import check_reshard_after_forward
 from hsdp.runtime.hooks import UnshardHandle, units_below
 from hsdp.runtime.unit import Unit
+from hsdp.sharding.policy import check_reshard_after_forward
 
 _CLASSES: dict[type, type] = {}
 
@@ -178,12 +178,15 @@ class HSDPModule:
                 "on its outer stream, after the outer all-reduce (as FSDP2 does under HSDP). "
                 "Drop stream=; for torchft replica groups use "
                 "hsdp.init_mesh(..., fault_tolerance=...)")
-        if hook is not None and any(g.shard_outer for g in groups):
+        if hook is not None and any(g.shard_outer or g.compressed is not None
+                                    for g in groups):
             raise ValueError(
-                "hsdp: set_all_reduce_hook needs strategy='hsdp': hfsdp reduce-scatters the "
-                "gradients over outer, there is no all-reduce for the hook to follow")
+                "hsdp: set_all_reduce_hook needs strategy='hsdp' with the exact outer "
+                "all-reduce: hfsdp reduce-scatters the gradients over outer, and a compressed "
+                "outer reduction (outer_reduce=...) has no reduce-dtype result to hand over")
         for g in groups:
-            g.all_reduce_hook = hook
+            if g.grads is not None:  # (a group with no trainable parameter reduces nothing)
+                g.grads.all_reduce_hook = hook
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """All-gather ``modules`` (fully_shard-ed) when this unit's forward starts, instead

@@ -19,7 +19,7 @@ from hsdp.bench.collectives import (
     parse_sizes,
 )
 from hsdp.bench.launch import check_shared_layout, shared_gpu
-from hsdp.mesh import NcclConfig
+from hsdp.topology.communicators import NcclConfig
 from hsdp.report.args import parse_mesh
 
 SRC = Path(__file__).resolve().parents[2] / "src"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hsdp.bench.suite import TABLES
 from hsdp.report.chrome_trace import load_chrome_trace
-from hsdp.sim.calibrate import phases_from_trace, read_phases, save_phases
+from hsdp.sim.trace_phases import phases_from_trace, read_phases, save_phases
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parents[1] / "data"

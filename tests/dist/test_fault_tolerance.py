@@ -8,7 +8,10 @@ recovery transfer itself; (c) group 1 restarted again, recovered by step 9 and t
 from step 10, its parameters, momentum and lr equal to group 0's bit for bit. A second
 test: the lighthouse unreachable at start raises a clear error on every rank. hfsdp on a
 fault-tolerant mesh is refused on every rank. The same scenario runs with the peer, torch
-FSDP2 over each group's ranks with torchft wired by hand (``library="fsdp2"``).
+FSDP2 over each group's ranks with torchft wired by hand (``library="fsdp2"``). A third:
+the live group dies while it sends its state to a joining one (its rank 0 alone, or both):
+the joining group's ranks agree the recovery failed, apply and commit nothing, and refuse
+to train on from step 0 unless ``allow_lost_progress``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from ft_jobs import batch, build_model, make_optimizer
 from torchft._torchft import LighthouseServer
 
 JOBS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "ft_jobs.py")
-STEPS, SEED, KILL_AT, REJOIN_BY = 13, 7, 5, 10
+STEPS, SEED, KILL_AT, REJOIN_BY, JOIN_AT = 13, 7, 5, 10, 3
 DEADLINE_S = 420  # the whole scenario; a hang fails here instead of blocking CI
 
 
@@ -138,6 +141,69 @@ def test_replica_group_lost_and_recovered(tmp_path, library):
                 assert torch.equal(t, g0_rec[s][what][n]), (s, what, n)
         assert rec["lr"] == g0_rec[s]["lr"]
     _reference(g0_rec)
+
+
+@pytest.mark.parametrize("dying,allowed", [([0], False), ([0, 1], False), ([0, 1], True)],
+                         ids=["rank0", "both", "both_allowed"])
+def test_live_group_dies_while_sending(tmp_path, dying, allowed):
+    """Group 0 trains alone; group 1 starts after its step JOIN_AT - 1 and joins at
+    step JOIN_AT; asked for its state, its
+    ranks in ``dying`` die (rank 0 only once rank 1 has sent everything, so group 1's rank
+    1 holds the live state and its rank 0 nothing). Group 1 applies nothing and commits
+    nothing on a mixed model: its ranks agree that the recovery failed; left alone at
+    step 0, both refuse to train on (the progress is lost) unless ``allow_lost_progress``,
+    with which it trains from step 0 with its own initial state."""
+    out = str(tmp_path)
+    # group 1 must not get a quorum of its own while group 0 is alive (a loaded machine
+    # may take seconds to reach the gate): the lighthouse waits for every live group
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60000,
+                                  quorum_tick_ms=50, heartbeat_timeout_ms=1000)
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        common = dict(lighthouse=lighthouse.address())
+        live = _launch(out, "g0", 0, gates={JOIN_AT: "ready_g1"}, await_joiner=True,
+                       die_sending=dying, **common)
+        while not os.path.exists(os.path.join(out, f"g0_step{JOIN_AT - 1}.pt")):
+            assert time.monotonic() < deadline and None in [p.poll() for p in live], \
+                _logs(out)
+            time.sleep(0.05)
+        joiner = _launch(out, "g1", 1, allow_lost_progress=allowed, **common)
+        joined = _wait(joiner, deadline, out)
+        live_codes = _wait(live, deadline, out)
+    finally:
+        lighthouse.shutdown()
+    logs = _logs(out)
+    assert [live_codes[r] for r in dying] == [-9] * len(dying), logs
+    assert all(os.path.exists(os.path.join(out, f"dies_sending_g0_{r}")) for r in dying)
+    g1 = {r: open(os.path.join(out, f"g1_{r}.log")).read() for r in range(2)}
+    if dying == [0]:  # group 1's rank 1 received everything, its rank 0 nothing
+        assert os.path.exists(os.path.join(out, "sent_g0_1"))
+        for r in range(2):
+            assert f"recovering step {JOIN_AT} from replica rank 0 failed on 1 of this group's 2 " \
+                   "ranks (rank 0: " in g1[r], g1[r][-3000:]
+    records = _records(out, "g1")
+    if not allowed:
+        assert joined == [1, 1], logs
+        for r in range(2):
+            assert (f"FaultToleranceError: hsdp: this replica group was to recover step "
+                    f"{JOIN_AT} from a live group") in g1[r], g1[r][-3000:]
+        assert not records  # nothing committed
+        return
+    assert joined == [0, 0], logs
+    assert "allow_lost_progress=True" in g1[0]
+    # from step 0 with its own initial state, alone: one process on its data alone
+    assert sorted(records) == list(range(STEPS)) and records[0]["participants"] == 1
+    model = build_model(SEED)
+    opt, sched = make_optimizer(model)
+    for step in range(STEPS):
+        xs, ys = zip(*(batch(step, 1, i) for i in range(2)))
+        nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(records[STEPS - 1]["params"][n], p.detach(), rtol=1e-6,
+                                   atol=1e-7)
 
 
 def test_lighthouse_unreachable(tmp_path):

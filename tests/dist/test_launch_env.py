@@ -10,7 +10,7 @@ import pytest
 from dist_utils import run_ranks
 
 import hsdp
-from hsdp import hosts
+from hsdp.topology import hosts
 
 LAUNCH_VARS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_NTASKS",
                "SLURM_JOB_NUM_NODES")

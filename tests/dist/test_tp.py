@@ -16,6 +16,7 @@ from tp_jobs import CKPT_TARGETS, TPCase, checkpoint_job, errors_job, parity_job
 TOL = 1e-5  # fp32, SGD with momentum, 3 steps
 BF16_TOL = 2e-2  # bf16 parameters for compute against fp32 in one process
 BF16_FSDP2_TOL = 1e-3  # bf16 against FSDP2 in bf16 (equal here; a margin for other builds)
+COMPRESSED_TOL = 1e-2  # the int8 outer reduction (block 16), 3 steps
 
 # compiled TP blocks (aot_eager) differ from eager ones by ~1e-3 after 3 steps under FSDP2
 # as under hsdp: compiled cases are checked against FSDP2 + TP compiled alike only
@@ -28,7 +29,9 @@ CASES = [TPCase(strategy, overlap, mb) for strategy, overlap, mb in itertools.pr
 ] + [TPCase("hsdp", True, 1, bf16=True), TPCase("hfsdp", False, 3, bf16=True)] + [
     TPCase("hsdp", True, 1, ac=True), TPCase("hfsdp", False, 3, ac=True, frozen=True),
     TPCase("hfsdp", True, 1, compile=True), TPCase("hsdp", False, 1, compile=True),
-    TPCase("hsdp", False, 1, frozen=True, meta=True), TPCase("hfsdp", True, 3, meta=True)]
+    TPCase("hsdp", False, 1, frozen=True, meta=True), TPCase("hfsdp", True, 3, meta=True)] + [
+    TPCase("hsdp", True, 1, outer_reduce="int8"),
+    TPCase("hfsdp", True, 3, outer_reduce="int8")]
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +66,14 @@ def test_init_mesh_3d(results: list[dict]) -> None:
 def test_tp_parity(case: TPCase, results: list[dict]) -> None:
     errs = [r[case] for r in results]
     assert all(e == errs[0] for e in errs), f"ranks disagree: {errs}"
-    if not case.compile:
+    if case.outer_reduce:  # compressed (3 SGD steps: 7.7e-5 hfsdp): not exact, close
+        assert 2 * TOL < errs[0]["ref"] < COMPRESSED_TOL, errs[0]
+    elif not case.compile:
         assert errs[0]["ref"] < (BF16_TOL if case.bf16 else TOL), errs[0]
     if case.clip:  # the norm over every TP and DP shard, and clipping was active
-        assert errs[0]["clipped"] and errs[0]["norm"] < TOL, errs[0]
-    elif (case.strategy != "fsdp2" and not (case.frozen or case.meta)
+        assert errs[0]["clipped"] and errs[0]["norm"] < (
+            1e-3 if case.outer_reduce else TOL), errs[0]
+    elif (case.strategy != "fsdp2" and not (case.frozen or case.meta or case.outer_reduce)
           and TPCase("fsdp2", True, case.microbatches, bf16=case.bf16,
                      compile=case.compile) in FSDP2_CASES):
         assert errs[0]["fsdp2"] < (BF16_FSDP2_TOL if case.bf16 else TOL), errs[0]

@@ -22,8 +22,8 @@ from hsdp.bench.intercept import intercept
 from hsdp.bench.trace import intervals_from_chrome_trace
 from hsdp.models import GPT, GPTConfig, lm_loss
 from hsdp.report.metrics import step_metrics
-from hsdp.runtime.streams import Tracer
 from hsdp.sim.fabric import Fabric, Link
+from hsdp.streams.contract import Tracer
 
 DEV = torch.device("cuda", 0)
 

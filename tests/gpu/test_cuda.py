@@ -85,7 +85,7 @@ def test_traced_side_ops_report_their_stream_time_and_host_span():
     work, after its inputs are ready) and its host span: the simulator's calibration."""
     from hsdp.bench.emulate import SleepClock
     from hsdp.bench.trace import host_marks
-    from hsdp.runtime.stream_set import Streams
+    from hsdp.streams.stream_set import Streams
 
     clock = SleepClock.calibrate(torch.device("cuda", 0))
     s = Streams.create(torch.device("cuda", 0))
@@ -105,7 +105,7 @@ def test_phase_marks_report_when_the_compute_stream_reached_them():
     behind a 20 ms kernel, the device reaches the end mark 20 ms after the begin mark,
     while the host had passed both at once."""
     from hsdp.bench.emulate import SleepClock
-    from hsdp.runtime.stream_set import Streams
+    from hsdp.streams.stream_set import Streams
 
     clock = SleepClock.calibrate(torch.device("cuda", 0))
     s = Streams.create(torch.device("cuda", 0))
@@ -125,7 +125,7 @@ def test_side_stream_submit_runs_there_and_restores_the_callers_stream_and_devic
     """A side op runs on its stream; the caller's current stream (any, not only the
     default) and current device are as they were afterwards, also when the caller's
     current device is another GPU than hsdp's."""
-    from hsdp.runtime.stream_set import Streams
+    from hsdp.streams.stream_set import Streams
 
     s = Streams.create(torch.device("cuda", 0))
     seen = []

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch.distributed import _coalescing_manager
 
 from hsdp.bench.intercept import intercept
-from hsdp.runtime.streams import Tracer
 from hsdp.sim.fabric import Fabric, Link
+from hsdp.streams.contract import Tracer
 
 # torch 2.13 deprecates the names Megatron-FSDP calls; they are what is intercepted here
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")

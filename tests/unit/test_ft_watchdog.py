@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hsdp.ft.outer import CollectiveWatchdog, ElasticOuter
+from hsdp.ft.transport import RecoveryTransport
 
 TIMEOUT = 10.0
 
@@ -179,6 +180,7 @@ class Parent:
 class Manager:
     def __init__(self, pg: Any) -> None:
         self._pg, self.error = pg, None
+        self._checkpoint_transport = RecoveryTransport(pg)
 
     def errored(self) -> Exception | None:
         return self.error

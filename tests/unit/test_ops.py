@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import hsdp
-from hsdp.runtime.ops import OUTER_REDUCTIONS, OpKind, communicator_of, op_table
+from hsdp.streams.op_table import OUTER_REDUCTIONS, OpKind, communicator_of, op_table
 
 
 def _differences(a: dict, b: dict) -> set[tuple[OpKind, str]]:

@@ -3,7 +3,7 @@ inside the spread, CPU runs labelled as schedule checks (hsdp.report.compare).""
 
 from __future__ import annotations
 
-from hsdp.bench.step import print_table
+from hsdp.bench.step_results import print_table
 from hsdp.report.compare import CPU_NOTE, MIN_STEPS, compare, describe
 
 

@@ -10,8 +10,8 @@ import torch.nn as nn
 
 import hsdp
 from hsdp.bench.emulate import emulate
-from hsdp.runtime.streams import OpRecord
 from hsdp.sim.fabric import Fabric, Link
+from hsdp.streams.contract import OpRecord
 
 UNITS = 4
 FABRIC = Fabric(Link(1e6, 20_000.0), Link(1e6, 12_000.0))

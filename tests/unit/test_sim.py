@@ -18,13 +18,15 @@ import torch
 import hsdp
 from hsdp.__main__ import main
 from hsdp.models import GPTConfig, LlamaConfig, build_model
-from hsdp.sim.calibrate import (
+from hsdp.sim.calibrate import calibrate, fit_tflops, host_between_phases
+from hsdp.sim.costs import CostModel, PhaseCost, phase_class, work_flops
+from hsdp.sim.engine import Recording, Setup, evaluate, record, shard, simulate, train_step
+from hsdp.sim.fabric import Fabric, Link
+from hsdp.sim.profile import MachineProfile, calibrate_profile, held_out
+from hsdp.sim.trace_phases import (
     TracePhases,
-    calibrate,
     collective_drag,
     exclusive_shares,
-    fit_tflops,
-    host_between_phases,
     least_device_time,
     least_over_ranks,
     peer_wait_ms,
@@ -33,10 +35,6 @@ from hsdp.sim.calibrate import (
     unprofiled_busy_ms,
     with_host_marks,
 )
-from hsdp.sim.costs import CostModel, PhaseCost, phase_class, work_flops
-from hsdp.sim.engine import Recording, Setup, evaluate, record, shard, simulate, train_step
-from hsdp.sim.fabric import Fabric, Link
-from hsdp.sim.profile import MachineProfile, calibrate_profile, held_out
 
 TINY_GPT = GPTConfig(vocab=32, hidden=16, heads=2, ffn=32, layers=3, seq=8)
 TINY_LLAMA = LlamaConfig(vocab=32, hidden=16, heads=4, kv_heads=2, ffn=24, layers=3, seq=8)
@@ -89,9 +87,11 @@ def test_sim_runs_the_runtimes_own_schedule(fake_world_8):
     cases = [(TINY_LLAMA, "hsdp", True, 2), (TINY_LLAMA, "hsdp", False, 2),
              (TINY_GPT, "hfsdp", True, 3), (TINY_GPT, "hfsdp", False, 1),
              (dataclasses.replace(TINY_GPT, checkpoint="unit_non_reentrant"), "hsdp", True, 2),
-             (dataclasses.replace(TINY_LLAMA, checkpoint="reentrant"), "hfsdp", True, 1)]
-    for model, strategy, overlap, microbatches in cases:
-        setup = Setup(model, 2, 4, strategy, overlap, microbatches)
+             (dataclasses.replace(TINY_LLAMA, checkpoint="reentrant"), "hfsdp", True, 1),
+             (TINY_LLAMA, "hsdp", True, 2, "int8"), (TINY_GPT, "hfsdp", True, 1, "fp8_e4m3")]
+    for model, strategy, overlap, microbatches, *outer_reduce in cases:
+        setup = Setup(model, 2, 4, strategy, overlap, microbatches,
+                      outer_reduce=outer_reduce[0] if outer_reduce else "none")
         cpu = _cpu_run(setup)
         rec = record(setup)
         timing = rec.program.evaluate(CostModel().pricer(rec.program), rec.start)
@@ -101,6 +101,21 @@ def test_sim_runs_the_runtimes_own_schedule(fake_world_8):
         # a unit checkpointed as a whole runs its hooks again when recomputed
         recompute = any(label.startswith("begin:RECOMPUTE:") for label in sim["compute"])
         assert recompute == model.checkpoint.startswith("unit_")
+
+
+def test_compressed_outer_reduction_is_priced_by_its_bytes(fake_world_8):
+    """outer_reduce="int8": hsdp's outer all-reduce becomes OUTER_QAR, an all-to-all and an
+    all-gather of one byte per element (plus scales) instead of an all-reduce of two."""
+    programs = {q: record(Setup(TINY_LLAMA, 2, 4, reduce_dtype="bf16", outer_reduce=q)).program
+                for q in ("none", "int8:64")}
+    outer = {q: [c for op in p.ops if op.kind == "side" for c in op.payload
+                 if c[1] == "outer"] for q, p in programs.items()}
+    assert {c[0] for c in outer["none"]} == {"all_reduce"}
+    assert {c[0] for c in outer["int8:64"]} == {"all_to_all", "all_gather"}
+    exact = sum(c[2] for c in outer["none"])
+    compressed = sum(c[2] for c in outer["int8:64"] if c[0] == "all_to_all")
+    assert 0.5 <= compressed / exact < 0.7  # one byte, not two; scales and padding on top
+    assert any(op.label.startswith("OUTER_QAR:") for op in programs["int8:64"].ops)
 
 
 def test_memoized_meta_ops_record_the_same_program(fake_world_8, monkeypatch):

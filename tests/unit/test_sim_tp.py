@@ -1,4 +1,4 @@
-"""hsdp.sim.tp: the TP collectives of torch's Llama plan per layer (a hand count) and
+"""hsdp.sim.tp_pricing: the TP collectives of torch's Llama plan per layer (a hand count) and
 their price on the compute stream."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hsdp.models import LlamaConfig, preset
 from hsdp.sim.costs import CostModel
 from hsdp.sim.engine import Setup, record
 from hsdp.sim.fabric import Link
-from hsdp.sim.tp import tp_pricer, unit_collectives
+from hsdp.sim.tp_pricing import tp_pricer, unit_collectives
 
 
 def test_tp_bytes_per_layer_70b():

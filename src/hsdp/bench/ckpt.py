@@ -30,9 +30,9 @@ from hsdp.bench.launch import (
     rank_process_group,
     select_cuda,
 )
-from hsdp.mesh import host_group
 from hsdp.models import build_model, lm_loss, preset
 from hsdp.report.args import parse_mesh
+from hsdp.topology.communicators import host_group
 
 
 @dataclass(frozen=True)

@@ -56,13 +56,14 @@ from hsdp.bench.launch import (
     rank_process_group,
     select_cuda,
 )
-from hsdp.mesh import CommGroups, NcclConfig, comm_groups, init_mesh, new_communicator
 from hsdp.report.args import DTYPES, parse_mesh
 from hsdp.report.table import print_table as print_rows
-from hsdp.runtime.ops import OpKind, op_table
-from hsdp.runtime.stream_set import Streams
-from hsdp.runtime.streams import SideStream
 from hsdp.sharding.comm import Collectives
+from hsdp.streams.contract import SideStream
+from hsdp.streams.op_table import OpKind, op_table
+from hsdp.streams.stream_set import Streams
+from hsdp.topology.communicators import CommGroups, NcclConfig, comm_groups, new_communicator
+from hsdp.topology.mesh import init_mesh
 
 # Multicast (NVLS) off on multi-GPU machines: see docs/design.md ("Testing on CPU and GPU").
 UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}

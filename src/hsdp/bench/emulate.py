@@ -17,9 +17,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hsdp.mesh import init_mesh
 from hsdp.sharding.comm import Collectives
 from hsdp.sim.fabric import Fabric
+from hsdp.topology.mesh import init_mesh
 
 
 @dataclass

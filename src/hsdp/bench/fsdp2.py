@@ -15,9 +15,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp.bench.intercept import intercept
-from hsdp.policy import MixedPrecision
-from hsdp.runtime.streams import Tracer
+from hsdp.sharding.policy import MixedPrecision
 from hsdp.sim.fabric import Fabric
+from hsdp.streams.contract import Tracer
 
 
 def shard_fsdp2(model: nn.Module, units: list[tuple[nn.Module, bool]], mesh: DeviceMesh,

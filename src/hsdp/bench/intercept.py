@@ -46,9 +46,9 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
-from hsdp.runtime.streams import OpRecord, Tracer
 from hsdp.sharding.comm import BackendNames, fake_all_gather_args
 from hsdp.sim.fabric import Fabric
+from hsdp.streams.contract import OpRecord, Tracer
 
 # torch.distributed name -> (collective kind for Fabric, argument holding the full buffer)
 WRAPPED = {

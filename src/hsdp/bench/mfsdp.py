@@ -37,9 +37,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from hsdp.bench.intercept import intercept
-from hsdp.policy import MixedPrecision
-from hsdp.runtime.streams import Tracer
+from hsdp.sharding.policy import MixedPrecision
 from hsdp.sim.fabric import Fabric
+from hsdp.streams.contract import Tracer
 
 INSTALL_HINT = "pip install 'hsdp[mfsdp]' (the megatron-fsdp package)"
 

@@ -2,7 +2,7 @@
 
 Two sources:
 
-- CPU: ``hsdp.runtime.streams.OpRecord``s from the ``Tracer`` (host start/end of each op on each
+- CPU: ``hsdp.streams.contract.OpRecord``s from the ``Tracer`` (host start/end of each op on each
   stream thread). The compute "stream" is the calling thread, busy except while it blocks
   on a side stream; the runtime records those waits on stream ``"compute"`` with labels
   starting ``"wait"``, and compute busy time is their complement within the step.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from hsdp.report.chrome_trace import SIDE_OP, end_us, load_chrome_trace, read_events, thread_of
 from hsdp.report.metrics import Interval, subtract, union
-from hsdp.runtime.streams import OpRecord
+from hsdp.streams.contract import OpRecord
 
 
 def intervals_from_records(records: Iterable[OpRecord], t0: float,

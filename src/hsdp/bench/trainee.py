@@ -5,13 +5,15 @@ Schedules (same mesh, same seed, same synthetic tokens; each block is a unit, th
 - ``overlap``: hsdp, outer all-reduce on its own stream (``overlap_outer=True``);
 - ``serial``: hsdp, outer all-reduce on the rs stream (the baseline of docs/design.md);
 - ``hfsdp`` / ``hfsdp-serial``: the same with strategy hfsdp;
+- ``overlap-q`` / ``hfsdp-q``: ``overlap`` / ``hfsdp`` with the compressed outer reduction
+  (``fully_shard(outer_reduce=...)``: ``--outer-reduce``, default int8);
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on the same 2-D mesh (HSDP);
 - ``mfsdp``: Megatron-FSDP as HSDP on the same ranks (``hsdp.bench.mfsdp``; optional).
 
 With tensor parallelism (a 3-D mesh) every schedule's model first gets torch's TP plan on
-``mesh["tp"]`` (``hsdp.bench.tp``); hsdp shards on the 3-D mesh, FSDP2 on
+``mesh["tp"]`` (``hsdp.bench.tp_plan``); hsdp shards on the 3-D mesh, FSDP2 on
 ``mesh["outer", "inner"]``, as torchtitan does; the TP collectives are counted and, under
-emulation, delayed on the compute stream (``hsdp.bench.tp.tp_collectives``).
+emulation, delayed on the compute stream (``hsdp.bench.tp_plan.tp_collectives``).
 
 Every trainee uses torch AdamW (foreach) on what its library hands the optimizer. The
 ``unsharded`` reference (not a schedule) is the same layers unsharded in the parameter
@@ -37,28 +39,33 @@ import hsdp
 from hsdp.bench.emulate import DelayedCollectives, SleepClock, emulate
 from hsdp.bench.fsdp2 import fsdp2_collectives, shard_fsdp2
 from hsdp.bench.mfsdp import shard_mfsdp
-from hsdp.bench.tp import parallelize_llama, tp_collectives
+from hsdp.bench.tp_plan import parallelize_llama, tp_collectives
 from hsdp.float8 import convert_to_float8
 from hsdp.models import ModelConfig, build_model, lm_loss, shard_units
-from hsdp.runtime.streams import Tracer
 from hsdp.sharding.comm import Collectives
-from hsdp.sharding.tp import local_of
+from hsdp.sharding.tp_blocks import local_of
 from hsdp.sim.fabric import Fabric
+from hsdp.streams.contract import Tracer
 
 
 @dataclass(frozen=True)
-class Schedule:
+class BenchSchedule:
     """``library``: "hsdp", "fsdp2" or "mfsdp"; hsdp's strategy and overlap_outer."""
 
     library: str
     strategy: str | None = None
     overlap: bool | None = None
+    compressed: bool = False  # hsdp's outer_reduce
 
 
-SCHEDULES: dict[str, Schedule] = {
-    "overlap": Schedule("hsdp", "hsdp", True), "serial": Schedule("hsdp", "hsdp", False),
-    "hfsdp": Schedule("hsdp", "hfsdp", True), "hfsdp-serial": Schedule("hsdp", "hfsdp", False),
-    "fsdp2": Schedule("fsdp2"), "mfsdp": Schedule("mfsdp")}
+SCHEDULES: dict[str, BenchSchedule] = {
+    "overlap": BenchSchedule("hsdp", "hsdp", True),
+    "serial": BenchSchedule("hsdp", "hsdp", False),
+    "hfsdp": BenchSchedule("hsdp", "hfsdp", True),
+    "hfsdp-serial": BenchSchedule("hsdp", "hfsdp", False),
+    "overlap-q": BenchSchedule("hsdp", "hsdp", True, True),
+    "hfsdp-q": BenchSchedule("hsdp", "hfsdp", True, True),
+    "fsdp2": BenchSchedule("fsdp2"), "mfsdp": BenchSchedule("mfsdp")}
 PEERS = ("fsdp2", "mfsdp")
 PHASES = ("forward", "backward", "optimizer")
 LR = 1e-4
@@ -127,13 +134,17 @@ class Trainee:
 
 def build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: DeviceMesh,
           device: torch.device, fabric: Fabric | None, emulated: bool,
-          float8: bool = False, tp_fabric: Fabric | None = None) -> Trainee:
+          float8: bool = False, tp_fabric: Fabric | None = None,
+          outer_reduce: hsdp.OuterReduce | None = None) -> Trainee:
     """The schedule's sharded model (seed 0) and its AdamW. ``fabric``: emulated collective
     durations (``emulated``: torch's fake process group); ``tp_fabric``: the TP ones (its
     inner link; a 3-D ``mesh`` only). ``float8``: torchao float8 linears with float8
-    all-gather (``float8_model``)."""
+    all-gather (``float8_model``). ``outer_reduce``: the compressed schedules' (default:
+    int8)."""
     tp_mesh = mesh["tp"] if "tp" in (mesh.mesh_dim_names or ()) else None
-    trainee = _build(name, model_cfg, mp, mesh, device, fabric, emulated, float8, tp_mesh)
+    compressed = (outer_reduce or hsdp.OuterReduce()) if SCHEDULES[name].compressed else None
+    trainee = _build(name, model_cfg, mp, mesh, device, fabric, emulated, float8, tp_mesh,
+                     compressed)
     if tp_mesh is not None:
         sleep = time.sleep
         if tp_fabric is not None and device.type == "cuda":
@@ -145,7 +156,7 @@ def build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Devi
 
 def _build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: DeviceMesh,
            device: torch.device, fabric: Fabric | None, emulated: bool, float8: bool,
-           tp_mesh: DeviceMesh | None) -> Trainee:
+           tp_mesh: DeviceMesh | None, outer_reduce: hsdp.OuterReduce | None) -> Trainee:
     """``build`` without the TP collectives' interception."""
     torch.manual_seed(0)
     with torch.device(device):
@@ -165,7 +176,8 @@ def _build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Dev
     if schedule.library == "hsdp":
         for unit, reshard in [*units, (model, True)]:
             hsdp.fully_shard(unit, mesh=mesh, strategy=schedule.strategy, mp_policy=mp,
-                             overlap_outer=schedule.overlap, reshard_after_forward=reshard)
+                             overlap_outer=schedule.overlap, reshard_after_forward=reshard,
+                             outer_reduce=outer_reduce)
         if emulated:
             error = emulate(model, fabric, device)
         opt = _adamw(model.parameters())

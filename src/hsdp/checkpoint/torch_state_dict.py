@@ -28,7 +28,7 @@ import torch.distributed._state_dict_utils as sd_utils
 import torch.distributed.checkpoint.state_dict as torch_sd
 
 from hsdp.sharding.pieces import Piece
-from hsdp.sharding.tp import block_of
+from hsdp.sharding.tp_blocks import block_of
 
 
 def _mismatch(full_state_dict: dict[str, Any], local_state_dict: dict[str, Any],

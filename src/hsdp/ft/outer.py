@@ -8,7 +8,8 @@ the quorum, not the configured outer size). A replica that fails mid-step makes 
 collective fail: torchft records the error and ``Manager.should_commit()`` is False on
 every survivor, which then discard the step. torchft is an optional dependency
 (``pip install 'hsdp[ft]'``); this module imports it only when fault tolerance is asked
-for. It imports nothing of hsdp (``sharding/comm.py`` dispatches to ``ElasticOuter``).
+for. It imports nothing of hsdp outside ``ft/`` (``sharding/comm.py`` dispatches to
+``ElasticOuter``).
 """
 
 from __future__ import annotations
@@ -26,14 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hsdp.ft.errors import FaultToleranceError
+from hsdp.ft.transport import RecoveryTransport
+
 log = logging.getLogger(__name__)
 
 LIGHTHOUSE_COMMAND = ("torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 "
                       "--join_timeout_ms 10000")
-
-
-class FaultToleranceError(RuntimeError):
-    """Fault tolerance cannot be set up or used as asked."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,9 @@ class FaultTolerance:
     group's id, the same on its ranks (default: ``$REPLICA_GROUP_ID``); ``min_replicas``:
     a step commits only with at least this many replica groups taking part. ``timeout``
     bounds the outer all-reduce, ``should_commit`` and the recovery transfer;
-    ``quorum_timeout`` the wait for a quorum; ``connect_timeout`` reaching the lighthouse."""
+    ``quorum_timeout`` the wait for a quorum; ``connect_timeout`` reaching the lighthouse.
+    ``allow_lost_progress``: when every live group was lost while sending its state to this
+    one, train on from this group's own (older) step instead of raising."""
 
     lighthouse: str | None = None
     replica_id: str | None = None
@@ -51,11 +53,15 @@ class FaultTolerance:
     timeout: timedelta = timedelta(seconds=60)
     quorum_timeout: timedelta = timedelta(seconds=60)
     connect_timeout: timedelta = timedelta(seconds=10)
+    allow_lost_progress: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_replicas, int) or self.min_replicas < 1:
             raise ValueError(f"FaultTolerance.min_replicas must be an int >= 1, "
                              f"got {self.min_replicas!r}")
+        if not isinstance(self.allow_lost_progress, bool):
+            raise TypeError(f"FaultTolerance.allow_lost_progress must be a bool, "
+                            f"got {self.allow_lost_progress!r}")
 
 
 def torchft() -> Any:
@@ -152,6 +158,7 @@ class ElasticOuter:
 
     def __init__(self, manager: Any) -> None:
         self.manager = manager
+        self.recovery: RecoveryTransport = manager._checkpoint_transport
         # torchft 0.2.0 keeps its reconfigurable group here (the one passed as pg=...)
         self._pg = manager._pg
         self._watchdog: CollectiveWatchdog | None = None
@@ -163,8 +170,13 @@ class ElasticOuter:
                 _TIMEOUT_MANAGER._maybe_start_event_loop, torch.cuda.Event)
 
     def size(self) -> int:
-        """The replica groups that take part in this step (waits for the quorum)."""
-        return self.manager.num_participants()
+        """The replica groups that take part in this step (waits for the quorum). Raises
+        ``FaultToleranceError`` if this group would train at an older step than a failed
+        recovery was to bring (``RecoveryTransport.check_progress``)."""
+        n = self.manager.num_participants()
+        if self.manager.is_participating():
+            self.recovery.check_progress(self.manager.current_step())
+        return n
 
     def all_reduce(self, t: torch.Tensor, avg: bool, n: int) -> None:
         """``t`` = the sum (``avg``: the mean) over the ``n`` = ``size()`` participating
@@ -211,9 +223,11 @@ def _where(ft: FaultTolerance) -> tuple[str, str, str, int]:
 
 
 def make_manager(ft: FaultTolerance | Any, device_type: str) -> Any:
-    """This rank's torchft ``Manager``: ``ft`` itself if it is one, else one made from
-    the settings for this replica group (the current torch world). Rank 0 of the group
-    reaches the lighthouse first; if it cannot, every rank raises the same error.
+    """This rank's torchft ``Manager``: ``ft`` itself if it is one (made with
+    ``checkpoint_transport=hsdp.RecoveryTransport(...)``), else one made from the settings
+    for this replica group (the current torch world), recovering through a
+    ``RecoveryTransport`` over its own process group. Rank 0 of the group reaches the
+    lighthouse first; if it cannot, every rank raises the same error.
 
     ``init_sync=False``: hsdp's ranks build the same initial model (same seed, see
     ``materialize.py``), so the replica groups start equal. torchft's step-0 sync would
@@ -221,7 +235,7 @@ def make_manager(ft: FaultTolerance | Any, device_type: str) -> Any:
     one group's divided by the number of groups."""
     tft = torchft()
     if isinstance(ft, tft.Manager):
-        return ft
+        return _bound(ft)
     if not isinstance(ft, FaultTolerance):
         raise TypeError(f"init_mesh: fault_tolerance must be a hsdp.FaultTolerance or a "
                         f"torchft.Manager, got {type(ft).__name__}")
@@ -230,12 +244,14 @@ def make_manager(ft: FaultTolerance | Any, device_type: str) -> Any:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def build() -> Any:
-        return tft.Manager(
-            pg=pg_class(timeout=ft.timeout), load_state_dict=None, state_dict=None,
+        pg = pg_class(timeout=ft.timeout)
+        return _bound(tft.Manager(
+            pg=pg, load_state_dict=None, state_dict=None,
             min_replica_size=ft.min_replicas, timeout=ft.timeout,
             quorum_timeout=ft.quorum_timeout, connect_timeout=ft.connect_timeout,
             rank=rank, world_size=world, store_addr=host, store_port=port,
-            lighthouse_addr=lighthouse, replica_id=replica_id, init_sync=False)
+            lighthouse_addr=lighthouse, replica_id=replica_id, init_sync=False,
+            checkpoint_transport=RecoveryTransport(pg, device_type, ft.allow_lost_progress)))
 
     # Rank 0 hosts the group's ManagerServer, which connects to the lighthouse; the
     # others would wait for its address until the store's timeout: share the outcome.
@@ -259,3 +275,22 @@ def make_manager(ft: FaultTolerance | Any, device_type: str) -> Any:
             f"it first ({LIGHTHOUSE_COMMAND}) and pass its address as "
             f"FaultTolerance(lighthouse=...) or $TORCHFT_LIGHTHOUSE")
     return manager if manager is not None else build()
+
+
+def _bound(manager: Any) -> Any:
+    """``manager``, its ``RecoveryTransport`` bound to this replica group's store; any
+    other transport is refused (torchft's default serves the state over unauthenticated
+    HTTP and unpickles what it receives)."""
+    transport = manager._checkpoint_transport  # torchft 0.2.0's attribute
+    if not isinstance(transport, RecoveryTransport):
+        raise FaultToleranceError(
+            f"init_mesh(fault_tolerance=manager): the Manager recovers through "
+            f"{type(transport).__name__}; make it with checkpoint_transport="
+            f"hsdp.RecoveryTransport(pg, device_type) over its own pg "
+            f"(docs/guide/fault_tolerance.md, 'What recovery exposes')")
+    # an attempt (with the step it recovers): torchft's quorum (the same for the group's
+    # ranks) and the failed commits since the last one (a failed recovery fails the
+    # group's commit vote: +1 on every rank), so that a retry in the same quorum meets
+    # under new keys (torchft 0.2.0's attribute names)
+    transport.bind(lambda: f"{manager._quorum_id}/{manager._commit_failures}")
+    return manager

@@ -9,8 +9,10 @@ Every ``llama3_*`` config of ``torchtitan.models.llama3.config_registry`` is ava
 here, with the model spec renamed ``hsdp_llama3`` and its ``parallelize_fn`` replaced.
 ``dp_replicate`` is hsdp's outer axis, ``dp_shard`` its inner one. The environment
 variables ``HSDP_STRATEGY`` (``hsdp`` | ``hfsdp``) and ``HSDP_OVERLAP_OUTER`` (1 | 0) pick
-the strategy. Gradients are sums over the DP ranks (``set_gradient_divide_factor(1.0)``,
-as torchtitan sets on FSDP2: it divides the loss by the global token count itself).
+the strategy; ``HSDP_OUTER_REDUCE`` (``none`` | ``int8`` | ``fp8_e4m3``, ``:BLOCK`` optional)
+the compressed outer reduction (docs/guide/slow_outer_links.md). Gradients are sums over
+the DP ranks (``set_gradient_divide_factor(1.0)``, as torchtitan sets on FSDP2: it
+divides the loss by the global token count itself).
 torchao float8 linears (torchtitan's float8 converter, or ``torchtitan_float8``'s with
 float8 all-gather) train under hsdp; other torchao modules (MX, NVFP4) are refused.
 """
@@ -37,20 +39,27 @@ from torchtitan.models.llama3 import config_registry as _llama3_configs
 from torchtitan.protocols.module import Module as TitanModule
 
 import hsdp
-from hsdp.checkpoint.dcp import load_state_dict_hook
+from hsdp.checkpoint.state_dicts import load_state_dict_hook
+from hsdp.sharding.policy import Strategy, parse_outer_reduce
 
 MODEL_NAME = "hsdp_llama3"
 
 
-def options_from_env() -> tuple[str, bool]:
-    """(strategy, overlap_outer) from ``HSDP_STRATEGY`` and ``HSDP_OVERLAP_OUTER``."""
-    strategy = os.environ.get("HSDP_STRATEGY", "hsdp")
-    if strategy not in ("hsdp", "hfsdp"):
-        raise ValueError(f"hsdp: HSDP_STRATEGY must be hsdp or hfsdp, got {strategy!r}")
+def options_from_env() -> tuple[Strategy, bool, hsdp.OuterReduce | None]:
+    """(strategy, overlap_outer, outer_reduce) from ``HSDP_STRATEGY``,
+    ``HSDP_OVERLAP_OUTER`` and ``HSDP_OUTER_REDUCE``."""
+    try:
+        strategy = Strategy.parse(os.environ.get("HSDP_STRATEGY", "hsdp"))
+    except ValueError as e:
+        raise ValueError(f"hsdp: HSDP_STRATEGY: {e}") from None
     overlap = os.environ.get("HSDP_OVERLAP_OUTER", "1")
     if overlap not in ("0", "1"):
         raise ValueError(f"hsdp: HSDP_OVERLAP_OUTER must be 0 or 1, got {overlap!r}")
-    return strategy, overlap == "1"
+    try:
+        outer_reduce = parse_outer_reduce(os.environ.get("HSDP_OUTER_REDUCE", "none"))
+    except ValueError as e:
+        raise ValueError(f"hsdp: HSDP_OUTER_REDUCE: {e}") from None
+    return strategy, overlap == "1", outer_reduce
 
 
 def _check_supported(model: nn.Module, parallel_dims: ParallelDims, training: TrainingConfig,
@@ -101,22 +110,24 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
                       training: TrainingConfig, parallelism: ParallelismConfig,
                       compile_config: CompileConfig,
                       ac_config: ActivationCheckpointingConfig | None, dump_folder: str,
-                      strategy: str | None = None,
-                      overlap_outer: bool | None = None) -> nn.Module:
+                      strategy: Strategy | str | None = None,
+                      overlap_outer: bool | None = None,
+                      outer_reduce: hsdp.OuterReduce | str | None = None) -> nn.Module:
     """torchtitan's ``parallelize_llama`` with hsdp in place of ``apply_fsdp_to_decoder``:
     torchtitan's own TP plan (the model's ``parallelize`` on its "tp" mesh, when
     ``tensor_parallel_degree > 1``), activation checkpointing and per-block compile as
     torchtitan applies them, then one
     hsdp unit per block (and one for the embedding unless it is tied to the output), the
-    norm and output head in the root's. ``strategy`` / ``overlap_outer``: default from
-    the environment (``options_from_env``)."""
+    norm and output head in the root's. ``strategy`` / ``overlap_outer`` /
+    ``outer_reduce``: default from the environment (``options_from_env``)."""
     _check_supported(model, parallel_dims, training, parallelism)
     if any(_is_float8_linear(m) for m in model.modules()):
         from hsdp.integrations.torchtitan_float8 import wrap_float8_all_gather_weights
 
         wrap_float8_all_gather_weights(model)
-    env_strategy, env_overlap = options_from_env()
-    strategy = strategy or env_strategy
+    env_strategy, env_overlap, env_outer_reduce = options_from_env()
+    strategy = Strategy.parse(strategy or env_strategy)
+    outer_reduce = outer_reduce or env_outer_reduce
     overlap_outer = env_overlap if overlap_outer is None else overlap_outer
     if parallel_dims.tp_enabled:
         model.parallelize(parallel_dims)
@@ -131,7 +142,7 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
                              reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
                              cast_forward_inputs=False)
     shard = functools.partial(hsdp.fully_shard, mesh=mesh, strategy=strategy, mp_policy=mp,
-                              overlap_outer=overlap_outer)
+                              overlap_outer=overlap_outer, outer_reduce=outer_reduce)
     policy = parallelism.fsdp_reshard_after_forward
     reshard = get_fsdp_reshard_after_forward_policy(policy, pp_enabled=False)
     if model.tok_embeddings is not None and not model.enable_weight_tying:

@@ -5,7 +5,7 @@ in milliseconds. An op's kind comes from its stream and label, with the runtime'
 
 - stream ``"compute"``: compute (kernels, or on CPU the compute thread while not waiting);
 - otherwise the communicator of the op table's label the op's label starts with
-  (``hsdp.runtime.ops``: ``"OUTER_AR"`` / ``"OUTER_RS"`` / ``"OUTER_AG"``: outer;
+  (``hsdp.streams.op_table``: ``"OUTER_AR"`` / ``"OUTER_RS"`` / ``"OUTER_AG"``: outer;
   ``"AG"``: inner_ag; ``"RS"``: inner_rs);
 - anything else (e.g. ``"drain"``, ``"FREE"``): ``"other"``, counted per stream but in no
   kind.
@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from hsdp.mesh import COMMUNICATORS
-from hsdp.runtime.ops import OPS, communicator_of
-from hsdp.runtime.ops import OUTER_REDUCTIONS as OUTER_REDUCTION_KINDS
+from hsdp.streams.op_table import OPS, communicator_of
+from hsdp.streams.op_table import OUTER_REDUCTIONS as OUTER_REDUCTION_KINDS
+from hsdp.topology.communicators import COMMUNICATORS
 
 Span = tuple[float, float]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hsdp.report.metrics import OP_KINDS, Interval, op_kind
-from hsdp.runtime.streams import STREAM_NAMES
+from hsdp.streams.contract import STREAM_NAMES
 
 # One colour per communicator of the op table (``OP_KINDS``), in its order.
 _PALETTE = ("#4c72b0", "#55a868", "#dd8452", "#c44e52", "#8c8c8c")

@@ -11,15 +11,15 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 
-from hsdp.policy import MixedPrecision
 from hsdp.runtime.hooks import in_backward, outside_root
 from hsdp.runtime.runtime import Runtime
 from hsdp.runtime.state import Phase
-from hsdp.runtime.stream_set import Streams
-from hsdp.runtime.streams import Tracer
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.group import ParamGroup, Slot
+from hsdp.sharding.policy import MixedPrecision
 from hsdp.sharding.reductions import ENTRY_POINTS
+from hsdp.streams.contract import Tracer
+from hsdp.streams.stream_set import Streams
 
 
 class Unit:
@@ -117,11 +117,11 @@ class Unit:
                 raise RuntimeError(outside_root(self))
             _refuse_meta_run(module, args, kwargs)
             Runtime(self)
-        return self.runtime._pre_forward(self, args, kwargs)
+        return self.runtime.pre_forward(self, args, kwargs)
 
     @torch.compiler.disable
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
-        return self.runtime._post_forward(self, output)
+        return self.runtime.post_forward(self, output)
 
     @torch.compiler.disable
     def _forward_failed_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from hsdp.sharding.layout import boxes
-from hsdp.sharding.tp import TPBlock, block_of
+from hsdp.sharding.tp_blocks import TPBlock, block_of
 
 
 class Chunks:

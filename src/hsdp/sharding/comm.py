@@ -54,15 +54,16 @@ def fake_all_gather_args(out: torch.Tensor,
 
 
 class Collectives:
-    """all-gather / reduce-scatter / all-reduce with SUM or average."""
+    """all-gather / reduce-scatter / all-reduce with SUM or average, all-to-all."""
 
     def __init__(self) -> None:
         self._backend = BackendNames()
 
     def before(self, kind: str, axis: str, nbytes: int, group_size: int) -> None:
         """Called ahead of each collective with other ranks: ``kind`` ("all_gather",
-        "reduce_scatter", "all_reduce") on mesh ``axis`` over ``group_size`` ranks, of a
-        full buffer of ``nbytes``. A real collective needs nothing; tools override it."""
+        "reduce_scatter", "all_reduce", "all_to_all") on mesh ``axis`` over ``group_size``
+        ranks, of a full buffer of ``nbytes``. A real collective needs nothing; tools
+        override it."""
 
     def _reduction(self, avg: bool, group: dist.ProcessGroup, t: torch.Tensor,
                    n: int) -> tuple[dist.ReduceOp, int]:
@@ -87,6 +88,16 @@ class Collectives:
         if self._backend(group, out) == "fake":
             out, inp = fake_all_gather_args(out, inp)
         torch_all_gather(out, inp, group=group)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
+                   axis: str) -> None:
+        """``out``'s row r = rank r's row ``rank`` of ``inp`` (both ``[n, ...]``)."""
+        n = dist.get_world_size(group)
+        if n == 1:
+            out.copy_(inp)
+            return
+        self.before("all_to_all", axis, inp.numel() * inp.element_size(), n)
+        dist.all_to_all_single(out, inp, group=group)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
                        group: dist.ProcessGroup, axis: str, avg: bool = False) -> None:

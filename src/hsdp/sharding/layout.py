@@ -17,7 +17,7 @@ ALIGN_ELEMS = 16
 
 
 @dataclass(frozen=True)
-class Piece:
+class ParamSpan:
     """The part of parameter ``index`` that falls into a range of the flat buffer."""
 
     index: int
@@ -80,12 +80,12 @@ class FlatLayout:
             lo += outer_rank * self.chunk_numel
         return lo, lo + self.chunk_numel
 
-    def pieces(self, lo: int, hi: int) -> list[Piece | None]:
+    def pieces(self, lo: int, hi: int) -> list[ParamSpan | None]:
         """For each parameter, its overlap with ``[lo, hi)`` (None where there is none)."""
-        out: list[Piece | None] = []
+        out: list[ParamSpan | None] = []
         for i, (off, n) in enumerate(zip(self.offsets, self.numels)):
             a, b = max(off, lo), min(off + n, hi)
-            out.append(Piece(i, a - off, b - a, a - lo) if a < b else None)
+            out.append(ParamSpan(i, a - off, b - a, a - lo) if a < b else None)
         return out
 
     def segments(self) -> list[tuple[int, int | None]]:

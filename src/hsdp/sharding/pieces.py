@@ -34,11 +34,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from hsdp.mesh import registered_groups
 from hsdp.sharding.chunks import Chunks, attach_chunks
 from hsdp.sharding.local_ops import ELEMENTWISE, READS, on_locals
 from hsdp.sharding.reductions import DECLINED, SPECIAL, special
-from hsdp.sharding.tp import block_of
+from hsdp.sharding.tp_blocks import block_of
 from hsdp.sharding.write_guard import (
     DATA,
     PENDING,
@@ -47,6 +46,7 @@ from hsdp.sharding.write_guard import (
     direct,
     written,
 )
+from hsdp.topology.communicators import registered_groups
 
 
 def placements(shard_outer: bool, tp: Placement | None = None) -> tuple:
@@ -123,7 +123,7 @@ class Piece(DTensor):
             if getattr(func, "__self__", None) is DATA:
                 group = getattr(args[0], "_hsdp_group", None)
                 if group is not None:  # writes through .data bump no version counter
-                    group.mark_written()
+                    group.gather.mark_written()
             if PENDING.data:  # (``len(PENDING)`` is a Python call)
                 before_write(written(func, args, kwargs))
             if func in ELEMENTWISE and not (torch.is_grad_enabled() and any_requires_grad(

@@ -17,17 +17,17 @@ import dataclasses
 import json
 from pathlib import Path
 
-from hsdp.mesh import COMMUNICATORS
 from hsdp.models import PRESETS, preset
-from hsdp.policy import STRATEGIES
 from hsdp.report.args import DTYPES, parse_mesh
 from hsdp.report.table import print_table
+from hsdp.sharding.policy import Strategy
 from hsdp.sim.calibrate import calibrate
 from hsdp.sim.costs import CostModel
 from hsdp.sim.engine import Setup, SimResult, simulate
 from hsdp.sim.fabric import Fabric, Link
 from hsdp.sim.profile import MachineProfile, calibrate_profile
 from hsdp.sim.sweep import parse_sweep, print_sweep, run_sweep
+from hsdp.topology.communicators import COMMUNICATORS
 
 # (overlapped, serialized) schedule names per strategy, as in ``bench step``
 SCHEDULE_NAMES = {"hsdp": ("overlap", "serial"), "hfsdp": ("hfsdp", "hfsdp-serial")}
@@ -47,10 +47,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="microbatches per step (outer reduction on the last only)")
     p.add_argument("--mesh", type=parse_mesh, default=(16, 8), help="OUTERxINNER (16x8)")
     p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel ranks per data-parallel rank (llama; hsdp.sim.tp): "
+                   help="tensor-parallel ranks per data-parallel rank (llama; "
+                        "hsdp.sim.tp_pricing): "
                         "its collectives priced on compute; with tp filling a node the inner "
                         "group crosses nodes (set --inner-gbps to match)")
-    p.add_argument("--strategy", choices=STRATEGIES, default="hsdp")
+    p.add_argument("--strategy", choices=[s.value for s in Strategy], default="hsdp")
+    p.add_argument("--outer-reduce", default="none", metavar="DTYPE[:BLOCK]",
+                   help="compressed outer reduction: none, int8 or fp8_e4m3 (sweep key "
+                        "outer_reduce=none,int8 compares them)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameter dtype")
     p.add_argument("--float8", action="store_true",
                    help="torchao float8 linears (tensorwise, float8 all-gather on: 1 byte "
@@ -126,7 +130,8 @@ def resolve(args: argparse.Namespace) -> tuple[Setup, CostModel]:
         outer, inner = args.mesh
         setup = Setup(preset(args.model, **overrides), outer, inner, args.strategy, True,
                       args.microbatches, args.mbs, args.dtype, args.reduce_dtype,
-                      tp=args.tp, tp_gbps=args.tp_gbps, float8=args.float8)
+                      tp=args.tp, tp_gbps=args.tp_gbps, float8=args.float8,
+                      outer_reduce=args.outer_reduce)
         fabric = Fabric(Link(args.inner_gbps, args.latency_us),
                         Link(args.outer_gbps, args.latency_us))
         costs = CostModel(fabric, args.tflops, args.mem_gbps, args.host_us_per_op,
@@ -199,7 +204,7 @@ def meta(setup: Setup, costs: CostModel) -> dict:
             "num_params": model.num_params,
             "mesh": {"outer": setup.outer, "inner": setup.inner} | (
                 {"tp": setup.tp, "tp_gbps": setup.tp_gbps} if setup.tp > 1 else {}),
-            "strategy": setup.strategy,
+            "strategy": setup.strategy, "outer_reduce": setup.outer_reduce,
             "costs": {**dataclasses.asdict(costs)}}
 
 
@@ -217,7 +222,8 @@ def describe(m: dict) -> str:
             f"seq {model['seq']}, mbs {model['mbs']} x {model['microbatches']} microbatches, "
             f"{model['dtype']}{' + float8' if model.get('float8') else ''} / reduce "
             f"{model['reduce_dtype']}; mesh {shape}, {m['strategy']}; {c['tflops']:.0f} "
-            f"TFLOP/s, {c['mem_gbps']:g} GB/s, {host}; inner {f['inner']['bus_gbps']:g} GB/s, "
+            f"TFLOP/s, {c['mem_gbps']:g} GB/s, {host}; outer reduction "
+            f"{m.get('outer_reduce', 'none')}; inner {f['inner']['bus_gbps']:g} GB/s, "
             f"outer {f['outer']['bus_gbps']:g} GB/s, {f['inner']['latency_us']:g} us")
 
 

@@ -1,7 +1,7 @@
 """The simulator's virtual clock: streams that record a ``Program`` instead of running
 anything, and its evaluation on a virtual clock.
 
-``VirtualBackend`` plugs into the runtime's ``Streams`` (``hsdp.runtime.stream_set``): every call of
+``VirtualBackend`` plugs into the runtime's ``Streams`` (``hsdp.streams.stream_set``): every call of
 the schedule is appended to a ``Program`` (a side op's ``fn`` runs at once, on meta
 tensors, and reports its collectives' sizes), which ``Program.evaluate`` then times with
 a cost model (``evaluate_ranks``: every rank at once). The schedule code is the same as
@@ -15,8 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hsdp.runtime.stream_set import Streams
-from hsdp.runtime.streams import (
+from hsdp.streams.contract import (
     STREAM_NAMES,
     ComputeStream,
     Event,
@@ -25,6 +24,7 @@ from hsdp.runtime.streams import (
     StreamBackend,
     Tracer,
 )
+from hsdp.streams.stream_set import Streams
 
 
 @dataclass(slots=True)

@@ -30,16 +30,16 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils.flop_counter import flop_registry
 
 import hsdp
-from hsdp.mesh import axis_groups
 from hsdp.models import LlamaConfig, ModelConfig, build_model, lm_loss, shard_units
-from hsdp.policy import check_strategy
 from hsdp.report.args import DTYPES
 from hsdp.report.metrics import Interval, step_metrics
 from hsdp.sharding.comm import Collectives
+from hsdp.sharding.policy import Strategy, parse_outer_reduce
 from hsdp.sim.clock import Program, virtual_streams
 from hsdp.sim.costs import CostModel
 from hsdp.sim.fabric import Link
-from hsdp.sim.tp import tp_pricer
+from hsdp.sim.tp_pricing import tp_pricer
+from hsdp.topology.mesh_dims import axis_groups
 
 
 @dataclass(frozen=True)
@@ -57,20 +57,22 @@ class Setup:
     reduce_dtype: str = "fp32"
     device: str = "meta"  # where the model is built (meta: no memory, no compute)
     # tensor parallelism: tp ranks per data-parallel rank, TP collectives on a link of
-    # tp_gbps bus GB/s (and the fabric's inner latency); see hsdp.sim.tp
+    # tp_gbps bus GB/s (and the fabric's inner latency); see hsdp.sim.tp_pricing
     tp: int = 1
     tp_gbps: float = 370.0
     float8: bool = False  # torchao float8 linears (tensorwise), float8 all-gather on
+    outer_reduce: str = "none"  # the compressed outer reduction: "int8", "fp8_e4m3[:block]"
 
     def __post_init__(self) -> None:
-        check_strategy(self.strategy)
+        Strategy.parse(self.strategy)
+        parse_outer_reduce(self.outer_reduce)  # raises on a bad one
         if min(self.outer, self.inner, self.microbatches, self.mbs) < 1:
             raise ValueError("sim: outer, inner, microbatches and mbs must be >= 1")
         if self.tp < 1 or (self.tp > 1 and not isinstance(self.model, LlamaConfig)):
             raise ValueError(f"sim: tp={self.tp}: tp must be >= 1, and tp > 1 needs a llama "
-                             f"model (the TP plan of hsdp.sim.tp)")
+                             f"model (the TP plan of hsdp.sim.tp_pricing)")
         if self.float8 and self.tp > 1:
-            raise ValueError("sim: float8 with tp > 1 is not modelled (hsdp.sim.tp prices "
+            raise ValueError("sim: float8 with tp > 1 is not modelled (hsdp.sim.tp_pricing prices "
                              "bf16 TP collectives); simulate them apart")
         for d in (self.dtype, self.reduce_dtype):
             if d not in DTYPES:
@@ -280,7 +282,8 @@ def shard(model: torch.nn.Module, mesh: DeviceMesh, setup: Setup,
     with ``setup``'s strategy; returns stable names for the units' labels (the root: the
     model class; Embed, Block<i>, Head)."""
     kw = dict(mesh=mesh, strategy=setup.strategy, mp_policy=mp,
-              overlap_outer=setup.overlap_outer)
+              overlap_outer=setup.overlap_outer,
+              outer_reduce=parse_outer_reduce(setup.outer_reduce))
     for unit, reshard in shard_units(model):
         hsdp.fully_shard(unit, reshard_after_forward=reshard, **kw)
     hsdp.fully_shard(model, **kw)

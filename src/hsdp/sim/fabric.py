@@ -3,8 +3,9 @@
 Used to emulate collective durations on one GPU (``bench step --emulate``) and by the
 simulator. Times follow the nccl-tests bus-bandwidth convention: for a group of ``n``
 ranks and a full buffer of ``nbytes`` (the gathered output of an all-gather, the input of
-a reduce-scatter, the buffer of an all-reduce), a ring moves ``(n-1)/n * nbytes`` per rank
-for all-gather / reduce-scatter and twice that for all-reduce.
+a reduce-scatter, the buffer of an all-reduce, the input of an all-to-all), a ring moves
+``(n-1)/n * nbytes`` per rank for all-gather / reduce-scatter / all-to-all and twice that
+for all-reduce.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 AXES = ("inner", "outer")
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
 @dataclass(frozen=True)

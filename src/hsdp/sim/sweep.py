@@ -12,20 +12,20 @@ import dataclasses
 import itertools
 from pathlib import Path
 
-from hsdp.mesh import COMMUNICATORS
-from hsdp.policy import STRATEGIES
 from hsdp.report.args import DTYPES
 from hsdp.report.table import print_table
-from hsdp.runtime.ops import OPS, OpKind
+from hsdp.sharding.policy import Strategy, parse_outer_reduce
 from hsdp.sim.costs import CostModel
 from hsdp.sim.engine import Setup, SimResult, evaluate, record
 from hsdp.sim.fabric import Link
+from hsdp.streams.op_table import OPS, OpKind
+from hsdp.topology.communicators import COMMUNICATORS
 
 # key -> (parser, applies to the recording (True) or only to the fabric (False))
 KEYS = {
     "nodes": (int, True), "inner": (int, True), "seq": (int, True), "mbs": (int, True),
     "microbatches": (int, True), "reduce": (str, True), "strategy": (str, True),
-    "outer_gbps": (float, False), "inner_gbps": (float, False),
+    "outer_reduce": (str, True), "outer_gbps": (float, False), "inner_gbps": (float, False),
 }
 PAYS_PCT = 1.0  # a saving of at least this share of the serialized step "pays"
 MARGINAL_PCT = 0.2
@@ -46,11 +46,20 @@ def parse_sweep(items: list[str]) -> dict[str, list]:
         if not grid[key]:
             raise ValueError(f"bad --sweep item {item!r}: no values")
         bad = [v for v in grid[key] if (key == "reduce" and v not in DTYPES)
-               or (key == "strategy" and v not in STRATEGIES)
+               or (key == "strategy" and v not in {s.value for s in Strategy})
+               or (key == "outer_reduce" and not _outer_reduce_ok(v))
                or (KEYS[key][0] is not str and v <= 0)]
         if bad:
             raise ValueError(f"bad --sweep values for {key}: {bad}")
     return grid
+
+
+def _outer_reduce_ok(text: str) -> bool:
+    try:
+        parse_outer_reduce(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _setup(base: Setup, point: dict) -> Setup:
@@ -58,7 +67,7 @@ def _setup(base: Setup, point: dict) -> Setup:
     if "seq" in point:
         model = dataclasses.replace(model, seq=point["seq"])
     changes = {"nodes": "outer", "inner": "inner", "mbs": "mbs", "microbatches": "microbatches",
-               "reduce": "reduce_dtype", "strategy": "strategy"}
+               "reduce": "reduce_dtype", "strategy": "strategy", "outer_reduce": "outer_reduce"}
     return dataclasses.replace(base, model=model, **{changes[k]: v for k, v in point.items()
                                                       if k in changes})
 
@@ -96,6 +105,7 @@ def _describe(base: Setup, costs: CostModel) -> dict:
             "tp": base.tp, "strategy": base.strategy, "microbatches": base.microbatches,
             "mbs": base.mbs,
             "dtype": base.dtype, "reduce_dtype": base.reduce_dtype,
+            "outer_reduce": base.outer_reduce,
             "costs": dataclasses.asdict(costs)}
 
 

@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hsdp.runtime.streams import (
+from hsdp.ft.errors import FaultToleranceError
+from hsdp.streams.contract import (
     POLL_S,
     ComputeStream,
     Event,
@@ -44,6 +45,8 @@ class ThreadEvent(Event):
 
     def synchronize(self) -> None:
         self._done.wait()
+        if isinstance(self.error, FaultToleranceError):
+            raise self.error  # hsdp's own verdict (e.g. lost progress), already clear
         if self.error is not None:
             raise StreamFailure(
                 f"hsdp: {self.label or 'an operation'} on a communication stream failed: "

@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from hsdp.mesh import forget_world, longest_timeout, on_first_use
-from hsdp.runtime.stream_set import quiesce_all
+from hsdp.streams.stream_set import quiesce_all
+from hsdp.topology.communicators import forget_world, longest_timeout, on_first_use
 
 _BEFORE: list[Callable[[], None]] = []
 

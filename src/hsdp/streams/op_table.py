@@ -23,6 +23,8 @@ class OpKind(Enum):
     REDUCE_SCATTER = "inner reduce-scatter of a group's gradients"
     OUTER_ALL_REDUCE = "hsdp: outer all-reduce of the inner shard's gradients"
     OUTER_REDUCE_SCATTER = "hfsdp: outer reduce-scatter of the inner shard's gradients"
+    OUTER_Q_ALL_REDUCE = "hsdp, outer_reduce: compressed outer all-reduce (all-to-all + all-gather)"
+    OUTER_Q_REDUCE_SCATTER = "hfsdp, outer_reduce: compressed outer reduce-scatter (all-to-all)"
     OUTER_ALL_GATHER = "hfsdp: outer all-gather of the chunks the optimizer updated"
     FREE_ACCUM = "free of the inner gradient accumulation"
     FREE_GRAD_BUF = "hfsdp: free of the outer reduce-scatter's output"
@@ -48,6 +50,8 @@ def op_table(overlap_outer: bool) -> dict[OpKind, Op]:
         OpKind.REDUCE_SCATTER: Op("rs", "inner_rs", "RS"),
         OpKind.OUTER_ALL_REDUCE: Op(outer_reduction, "outer", "OUTER_AR"),
         OpKind.OUTER_REDUCE_SCATTER: Op(outer_reduction, "outer", "OUTER_RS"),
+        OpKind.OUTER_Q_ALL_REDUCE: Op(outer_reduction, "outer", "OUTER_QAR"),
+        OpKind.OUTER_Q_REDUCE_SCATTER: Op(outer_reduction, "outer", "OUTER_QRS"),
         OpKind.OUTER_ALL_GATHER: Op("outer", "outer", "OUTER_AG"),
         OpKind.FREE_ACCUM: Op("rs", None, "FREE_GRAD"),
         OpKind.FREE_GRAD_BUF: Op("outer", None, "FREE_GRAD"),
@@ -55,7 +59,8 @@ def op_table(overlap_outer: bool) -> dict[OpKind, Op]:
 
 
 OPS = op_table(overlap_outer=True)  # streams aside, every schedule's table is this one
-OUTER_REDUCTIONS = (OpKind.OUTER_ALL_REDUCE, OpKind.OUTER_REDUCE_SCATTER)
+OUTER_REDUCTIONS = (OpKind.OUTER_ALL_REDUCE, OpKind.OUTER_REDUCE_SCATTER,
+                    OpKind.OUTER_Q_ALL_REDUCE, OpKind.OUTER_Q_REDUCE_SCATTER)
 _BY_LABEL = sorted(((op.label, op.communicator) for op in OPS.values()),
                    key=lambda entry: -len(entry[0]))  # "OUTER_AG" before "OUTER"-less ones
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hsdp.sharding.layout import Piece
+from hsdp.sharding.layout import ParamSpan
 
 
 def float8_dtype(p: torch.Tensor) -> torch.dtype | None:
@@ -65,7 +65,7 @@ class Float8Weights:
         self._protos = [WeightWithDynamicFloat8CastTensor(
             torch.empty(0, device=p.device), p._linear_mm_config, dtype) for p in params]
         self._wrap = WeightWithDynamicFloat8CastTensor
-        # The group's version (``ParamGroup.version``) the scales were computed at; None:
+        # The group's version (``GroupBuffers.version``) the scales were computed at; None:
         # not yet (meta weights: no values).
         self.version: int | None = None
         if any(p.is_meta for p in params):
@@ -93,7 +93,7 @@ class Float8Weights:
         zero = torch.zeros((), dtype=torch.float32, device=pieces[0].device)
         return torch.stack([next(norms).float() if t.numel() else zero for t in pieces])
 
-    def cast(self, out: torch.Tensor, src: torch.Tensor, pieces: Sequence[Piece | None]
+    def cast(self, out: torch.Tensor, src: torch.Tensor, pieces: Sequence[ParamSpan | None]
              ) -> None:
         """``out[piece]`` = the float8 bytes of ``src[piece]`` for each weight's piece of
         the range both cover, by torchao's ``fsdp_pre_all_gather`` with the weight's

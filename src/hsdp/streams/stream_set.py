@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hsdp.runtime.cpu import ThreadBackend
-from hsdp.runtime.cuda import CudaBackend
-from hsdp.runtime.streams import SIDE_NAMES, ComputeStream, SideStream, StreamBackend, Tracer
+from hsdp.streams.contract import SIDE_NAMES, ComputeStream, SideStream, StreamBackend, Tracer
+from hsdp.streams.cpu_backend import ThreadBackend
+from hsdp.streams.cuda_backend import CudaBackend
 
 
 @dataclass

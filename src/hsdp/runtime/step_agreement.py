@@ -32,9 +32,9 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from hsdp.mesh import COMMUNICATORS
-from hsdp.runtime.ops import OPS, OpKind
-from hsdp.runtime.streams import Event
+from hsdp.streams.contract import Event
+from hsdp.streams.op_table import OPS, OpKind
+from hsdp.topology.communicators import COMMUNICATORS
 
 SLOW_S = 1.0  # an agreement waiting this long leaves a note for blocked peers
 _FIELDS = ("step", "forwards", "microbatches", *(f"{c} collectives" for c in COMMUNICATORS),

@@ -1,11 +1,12 @@
 """What a replica group that joins late or restarts receives from a live one.
 
-torchft's checkpoint transport pairs rank ``i`` of the recovering group with rank ``i`` of
-a live one: the same inner index, so the same shards. Each rank sends the local pieces of
-its parameters and of the optimizer's elementwise state (views, not copies: torchft stops
-serving them before the live group's next optimizer step), its buffers, the optimizer's
-hyperparameters and the LR scheduler's state; torchft adds its step counter. The receiver
-copies them into its own pieces, so its values equal the sender's bit for bit.
+hsdp's recovery transport (``ft/transport.py``) pairs rank ``i`` of the recovering group
+with rank ``i`` of a live one: the same inner index, so the same shards. Each rank sends
+the local pieces of its parameters and of the optimizer's elementwise state (views, not
+copies: the transport has sent them before the live group's next optimizer step), its
+buffers, the optimizer's hyperparameters and the LR scheduler's state; torchft adds its
+step counter. The receiver copies them into its own pieces, so its values equal the
+sender's bit for bit.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from hsdp.ft.outer import FaultToleranceError
-from hsdp.mesh import comm_groups
+from hsdp.ft.errors import FaultToleranceError
 from hsdp.sharding.pieces import Piece, piece_like
+from hsdp.topology.communicators import comm_groups
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

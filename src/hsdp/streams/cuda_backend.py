@@ -9,7 +9,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from hsdp.runtime.streams import (
+from hsdp.streams.contract import (
     ComputeStream,
     Event,
     OpRecord,

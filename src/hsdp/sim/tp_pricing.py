@@ -1,7 +1,7 @@
 """Tensor parallelism in ``hsdp sim``: the TP collectives of torch's Llama plan, priced as
 compute-stream work, and each rank's 1/tp of everything else.
 
-The plan is ``hsdp.bench.tp``'s (torchtitan's: sequence-parallel norms, colwise q/k/v and
+The plan is ``hsdp.bench.tp_plan``'s (torchtitan's: sequence-parallel norms, colwise q/k/v and
 w1/w3, rowwise wo/w2 into sequence shards). Per block and microbatch, with ``act`` the
 bytes of one whole activation (mbs x seq x hidden in the compute dtype), torch issues on
 the tp group, on the compute stream (each blocks compute while it runs):

@@ -1,0 +1,133 @@
+"""Loss curves of the exact and the compressed outer reduction on real collectives.
+
+``convergence_job`` runs inside a spawned world (gloo on CPU moves real data; torch's
+fake process group would not): for each mesh (outer x inner over the whole world), seed
+and run (``RUNS``: exact, int8 + error feedback, fp8 + error feedback, fp8 without),
+a small Llama trained with AdamW on learnable synthetic data, every rank on its own rows
+of one global batch. Returns, per (mesh, seed, run), the loss of every step (mean over
+the ranks). ``summarize`` turns that into the table of docs/benchmarks.md:
+final-loss mean per mesh and run (the mean of the last ``tail`` steps, over seeds),
+beside the exact runs' own spread over seeds.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import hsdp
+from hsdp.models import LlamaConfig, build_model, lm_loss
+
+MODEL = LlamaConfig(vocab=128, hidden=64, heads=4, kv_heads=2, ffn=128, layers=2, seq=32)
+ROWS_PER_RANK = 2
+LR = 3e-3
+# name -> fully_shard's outer_reduce (block 64: the model's groups are small)
+RUNS: dict[str, hsdp.OuterReduce | None] = {
+    "exact": None,
+    "int8+EF": hsdp.OuterReduce("int8", block=64),
+    "fp8+EF": hsdp.OuterReduce("fp8_e4m3", block=64),
+    "fp8 no EF": hsdp.OuterReduce("fp8_e4m3", block=64, error_feedback=False),
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    meshes: tuple[tuple[int, int, str], ...]  # (outer, inner, strategy)
+    seeds: tuple[int, ...]
+    runs: tuple[str, ...]
+    steps: int
+
+
+def _batch(step: int, seed: int, rows: int) -> torch.Tensor:
+    """One global batch of walks on a fixed random successor table (next token = the
+    table's entry with probability 0.8, else uniform): learnable, with a floor."""
+    table = torch.randperm(MODEL.vocab, generator=torch.Generator().manual_seed(1234))
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    walks = torch.empty(rows, MODEL.seq, dtype=torch.long)
+    walks[:, 0] = torch.randint(MODEL.vocab, (rows,), generator=g)
+    follow = torch.rand(rows, MODEL.seq, generator=g) < 0.8
+    noise = torch.randint(MODEL.vocab, (rows, MODEL.seq), generator=g)
+    for t in range(1, MODEL.seq):
+        walks[:, t] = torch.where(follow[:, t], table[walks[:, t - 1]], noise[:, t])
+    return walks
+
+
+def train(mesh: object, strategy: str, seed: int, outer_reduce: hsdp.OuterReduce | None,
+          steps: int) -> list[float]:
+    """Loss per step (mean over every rank) of one run."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    model = build_model(MODEL)
+    for block in model.blocks:  # units: each block, the root (embedding, head)
+        hsdp.fully_shard(block, mesh=mesh, strategy=strategy, outer_reduce=outer_reduce)
+    hsdp.fully_shard(model, mesh=mesh, strategy=strategy, outer_reduce=outer_reduce)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    losses = []
+    rows = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    for step in range(steps):
+        tokens = _batch(step, seed, world * ROWS_PER_RANK)[rows]
+        loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    hsdp.synchronize(model)
+    return losses
+
+
+def convergence_job(rank: int, world: int, plan: Plan,
+                    on_run: Callable[[str, list[float]], None] | None = None
+                    ) -> dict[str, list[float]]:
+    """Every (mesh, seed, run) of ``plan`` in this world; keys "4x2 hsdp/seed0/int8+EF".
+    ``on_run(key, losses)`` is called after each run."""
+    out = {}
+    for outer, inner, strategy in plan.meshes:
+        mesh = hsdp.init_mesh(outer, inner, "cpu")
+        for seed in plan.seeds:
+            for run in plan.runs:
+                key = f"{outer}x{inner} {strategy}/seed{seed}/{run}"
+                out[key] = train(mesh, strategy, seed, RUNS[run], plan.steps)
+                if on_run is not None:
+                    on_run(key, out[key])
+    return out
+
+
+def final_losses(curves: dict[str, list[float]], tail: int) -> dict[tuple[str, str], list]:
+    """(mesh, run) -> the final loss (mean of the last ``tail`` steps) of each seed."""
+    out: dict[tuple[str, str], list[float]] = {}
+    for key, losses in curves.items():
+        mesh, _, run = key.split("/")
+        out.setdefault((mesh, run), []).append(statistics.fmean(losses[-tail:]))
+    return out
+
+
+def _curve_gap(curves: dict[str, list[float]], mesh: str, run: str) -> float:
+    """The largest |loss - exact loss| of one step, over the seeds and steps of ``run``."""
+    gaps = [max(abs(a - b) for a, b in zip(losses, curves[key.rsplit("/", 1)[0] + "/exact"]))
+            for key, losses in curves.items() if key.startswith(mesh + "/")
+            and key.endswith("/" + run)]
+    return max(gaps)
+
+
+def summarize(curves: dict[str, list[float]], tail: int = 20) -> list[dict]:
+    """One row per (mesh, run): final-loss mean and spread over seeds, its difference to
+    the exact runs' mean, the exact runs' spread over seeds, and the largest gap of one
+    step's loss to the exact run of the same seed."""
+    finals = final_losses(curves, tail)
+    rows = []
+    for (mesh, run), values in finals.items():
+        exact = finals[(mesh, "exact")]
+        spread = max(exact) - min(exact)
+        mean = statistics.fmean(values)
+        rows.append({"mesh": mesh, "run": run, "seeds": len(values), "final_mean": mean,
+                     "final_min": min(values), "final_max": max(values),
+                     "exact_spread": spread,
+                     "vs_exact": mean - statistics.fmean(exact),
+                     "max_step_gap": _curve_gap(curves, mesh, run)})
+    return rows

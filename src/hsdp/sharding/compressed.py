@@ -1,0 +1,121 @@
+"""The compressed outer reduction of one parameter group, and its error-feedback residual.
+
+Runs where the exact outer reduction runs (the op table's ``OUTER_QAR`` / ``OUTER_QRS``:
+the outer stream and communicator). Over ``n`` outer ranks, on the inner shard ``x``:
+
+- reduce-scatter (hfsdp's, and the first half of hsdp's all-reduce): ``x`` plus the
+  residual is cut into ``n`` rows (``quant.Rows``), quantized blockwise, exchanged with one
+  all-to-all; each rank dequantizes the ``n`` rows it received and sums them in fp32 (then
+  divides by ``n`` for a mean: gloo has no AVG, and NCCL's would not see fp32 sums);
+- hsdp's all-reduce goes on with an all-gather of every rank's reduced row, quantized
+  again; every rank (the row's owner too) uses the dequantized rows, so the replicas'
+  gradients stay identical.
+
+Bytes per rank on the outer link, ``S`` elements: ``(n-1)/n * S * (1 + 4/block)`` for the
+reduce-scatter, twice that for the all-reduce (bf16's ring all-reduce: ``4 (n-1)/n S``).
+
+Error feedback: what the first quantization dropped stays in this rank's residual; what
+the second (hsdp) dropped from the row this rank owns is added to its residual's row too,
+times ``n`` for a mean (the row's next reduction divides it by ``n`` again), so every
+dropped bit re-enters the next step's reduction once. The new residual replaces the old
+one only when the step's gradients are handed to the optimizer (``commit``); an abandoned
+step (and its replayed collectives) leaves it unchanged (``drop``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hsdp.sharding.comm import Collectives
+from hsdp.sharding.policy import OuterReduce
+from hsdp.sharding.quant import Rows, dequantize, dequantize_sum, quantize
+
+
+class CompressedOuter:
+    """Compressed outer reduce-scatter / all-reduce of a group's ``numel``-element inner
+    shard over ``n`` outer ranks; owns the residual (fp32, ``numel`` elements padded to
+    whole blocks per row)."""
+
+    def __init__(self, config: OuterReduce, numel: int, n: int, rank: int,
+                 device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.rows = Rows(numel, n, config.block)
+        self.rank = rank
+        self.residual: torch.Tensor | None = None  # [n, m]; None: zeros
+        self._next: torch.Tensor | None = None  # this step's, until commit
+
+    def _quantize(self, x: torch.Tensor) -> torch.Tensor:
+        return quantize(x, self.config.dtype, self.config.block)
+
+    def _dequantize(self, packed: torch.Tensor) -> torch.Tensor:
+        return dequantize(packed, self.config.dtype, self.config.block, self.rows.m)
+
+    def _scatter(self, coll: Collectives, src: torch.Tensor, group: dist.ProcessGroup,
+                 avg: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(this rank's reduced row, fp32 ``[m]``; with error feedback the quantization
+        error rows, else None)."""
+        feedback = self.config.error_feedback
+        x = self.rows.split(src)
+        if feedback and self.residual is not None:
+            x.add_(self.residual)
+        packed = self._quantize(x)
+        received = torch.empty_like(packed)
+        coll.all_to_all(received, packed, group, "outer")
+        if feedback:
+            x.sub_(self._dequantize(packed))  # what this quantization dropped
+        reduced = dequantize_sum(received, self.config.dtype, self.config.block, self.rows.m)
+        if avg:
+            reduced.div_(self.rows.n)
+        return reduced, x if feedback else None
+
+    def reduce_scatter(self, coll: Collectives, out: torch.Tensor, src: torch.Tensor,
+                       group: dist.ProcessGroup, avg: bool) -> None:
+        """``out`` (this rank's row, ``c`` elements) = sum (``avg``: mean) over the outer
+        ranks of ``src``'s rows, each quantized."""
+        reduced, error = self._scatter(coll, src, group, avg)
+        out.copy_(reduced[:out.numel()])
+        self._keep(error)
+
+    def all_reduce(self, coll: Collectives, out: torch.Tensor, src: torch.Tensor,
+                   group: dist.ProcessGroup, avg: bool) -> None:
+        """``out`` = sum (``avg``: mean) over the outer ranks of ``src``: the quantized
+        reduce-scatter, then an all-gather of the reduced rows, quantized again."""
+        reduced, error = self._scatter(coll, src, group, avg)
+        mine = self._quantize(reduced.unsqueeze(0))
+        gathered = torch.empty(self.rows.n, self.rows.packed, dtype=torch.uint8,
+                               device=mine.device)
+        coll.all_gather(gathered.view(-1), mine.view(-1), group, "outer")
+        rows = self._dequantize(gathered)
+        if error is not None:
+            error[self.rank].add_(reduced.sub_(rows[self.rank]),
+                                  alpha=float(self.rows.n) if avg else 1.0)
+        self.rows.join_into(out, rows)
+        self._keep(error)
+
+    def _keep(self, error: torch.Tensor | None) -> None:
+        self._next = error
+
+    def commit(self) -> None:
+        """The step's gradients went to the optimizer: its residual becomes the state."""
+        if self._next is not None:
+            self.residual, self._next = self._next, None
+
+    def drop(self) -> None:
+        """The step was abandoned: keep the residual it started from."""
+        self._next = None
+
+    def residual_flat(self) -> torch.Tensor:
+        """The residual over the inner shard (``numel`` fp32 elements; zeros if none)."""
+        if self.residual is None:
+            return torch.zeros(self.rows.numel, dtype=torch.float32, device=self.device)
+        return self.rows.join(self.residual).clone()
+
+    def load_residual(self, flat: torch.Tensor | None) -> None:
+        """Set the residual from ``residual_flat``'s form (None: zeros)."""
+        self._next = None
+        if flat is None or not self.config.error_feedback:
+            self.residual = None
+            return
+        self.residual = self.rows.split(flat.to(self.device, torch.float32))

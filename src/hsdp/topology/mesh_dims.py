@@ -1,0 +1,69 @@
+"""The mesh's dims: hsdp's names ("outer", "inner"[, "tp"]), the meshes FSDP2 and
+torchtitan users bring (1-D, or torchtitan's (replicate, shard) names) taken as hsdp's,
+and the check every mesh passes."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+DIM_NAMES = ("outer", "inner")
+TP_DIM_NAMES = (*DIM_NAMES, "tp")
+# torchtitan's names for the same two dims (replicate, shard), with and without context parallel
+TORCHTITAN_DIM_NAMES = (("dp_replicate", "dp_shard"), ("dp_replicate", "dp_shard_cp"))
+
+
+_RENAMED: dict[tuple, DeviceMesh] = {}  # as_hsdp_mesh's meshes, by the user's mesh
+
+
+def axis_groups(outer: int, inner: int) -> dict[str, list[list[int]]]:
+    """The ranks of each axis's groups on ``init_mesh``'s layout (rank ``o * inner +
+    i``): ``"outer"``, one group per inner index; ``"inner"``, one per outer index."""
+    return {"outer": [[o * inner + i for o in range(outer)] for i in range(inner)],
+            "inner": [[o * inner + i for i in range(inner)] for o in range(outer)]}
+
+
+_KEYS: weakref.WeakKeyDictionary[DeviceMesh, tuple] = weakref.WeakKeyDictionary()
+
+
+def mesh_key(mesh: DeviceMesh) -> tuple:
+    """A mesh's identity: device type, ranks and shape; read once per mesh (reading a
+    DeviceMesh's ranks takes about a millisecond on torch 2.13, and ``Piece._hsdp_groups``
+    asks)."""
+    key = _KEYS.get(mesh)
+    if key is None:
+        key = _KEYS[mesh] = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()),
+                             tuple(mesh.mesh.shape))
+    return key
+
+
+def as_hsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """hsdp's ("outer", "inner") mesh for a mesh as FSDP2 takes it: a 2-D mesh with
+    torchtitan's dim names (replicate, shard) -> the same ranks as (outer, inner); a 1-D
+    mesh (FSDP2: shard over all of it) -> outer=1, inner=its size. Others are returned
+    as they are (``check_mesh`` judges them). Collective the first time per mesh."""
+    names = tuple(mesh.mesh_dim_names or ()) if isinstance(mesh, DeviceMesh) else DIM_NAMES
+    if names in (DIM_NAMES, TP_DIM_NAMES) or not (mesh.ndim == 1 or names in TORCHTITAN_DIM_NAMES):
+        return mesh
+    key = mesh_key(mesh)
+    if key not in _RENAMED:
+        shape = (1, mesh.mesh.numel()) if mesh.ndim == 1 else tuple(mesh.mesh.shape)
+        _RENAMED[key] = DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape),
+                                   mesh_dim_names=DIM_NAMES)
+    return _RENAMED[key]
+
+
+def check_mesh(mesh: DeviceMesh) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"hsdp needs a DeviceMesh (see hsdp.init_mesh), got {type(mesh)}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if names not in (DIM_NAMES, TP_DIM_NAMES):
+        raise ValueError(f"hsdp needs a 2-D DeviceMesh with mesh_dim_names={DIM_NAMES} or "
+                         f"{TORCHTITAN_DIM_NAMES[0]}, a 3-D one with {TP_DIM_NAMES}, or a "
+                         f"1-D mesh (plain FSDP), got {names or None}; build it with "
+                         f"hsdp.init_mesh(outer, inner) or hsdp.init_mesh(outer, inner, tp=tp)")
+    if mesh.mesh.numel() != dist.get_world_size():
+        raise ValueError(f"the mesh has {mesh.mesh.numel()} ranks but the world has "
+                         f"{dist.get_world_size()}; hsdp's mesh must cover every rank")

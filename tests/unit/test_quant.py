@@ -1,0 +1,107 @@
+"""Blockwise 8-bit quantization (``sharding/quant.py``) and ``hsdp.OuterReduce``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hsdp
+from hsdp.sharding.quant import Rows, dequantize, quantize
+
+
+@pytest.mark.parametrize("numel,n,block", [(100, 4, 16), (64, 2, 16), (1000, 3, 128),
+                                           (5, 8, 16)])
+def test_rows_split_join_round_trip(numel: int, n: int, block: int) -> None:
+    rows = Rows(numel, n, block)
+    x = torch.randn(numel)
+    r = rows.split(x)
+    assert r.shape == (n, rows.m) and rows.m % block == 0 and rows.m >= rows.c
+    assert torch.equal(rows.join(r), x)
+    assert r.abs().sum() == pytest.approx(x.abs().sum().item())  # padding is zeros
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_quantize_error_is_bounded_per_block(fmt: str) -> None:
+    torch.manual_seed(0)
+    block = 32
+    x = torch.randn(3, 4 * block) * torch.logspace(-6, 3, 4).repeat_interleave(block)
+    packed = quantize(x, fmt, block)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 4 * block + 4 * 4)
+    y = dequantize(packed, fmt, block, 4 * block)
+    amax = x.view(3, 4, block).abs().amax(-1, keepdim=True)
+    err = (y - x).view(3, 4, block).abs()
+    if fmt == "int8":  # rounding to the nearest of 255 levels
+        assert (err <= amax / 127 / 2 * (1 + 1e-5)).all()
+    else:  # 3 mantissa bits: half an ulp, or the subnormal step near zero
+        xb = x.view(3, 4, block).abs()
+        assert (err <= torch.maximum(xb * 2**-4, amax / 448 * 2**-10) * (1 + 1e-5)).all()
+    assert err.amax() > 0  # it did quantize
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_quantize_zeros_and_block_maximum_are_exact(fmt: str) -> None:
+    x = torch.zeros(2, 32)
+    x[1, 5] = -3.5
+    y = dequantize(quantize(x, fmt, 16), fmt, 16, 32)
+    assert torch.equal(y, x)
+
+
+def test_outer_reduce_validates_its_fields() -> None:
+    with pytest.raises(ValueError, match="unknown dtype 'int4'"):
+        hsdp.OuterReduce("int4")
+    for block in (0, 24, 2**17, 8, True):
+        with pytest.raises(ValueError, match="does not divide"):
+            hsdp.OuterReduce("int8", block=block)
+    with pytest.raises(TypeError, match="error_feedback"):
+        hsdp.OuterReduce("int8", error_feedback=1)
+    assert hsdp.OuterReduce("fp8_e4m3", block=64).block == 64
+
+
+@pytest.mark.parametrize("numel,n", [(64, 4), (100, 4)])
+def test_rows_join_into_equals_join(numel: int, n: int) -> None:
+    rows = Rows(numel, n, 16)
+    r = rows.split(torch.randn(numel))
+    out = torch.empty(numel)
+    rows.join_into(out, r)
+    assert torch.equal(out, rows.join(r))
+
+
+def test_outer_reduce_needs_an_all_to_all_on_the_outer_communicator() -> None:
+    """Fault tolerance (torchft's replica-group communicator) and an outer backend not
+    known to have all-to-all are refused (``fully_shard`` checks before it builds
+    anything)."""
+    from types import SimpleNamespace
+
+    from hsdp.api import _check_outer_reduce
+    from hsdp.ft.outer import FaultToleranceError
+
+    cpu = torch.device("cpu")
+    with pytest.raises(FaultToleranceError, match="not supported with fault tolerance"):
+        _check_outer_reduce(SimpleNamespace(elastic=object(), outer_size=2), cpu)
+
+    class Backend:
+        def __init__(self, name: str) -> None:
+            self._name = name
+
+        def name(self) -> str:
+            return self._name
+
+    def comms(name: str) -> SimpleNamespace:
+        return SimpleNamespace(elastic=None, outer_size=2,
+                               outer=SimpleNamespace(_get_backend=lambda _d: Backend(name)))
+
+    with pytest.raises(ValueError, match="backend 'custom' is not one known to have it"):
+        _check_outer_reduce(comms("custom"), cpu)
+    _check_outer_reduce(comms("gloo"), cpu)  # no error
+
+
+def test_outer_reduce_short_form() -> None:
+    from hsdp.sharding.policy import as_outer_reduce
+
+    assert as_outer_reduce("fp8_e4m3:64") == hsdp.OuterReduce("fp8_e4m3", 64)
+    assert as_outer_reduce("int8") == hsdp.OuterReduce()
+    assert as_outer_reduce("none") is None and as_outer_reduce(None) is None
+    with pytest.raises(ValueError, match="expected none or DTYPE"):
+        as_outer_reduce("int8:x")
+    with pytest.raises(TypeError, match="short form"):
+        as_outer_reduce(8)

@@ -51,9 +51,9 @@ class Meeting:
         ``CheckpointError`` naming the ranks that did not reach it. ``arrive=False``:
         ranks arrive from elsewhere (the writer, once its data is written)."""
         self._phases.append(phase)
-        if arrive:
-            self.arrive(phase)
         try:
+            if arrive:
+                self.arrive(phase)
             yield
         except RuntimeError as e:
             if isinstance(e, CheckpointError):
@@ -63,12 +63,15 @@ class Meeting:
     def stalled(self, phase: str, error: BaseException) -> str:
         """The error message: the first phase that some rank never reached."""
         who = "every rank reached it, then communication failed"
-        for seen in self._phases if self._store is not None else ():
-            missing = [r for r in range(dist.get_world_size())
-                       if not self._store.check([self._key(seen, r)])]
-            if missing:
-                phase, who = seen, f"rank(s) {missing} never reached it"
-                break
+        try:
+            for seen in self._phases if self._store is not None else ():
+                missing = [r for r in range(dist.get_world_size())
+                           if not self._store.check([self._key(seen, r)])]
+                if missing:
+                    phase, who = seen, f"rank(s) {missing} never reached it"
+                    break
+        except dist.DistError:  # the store is served by rank 0's process
+            who = "rank 0 no longer answers (it serves the default store): it died"
         return (f"{self.what} of {self.path} (#{self.id}) failed on rank {self.rank} at "
                 f"{phase}: {who} (timeout {default_timeout().total_seconds():g} s); a peer "
                 f"rank died or is stalled. ({error})")

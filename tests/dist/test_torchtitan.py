@@ -77,8 +77,8 @@ def test_checkpoint_manager_resumes_bit_for_bit_and_crosses_with_fsdp2(jobs_4):
 
 
 # What the CPU recipe of docs/guide/torchtitan.md passes as this test does.
-CPU_RECIPE = ["-m", "torchtitan.train", "--module", "titan_cpu_configs",
-              "--training.seq_len", "64", "--training.local_batch_size", "2"]
+CPU_RECIPE = ["--module", "titan_cpu_configs", "--training.seq_len", "64",
+              "--training.local_batch_size", "2"]
 
 
 def _trainer(out: Path, config: str, nproc: int, *args: str) -> dict[int, tuple[float, ...]]:
@@ -88,10 +88,10 @@ def _trainer(out: Path, config: str, nproc: int, *args: str) -> dict[int, tuple[
            "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(out / "hf"),
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", str(nproc), *CPU_RECIPE, "--config", config,
-           "--hf_assets_path", str(out / "assets" / "tokenizer"),
+           "--nproc_per_node", str(nproc), "-m", "torchtitan.train", *CPU_RECIPE[:2],
+           "--config", config, "--hf_assets_path", str(out / "assets" / "tokenizer"),
            "--dataloader.dataset_path", str(out / "assets" / "data"),
-           "--debug.seed", "0", "--metrics.log_freq", "1", "--metrics.disable_color_printing",
+           "--debug.seed", "0", *CPU_RECIPE[2:], "--metrics.log_freq", "1", "--metrics.disable_color_printing",
            "--checkpoint.enable", "--checkpoint.folder", "ckpt", *args]
     run = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -108,6 +108,7 @@ def test_guide_gives_the_cpu_recipe_of_this_test():
     block = guide[guide.index("On\nCPU (gloo)"):].split("\n\n")[1]
     words = block.replace("\\\n", " ").split()
     assert "scripts/torchtitan_gpu.py assets" in guide and "PYTHONPATH=tests:src" in words
+    assert words[words.index("-m") + 1] == "torchtitan.train"
     at = [words.index(w) for w in CPU_RECIPE[::2]]
     assert [words[i + 1] for i in at] == CPU_RECIPE[1::2] and "_cuda_setDevice" in guide
 

@@ -35,6 +35,8 @@ from hsdp.checkpoint import dirs, integrity
 from hsdp.checkpoint.full_state import clean_key, clean_keys, model_keys, quiesce
 from hsdp.checkpoint.lazy_state import initial_state, supported
 from hsdp.checkpoint.outer_residual import KEY, in_checkpoint, load_residuals, residual_state
+from hsdp.checkpoint.outer_sync_state import KEY as SYNC_KEY
+from hsdp.checkpoint.outer_sync_state import load_outer_sync, outer_sync_state
 from hsdp.checkpoint.sync import CheckpointError, Meeting
 from hsdp.sharding.chunks import attach_chunks
 from hsdp.sharding.group import owner
@@ -140,6 +142,7 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
     the dict (``hsdp.load`` restores it so)."""
     names = _param_names(model)
     state: dict[str, dict[str, Any]] = {}
+    held: dict[torch.Tensor, dict[str, Any]] = {}  # by parameter, for DiLoCo's replicas
     for pg in optimizer.param_groups:
         for p in pg["params"]:
             name = _name_of(names, p)
@@ -155,6 +158,7 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
                         f"hsdp.load, which need no such state.")
             if st:
                 state[name] = {k: _state_view(p, name, k, v) for k, v in st.items()}
+                held[p] = st
     groups = [{**{k: v for k, v in pg.items() if k != "params"},
                "params": [_name_of(names, p) for p in pg["params"]]}
               for pg in optimizer.param_groups]
@@ -162,6 +166,9 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
     residuals = residual_state(model)  # compressed outer reduction: training state too
     if residuals:
         optim_sd[KEY] = residuals
+    outer_sync = outer_sync_state(model, held)  # DiLoCo: anchors, replica-local state
+    if outer_sync:
+        optim_sd[SYNC_KEY] = outer_sync
     return optim_sd
 
 
@@ -206,6 +213,7 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     optimizer.load_state_dict({"state": state, "param_groups": groups})
     adopt_state(optimizer.state)
     load_residuals(model, optim_state_dict.get(KEY))
+    load_outer_sync(model, optim_state_dict.get(SYNC_KEY), optimizer)
 
 
 # ---------------------------------------------------------------- save / load
@@ -442,9 +450,10 @@ def load(path: str | os.PathLike, model: nn.Module,
         raise FileNotFoundError(f"hsdp.load: {path} is not a checkpoint ({e})") from e
     meeting = Meeting("hsdp.load", path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    if KEY in optim_sd:  # those of another mesh are none of this rank's (outer_residual.py)
-        optim_sd[KEY] = in_checkpoint(optim_sd[KEY], metadata.state_dict_metadata,
-                                      f"optim.{KEY}.")
+    for key in (KEY, SYNC_KEY):  # another mesh's are none of this rank's (outer_residual.py)
+        if key in optim_sd:
+            optim_sd[key] = in_checkpoint(optim_sd[key], metadata.state_dict_metadata,
+                                          f"optim.{key}.")
     state = {"model": model_sd, "optim": optim_sd}
     try:
         _check(path, state, metadata.state_dict_metadata)
@@ -481,7 +490,7 @@ def _check(path: str, state: dict[str, Any], saved: dict[str, Any]) -> None:
                              f"at {path}, {tuple(t.shape)} here")
     extra = sorted(k for k, md in saved.items()
                    if isinstance(md, TensorStorageMetadata) and k not in ours
-                   and not k.startswith(f"optim.{KEY}.")  # other ranks' residuals
+                   and not k.startswith((f"optim.{KEY}.", f"optim.{SYNC_KEY}."))  # other ranks'
                    and (k.startswith("model.") or (k.startswith("optim.") and state["optim"])))
     if extra:
         raise KeyError(f"hsdp.load: the checkpoint at {path} has {extra[0]}, which this model "

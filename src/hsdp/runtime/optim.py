@@ -63,9 +63,13 @@ class OptimizerSteps:
                 "microbatch with is_last=True (or outside any hsdp.microbatch context) and "
                 "gradient sync on before optimizer.step().")
         self.streams.compute.begin(f"OPTIMIZER:{self.root.label}")
+        if self.outer_sync is not None:
+            self.outer_sync.before_step()
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.streams.compute.end(f"OPTIMIZER:{self.root.label}")
+        if self.outer_sync is not None:
+            self.outer_sync.after_step(self)
         key = (id(optimizer.state), len(optimizer.state))
         if self._adopted_state.get(optimizer) != key:  # new state (first steps, loads)
             adopt_state(optimizer.state)
@@ -156,6 +160,8 @@ def attach_optimizer(optimizer: torch.optim.Optimizer) -> None:
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for rt in list(RUNTIMES):
         if rt._owns(optimizer):
+            if rt.outer_sync is not None:
+                rt.outer_sync.check_optimizer(optimizer)
             rt._before_optimizer_step()
             rt._check_optimizer_state(optimizer)
 

@@ -111,6 +111,8 @@ class Recovery:
             return g.unshard(stream, self.coll, after)
         if kind in OUTER_REDUCTIONS:
             return g.outer_reduce(stream, self.coll, after)
+        if kind is OpKind.OUTER_SYNC:
+            return self.outer_sync.replay(g, stream, self.coll, after, keep_alive)
         if kind is OpKind.OUTER_ALL_GATHER:
             return g.outer_all_gather(stream, self.coll, after)
         rs_in = torch.zeros(g.layout.total, dtype=g.reduce_dtype, device=g.main.device)

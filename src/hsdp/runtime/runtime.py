@@ -11,6 +11,7 @@ import hsdp.streams.teardown  # noqa: F401  (destroy_process_group waits for hsd
 from hsdp.runtime.gather import Gathering
 from hsdp.runtime.hooks import units_below
 from hsdp.runtime.optim import RUNTIMES, OptimizerSteps
+from hsdp.runtime.outer_sync import outer_sync_of
 from hsdp.runtime.recovery import Recovery
 from hsdp.runtime.schedule import Schedule
 from hsdp.runtime.state import StepState
@@ -53,6 +54,7 @@ class Runtime(Schedule, Gathering, Recovery, OptimizerSteps):
                 raise ValueError("hsdp: overlap_outer must be the same for every unit of a model")
         self.comms = comm_groups(root.mesh)
         _agree_on_model(root, self.units, self.comms)
+        self.outer_sync = outer_sync_of(self.units)  # DiLoCo (None: every step)
         self.groups = [g for u in self.units for g in u.groups]  # same order on every rank
         self.gid = {g: i for i, g in enumerate(self.groups)}
         self._users: dict[ParamGroup, list[Unit]] = {g: [] for g in self.groups}

@@ -135,7 +135,10 @@ class GroupCollectives:
     def has_outer_reduction(self) -> bool:
         """False for hsdp on one outer rank: ``accum`` is already the reduced gradient (an
         outer reduction would only cast it to the reduce dtype and back). Always True
-        with fault tolerance: replica groups may join at any step."""
+        with fault tolerance: replica groups may join at any step. False with DiLoCo
+        (``init_mesh(outer_sync=...)``): each outer replica trains alone between syncs."""
+        if self.comms.outer_sync is not None:
+            return False
         return self.shard_outer or self.comms.outer_size > 1 or self.comms.elastic is not None
 
     def outer_reduce(self, stream: SideStream, coll: Collectives,

@@ -1,0 +1,123 @@
+"""DiLoCo on the outer axis (``init_mesh(outer_sync=hsdp.DiLoCo(...))``): WHEN each
+fragment synchronizes, on which stream.
+
+Between syncs each outer replica trains alone: the groups have no outer reduction
+(``ParamGroup.has_outer_reduction``), so gradients are means over the inner group only.
+After the optimizer step that completes a fragment's period (steps ``offset(f)`` mod H,
+staggered by H / F), on the optimizer's post-step hook:
+
+1. the outer stream waits for the optimizer's compute event (**WHY**: the pseudo-gradient
+   reads the parameters it updated) and, per group of the fragment, all-reduces
+   ``anchor - main`` in fp32 over the outer communicator (``OUTER_SYNC``);
+2. compute waits for those events (**WHY**: the outer step reads the reduced
+   pseudo-gradient), then the outer optimizer updates the anchor and resets ``main``.
+
+The outer step is applied in the same optimizer step it was issued in (synchronous): the
+all-reduce runs on the outer stream and communicator, but nothing overlaps it yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from hsdp.sharding.comm import Collectives
+from hsdp.sharding.group import ParamGroup
+from hsdp.streams.contract import Event, SideStream
+from hsdp.streams.op_table import OpKind, label
+from hsdp.topology.outer_sync import DiLoCo
+
+if TYPE_CHECKING:
+    from hsdp.runtime.runtime import Runtime
+    from hsdp.runtime.unit import Unit
+
+
+class OuterSync:
+    """The DiLoCo schedule of one model: its fragments and their outer steps."""
+
+    def __init__(self, config: DiLoCo, units: Sequence[Unit]) -> None:
+        config.check_units(len(units))
+        per = len(units) // config.fragments
+        self.config = config
+        self.fragments = [[g for u in units[f * per:(f + 1) * per] for g in u.groups
+                           if g.anchor is not None] for f in range(config.fragments)]
+        self.groups = [g for fragment in self.fragments for g in fragment]
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise before the step unless ``optimizer`` holds every trainable parameter of
+        the model: the outer step counts this optimizer's steps."""
+        held = {id(p) for pg in optimizer.param_groups for p in pg["params"]}
+        missing = sum(p.requires_grad and id(p) not in held
+                      for g in self.groups for p in g.sharded)
+        if missing:
+            raise ValueError(
+                f"hsdp.DiLoCo: this optimizer does not hold {missing} trainable parameter(s) "
+                f"of the model; with init_mesh(outer_sync=DiLoCo(...)) one optimizer must step "
+                f"all of them (its steps are the inner steps), not one per parameter or part")
+
+    def before_step(self) -> None:
+        """Take the anchors still missing from the parameters (on compute, before the
+        optimizer changes them)."""
+        for g in self.groups:
+            g.anchor.capture(g.main)
+
+    def due(self) -> list[ParamGroup]:
+        """Count one step; the groups of the fragments whose period it completes."""
+        for g in self.groups:
+            g.anchor.steps += 1
+        cfg = self.config
+        return [g for f, fragment in enumerate(self.fragments) for g in fragment
+                if g.anchor.steps % cfg.inner_steps == cfg.offset(f)]
+
+    def after_step(self, rt: Runtime) -> None:
+        """The outer step of every fragment due after this optimizer step."""
+        due = self.due()
+        if not due:
+            return
+        stepped = rt.streams.compute.record()
+        stream = rt.stream_of(OpKind.OUTER_SYNC)
+        events = []
+        for g in due:
+            # allocated on compute: freed there, after compute waited for the all-reduce
+            g.anchor.pseudo_grad = torch.empty_like(g.anchor.anchor)
+            events.append(rt._logged(OpKind.OUTER_SYNC, g,
+                                     self.reduce(g, stream, rt.coll, [stepped])))
+        for ev in events:
+            # compute waits: the outer step reads the reduced pseudo-gradient.
+            rt.streams.compute.wait(ev)
+        with torch.no_grad():
+            for g in due:
+                g.anchor.apply(g.main)
+
+    @staticmethod
+    def reduce(g: ParamGroup, stream: SideStream, coll: Collectives,
+               after: Sequence[Event]) -> Event:
+        """``g``'s pseudo-gradient all-reduce on ``stream`` (outer waits: it reads the
+        parameters the optimizer updated on compute)."""
+        return stream.submit(lambda: g.anchor.reduce(g.main, coll, g.comms.outer), after,
+                             label(OpKind.OUTER_SYNC, g.label))
+
+    @staticmethod
+    def replay(g: ParamGroup, stream: SideStream, coll: Collectives, after: Sequence[Event],
+               keep_alive: list) -> Event:
+        """The all-reduce of an abandoned step that another rank issued, on scratch."""
+        scratch = torch.zeros(g.main.numel(), dtype=torch.float32, device=g.main.device)
+        keep_alive.append(scratch)
+        return stream.submit(lambda: coll.all_reduce(scratch, g.comms.outer, "outer", avg=True),
+                             after, label(OpKind.OUTER_SYNC, g.label))
+
+
+def outer_sync_of(units: Sequence[Unit]) -> OuterSync | None:
+    """The DiLoCo schedule of the model made of ``units`` (None: synchronous); every unit
+    must be sharded on meshes with the same ``outer_sync``."""
+    configs = {g.comms.outer_sync for u in units for g in u.groups}
+    if len(configs) > 1:
+        raise ValueError(f"hsdp: the model's units were sharded on meshes with different "
+                         f"outer_sync settings ({sorted(map(str, configs))}); shard every "
+                         f"unit of a model on the same mesh")
+    config = next(iter(configs), None)
+    return None if config is None else OuterSync(config, units)
+
+

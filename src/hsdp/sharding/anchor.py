@@ -1,0 +1,70 @@
+"""One group's DiLoCo state (``hsdp.DiLoCo``): the fp32 anchor (the parameters as of the
+fragment's last outer step, the same on every outer replica), the outer optimizer's
+momentum and the optimizer steps counted, with the math of one outer step. WHEN it runs,
+on which stream: ``runtime/outer_sync.py``."""
+
+from __future__ import annotations
+
+import torch
+
+from hsdp.sharding.comm import Collectives
+from hsdp.topology.outer_sync import DiLoCo
+
+
+class Anchor:
+    """The outer state of one group's shard ``main`` (hsdp: replicated over outer)."""
+
+    def __init__(self, config: DiLoCo) -> None:
+        self.config = config
+        self.anchor: torch.Tensor | None = None  # None: taken from main at the next step
+        self.momentum: torch.Tensor | None = None
+        self.steps = 0  # optimizer steps taken (the sync schedule's clock)
+        self.pseudo_grad: torch.Tensor | None = None  # reduced, until applied
+
+    def capture(self, main: torch.Tensor) -> None:
+        """Take the anchor from ``main`` if there is none (first step, after a load of a
+        checkpoint without one)."""
+        if self.anchor is None:
+            self.anchor = main.detach().to(torch.float32, copy=True)
+
+    def reduce(self, main: torch.Tensor, coll: Collectives, group: object) -> None:
+        """The pseudo-gradient ``anchor - main`` in fp32, averaged over ``group`` (the outer
+        communicator; a SUM and a division where the backend has no AVG)."""
+        pg = self.pseudo_grad
+        torch.sub(self.anchor, main, out=pg)
+        coll.all_reduce(pg, group, "outer", avg=True)
+
+    def apply(self, main: torch.Tensor) -> None:
+        """The outer optimizer step on the anchor with the reduced pseudo-gradient (SGD,
+        momentum, Nesterov), then the parameters reset to it."""
+        cfg, pg = self.config, self.pseudo_grad
+        if cfg.momentum:
+            if self.momentum is None:
+                self.momentum = torch.zeros_like(pg)
+            self.momentum.mul_(cfg.momentum).add_(pg)
+            update = pg.add(self.momentum, alpha=cfg.momentum) if cfg.nesterov else self.momentum
+        else:
+            update = pg
+        self.anchor.sub_(update, alpha=cfg.outer_lr)
+        main.copy_(self.anchor)
+        self.pseudo_grad = None
+
+    def state(self, main: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copies for a checkpoint: anchor (``main`` if none yet), momentum (zeros if none),
+        steps (a 0-d int64)."""
+        anchor = main.float() if self.anchor is None else self.anchor
+        momentum = torch.zeros_like(anchor) if self.momentum is None else self.momentum
+        return {"anchor": anchor.clone(), "momentum": momentum.clone(),
+                "steps": torch.tensor(self.steps, dtype=torch.int64)}
+
+    def load(self, state: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+        """Set from ``state``'s form; None (a checkpoint without it): start afresh, the
+        anchor taken from the loaded parameters at the next step."""
+        if state is None:
+            self.anchor = self.momentum = None
+            self.steps = 0
+            return
+        self.anchor = state["anchor"].to(device, torch.float32, copy=True)
+        self.momentum = (state["momentum"].to(device, torch.float32, copy=True)
+                         if self.config.momentum else None)
+        self.steps = int(state["steps"])

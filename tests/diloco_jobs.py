@@ -92,25 +92,31 @@ def equivalence_job(rank: int, world: int, steps: int = 6) -> dict[str, object]:
 
 
 def h10_job(rank: int, world: int, steps: int = 30) -> dict[str, object]:
-    """H=10 (F=1 and F=3), AdamW inside, Nesterov outside, beside synchronous hsdp with
-    the same inner optimizer: its losses, its outer collectives, whether the replicas
-    differ in the middle of a period and agree right after a sync (F=1)."""
+    """H=10 (F=1, F=3, F=1 with delay 2), AdamW inside, Nesterov outside, beside
+    synchronous hsdp with the same inner optimizer: the losses, the outer collectives,
+    whether the replicas differ in the middle of a period and agree right after the sync
+    step (F=1: step 30; with delay 2, step 32 and not before)."""
     outer, inner = 4, world // 4
     sync = _build(hsdp.init_mesh(outer, inner, "cpu"))
     out: dict[str, object] = {"sync": _train(sync, torch.optim.AdamW(sync.parameters(),
                                                                      lr=3e-3), range(steps))}
-    for fragments in (1, 3):
-        cfg = hsdp.DiLoCo(inner_steps=10, fragments=fragments, outer_lr=0.7, momentum=0.9)
+    for name, fragments, delay in (("F1", 1, 0), ("F3", 3, 0), ("F1d2", 1, 2)):
+        cfg = hsdp.DiLoCo(inner_steps=10, fragments=fragments, outer_lr=0.7, momentum=0.9,
+                          delay=delay)
         model = _build(hsdp.init_mesh(outer, inner, "cpu", outer_sync=cfg))
         counter = model._hsdp_unit.collectives = CountOuter()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = _train(model, opt, range(steps - 5))
         synced = not _differs_over_outer(model, outer, inner)  # after step 25: mid-period
         losses += _train(model, opt, range(steps - 5, steps))
+        hsdp.synchronize(model)  # with delay, the last all-reduce may still be in flight
         groups = len(model._hsdp_unit.runtime.outer_sync.groups)
-        out[f"F{fragments}"] = {"losses": losses, "outer_per_group": counter.outer / groups,
-                                "mid_period_differs": not synced,
-                                "synced_at_end": not _differs_over_outer(model, outer, inner)}
+        out[name] = {"losses": losses, "outer_per_group": counter.outer / groups,
+                     "mid_period_differs": not synced,
+                     "synced_at_end": not _differs_over_outer(model, outer, inner)}
+        if delay:
+            _train(model, opt, range(steps, steps + delay))
+            out[name]["synced_after_delay"] = not _differs_over_outer(model, outer, inner)
     return out
 
 
@@ -121,7 +127,8 @@ def resume_job(rank: int, world: int, root: str) -> dict[str, object]:
     """Train K steps, save, train K more; a differently seeded model loads the checkpoint
     and trains the same K steps: the same parameters, bit for bit? A control that loads
     the checkpoint but starts its anchors afresh: does it differ?"""
-    cfg = hsdp.DiLoCo(inner_steps=H, fragments=3, outer_lr=0.7, momentum=0.9)
+    # delay 1: fragment 0 (synced after steps 1, 4, 7) has its step-7 all-reduce pending
+    cfg = hsdp.DiLoCo(inner_steps=H, fragments=3, outer_lr=0.7, momentum=0.9, delay=1)
     mesh = hsdp.init_mesh(4, world // 4, "cpu", outer_sync=cfg)
     path = os.path.join(root, "diloco")
     models = [_build(mesh, seed) for seed in (0, 1, 2)]
@@ -155,6 +162,7 @@ def errors_job(rank: int, world: int) -> dict[str, str]:
         "F0": lambda: hsdp.DiLoCo(fragments=0),
         "lr": lambda: hsdp.DiLoCo(outer_lr=0.0),
         "momentum": lambda: hsdp.DiLoCo(momentum=1.0),
+        "delay": lambda: hsdp.DiLoCo(inner_steps=4, delay=4),
         "type": lambda: hsdp.init_mesh(4, world // 4, "cpu", outer_sync="diloco"),
         "ft": lambda: hsdp.init_mesh(4, world // 4, "cpu", outer_sync=hsdp.DiLoCo(),
                                      fault_tolerance=object()),

@@ -27,18 +27,20 @@ def test_h1_equals_synchronous_hsdp(jobs: dict, fragments: int) -> None:
         assert e["outer_per_group_step"] == 1.0, e  # one pseudo-gradient all-reduce each
 
 
-@pytest.mark.parametrize("fragments", [1, 3])
-def test_h10_stays_close_to_synchronous_hsdp(jobs: dict, fragments: int) -> None:
+@pytest.mark.parametrize("name", ["F1", "F3", "F1d2"])
+def test_h10_stays_close_to_synchronous_hsdp(jobs: dict, name: str) -> None:
     r = jobs["h10"][0]
-    sync, run = r["sync"], r[f"F{fragments}"]
-    assert all(x[f"F{fragments}"] == run for x in jobs["h10"])  # the same on every rank
+    sync, run = r["sync"], r[name]
+    assert all(x[name] == run for x in jobs["h10"])  # the same on every rank
     assert sync[0] - sync[-1] > 1.0, sync  # it learns
     assert run["losses"][0] - run["losses"][-1] > 1.0, run["losses"]
     assert abs(sum(run["losses"][-5:]) - sum(sync[-5:])) / 5 < 0.25, (run["losses"], sync)
     assert run["outer_per_group"] == 3  # 30 steps / H=10: three syncs per group, no AR
     assert run["mid_period_differs"], run
-    # after step 30: F=1's one fragment has just synced; F=3's syncs are staggered (3, 6, 10)
-    assert run["synced_at_end"] == (fragments == 1), run
+    # after step 30: F=1's one fragment has just synced; F=3's syncs are staggered (3, 6,
+    # 10); with delay 2 the step-30 sync is applied after step 32
+    assert run["synced_at_end"] == (name == "F1"), run
+    assert run.get("synced_after_delay", True), run
 
 
 def test_resume_equals_the_uninterrupted_run(jobs: dict) -> None:
@@ -52,6 +54,8 @@ def test_bad_settings_are_refused_on_every_rank(jobs: dict) -> None:
     assert r["F0"].startswith("ValueError: hsdp.DiLoCo: fragments must be an int >= 1")
     assert r["lr"].startswith("ValueError: hsdp.DiLoCo: outer_lr must be a number > 0")
     assert r["momentum"].startswith("ValueError: hsdp.DiLoCo: momentum must be a number in")
+    assert r["delay"].startswith("ValueError: hsdp.DiLoCo: delay must be an int in [0, "
+                                 "inner_steps=4)")
     assert r["type"].startswith("TypeError: init_mesh: outer_sync must be an hsdp.DiLoCo")
     assert r["ft"].startswith("FaultToleranceError: init_mesh: outer_sync=DiLoCo(...) with "
                               "fault_tolerance is not supported")

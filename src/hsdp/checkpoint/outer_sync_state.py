@@ -28,7 +28,7 @@ from hsdp.runtime.hooks import units_below
 from hsdp.sharding.group import ParamGroup
 
 KEY = "hsdp_outer_sync"
-FIELDS = ("anchor", "momentum", "steps")
+FIELDS = ("anchor", "momentum", "pending", "steps", "apply_at")
 
 
 def _groups(model: nn.Module) -> Iterator[tuple[str, ParamGroup]]:

@@ -6,14 +6,15 @@ Between syncs each outer replica trains alone: the groups have no outer reductio
 After the optimizer step that completes a fragment's period (steps ``offset(f)`` mod H,
 staggered by H / F), on the optimizer's post-step hook:
 
-1. the outer stream waits for the optimizer's compute event (**WHY**: the pseudo-gradient
-   reads the parameters it updated) and, per group of the fragment, all-reduces
-   ``anchor - main`` in fp32 over the outer communicator (``OUTER_SYNC``);
+1. on compute, per group of the fragment, the fp32 pseudo-gradient ``anchor - main`` (it
+   reads the parameters the optimizer updated); the outer stream waits for it (**WHY**:
+   written on compute) and all-reduces it over the outer communicator (``OUTER_SYNC``);
 2. compute waits for those events (**WHY**: the outer step reads the reduced
    pseudo-gradient), then the outer optimizer updates the anchor and resets ``main``.
 
-The outer step is applied in the same optimizer step it was issued in (synchronous): the
-all-reduce runs on the outer stream and communicator, but nothing overlaps it yet.
+With ``delay=d`` > 0 (streaming) step 2 happens ``d`` optimizer steps later, in the
+post-step hook of that step: the all-reduce overlaps the forwards, backwards and inner
+collectives of those steps; the fragment's parameters are then set to the new anchor.
 """
 
 from __future__ import annotations
@@ -72,31 +73,33 @@ class OuterSync:
                 if g.anchor.steps % cfg.inner_steps == cfg.offset(f)]
 
     def after_step(self, rt: Runtime) -> None:
-        """The outer step of every fragment due after this optimizer step."""
+        """Issue the all-reduces of the fragments due after this optimizer step, then the
+        outer steps due now (with ``delay=0`` those just issued)."""
         due = self.due()
-        if not due:
-            return
-        stepped = rt.streams.compute.record()
-        stream = rt.stream_of(OpKind.OUTER_SYNC)
-        events = []
-        for g in due:
-            # allocated on compute: freed there, after compute waited for the all-reduce
-            g.anchor.pseudo_grad = torch.empty_like(g.anchor.anchor)
-            events.append(rt._logged(OpKind.OUTER_SYNC, g,
-                                     self.reduce(g, stream, rt.coll, [stepped])))
-        for ev in events:
-            # compute waits: the outer step reads the reduced pseudo-gradient.
-            rt.streams.compute.wait(ev)
-        with torch.no_grad():
+        if due:
+            for g in due:  # on compute: it reads the parameters the optimizer updated
+                g.anchor.take_pseudo_grad(g.main, g.anchor.steps + self.config.delay)
+            taken = rt.streams.compute.record()
+            stream = rt.stream_of(OpKind.OUTER_SYNC)
             for g in due:
+                g.anchor.reduced = rt._logged(OpKind.OUTER_SYNC, g,
+                                              self.reduce(g, stream, rt.coll, [taken]))
+        ready = [g for g in self.groups if g.anchor.apply_at == g.anchor.steps]
+        for g in ready:
+            if g.anchor.reduced is not None:
+                # compute waits: the outer step reads the reduced pseudo-gradient.
+                rt.streams.compute.wait(g.anchor.reduced)
+        with torch.no_grad():
+            for g in ready:
                 g.anchor.apply(g.main)
 
     @staticmethod
     def reduce(g: ParamGroup, stream: SideStream, coll: Collectives,
                after: Sequence[Event]) -> Event:
-        """``g``'s pseudo-gradient all-reduce on ``stream`` (outer waits: it reads the
-        parameters the optimizer updated on compute)."""
-        return stream.submit(lambda: g.anchor.reduce(g.main, coll, g.comms.outer), after,
+        """``g``'s pseudo-gradient all-reduce on ``stream`` (outer waits: the
+        pseudo-gradient was written on compute). Compute does not touch it until it
+        waited for the returned event."""
+        return stream.submit(lambda: g.anchor.reduce(coll, g.comms.outer), after,
                              label(OpKind.OUTER_SYNC, g.label))
 
     @staticmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from hsdp.sharding.comm import Collectives
+from hsdp.streams.contract import Event
 from hsdp.topology.outer_sync import DiLoCo
 
 
@@ -19,7 +20,9 @@ class Anchor:
         self.anchor: torch.Tensor | None = None  # None: taken from main at the next step
         self.momentum: torch.Tensor | None = None
         self.steps = 0  # optimizer steps taken (the sync schedule's clock)
-        self.pseudo_grad: torch.Tensor | None = None  # reduced, until applied
+        self.pseudo_grad: torch.Tensor | None = None  # issued, until applied
+        self.apply_at: int | None = None  # the step count at which it is applied
+        self.reduced: Event | None = None  # its all-reduce (None: done)
 
     def capture(self, main: torch.Tensor) -> None:
         """Take the anchor from ``main`` if there is none (first step, after a load of a
@@ -27,12 +30,16 @@ class Anchor:
         if self.anchor is None:
             self.anchor = main.detach().to(torch.float32, copy=True)
 
-    def reduce(self, main: torch.Tensor, coll: Collectives, group: object) -> None:
-        """The pseudo-gradient ``anchor - main`` in fp32, averaged over ``group`` (the outer
-        communicator; a SUM and a division where the backend has no AVG)."""
-        pg = self.pseudo_grad
-        torch.sub(self.anchor, main, out=pg)
-        coll.all_reduce(pg, group, "outer", avg=True)
+    def take_pseudo_grad(self, main: torch.Tensor, apply_at: int) -> None:
+        """The pseudo-gradient ``anchor - main`` in fp32 (on compute), to be applied when
+        the step count reaches ``apply_at``."""
+        self.pseudo_grad = self.anchor - main
+        self.apply_at = apply_at
+
+    def reduce(self, coll: Collectives, group: object) -> None:
+        """Average the pseudo-gradient over ``group`` (the outer communicator; a SUM and a
+        division where the backend has no AVG)."""
+        coll.all_reduce(self.pseudo_grad, group, "outer", avg=True)
 
     def apply(self, main: torch.Tensor) -> None:
         """The outer optimizer step on the anchor with the reduced pseudo-gradient (SGD,
@@ -47,24 +54,33 @@ class Anchor:
             update = pg
         self.anchor.sub_(update, alpha=cfg.outer_lr)
         main.copy_(self.anchor)
-        self.pseudo_grad = None
+        self.pseudo_grad = self.apply_at = self.reduced = None
 
     def state(self, main: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Copies for a checkpoint: anchor (``main`` if none yet), momentum (zeros if none),
-        steps (a 0-d int64)."""
+        """Copies for a checkpoint (the streams drained): anchor (``main`` if none yet),
+        momentum and pending pseudo-gradient (zeros if none), steps and the step count
+        the pending one applies at (-1: none), 0-d int64s."""
         anchor = main.float() if self.anchor is None else self.anchor
-        momentum = torch.zeros_like(anchor) if self.momentum is None else self.momentum
+        zeros = torch.zeros_like(anchor)
+        momentum = zeros if self.momentum is None else self.momentum
+        pending = zeros if self.pseudo_grad is None else self.pseudo_grad
         return {"anchor": anchor.clone(), "momentum": momentum.clone(),
-                "steps": torch.tensor(self.steps, dtype=torch.int64)}
+                "pending": pending.clone(), "steps": torch.tensor(self.steps),
+                "apply_at": torch.tensor(-1 if self.apply_at is None else self.apply_at)}
 
     def load(self, state: dict[str, torch.Tensor] | None, device: torch.device) -> None:
         """Set from ``state``'s form; None (a checkpoint without it): start afresh, the
         anchor taken from the loaded parameters at the next step."""
+        self.reduced = None
         if state is None:
-            self.anchor = self.momentum = None
+            self.anchor = self.momentum = self.pseudo_grad = self.apply_at = None
             self.steps = 0
             return
         self.anchor = state["anchor"].to(device, torch.float32, copy=True)
         self.momentum = (state["momentum"].to(device, torch.float32, copy=True)
                          if self.config.momentum else None)
         self.steps = int(state["steps"])
+        apply_at = int(state["apply_at"])
+        self.apply_at = None if apply_at < 0 else apply_at
+        self.pseudo_grad = (None if self.apply_at is None else
+                            state["pending"].to(device, torch.float32, copy=True))

@@ -24,14 +24,19 @@ class DiLoCo:
     consecutive fragments (F must divide the number of units); fragment f synchronizes
     at steps ``(f + 1) * H // F`` + multiples of H, so the syncs are staggered by H / F.
     ``outer_lr``, ``momentum``, ``nesterov``: the outer optimizer (SGD on the fp32 anchor
-    with the averaged pseudo-gradient ``anchor - parameters``). With H=1, F=1,
-    outer_lr=1, momentum=0 and plain SGD inside, training equals synchronous hsdp."""
+    with the averaged pseudo-gradient ``anchor - parameters``). ``delay`` (streaming):
+    the fragment's all-reduce, issued after its period's last step, is applied ``delay``
+    steps later, while they compute (0: in the same step); the fragment's parameters are
+    then set to the new anchor (the local progress of those steps on it is dropped, as
+    torchft's ``fragment_update_alpha=0``). 0 <= delay < H. With H=1, F=1, outer_lr=1,
+    momentum=0 and plain SGD inside, training equals synchronous hsdp."""
 
     inner_steps: int = 100
     fragments: int = 1
     outer_lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
+    delay: int = 0
 
     def __post_init__(self) -> None:
         if not _positive_int(self.inner_steps):
@@ -46,6 +51,11 @@ class DiLoCo:
         m = self.momentum
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1:
             raise ValueError(f"hsdp.DiLoCo: momentum must be a number in [0, 1), got {m!r}")
+        d = self.delay
+        if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d < self.inner_steps:
+            raise ValueError(f"hsdp.DiLoCo: delay must be an int in [0, inner_steps="
+                             f"{self.inner_steps}) (steps between a fragment's all-reduce "
+                             f"and its outer step), got {d!r}")
         if not isinstance(self.nesterov, bool):
             raise TypeError(f"hsdp.DiLoCo: nesterov must be a bool, got {self.nesterov!r}")
 

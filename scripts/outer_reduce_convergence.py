@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--runs", default=",".join(RUNS))
     ap.add_argument("--layers", type=int, default=2, help="Llama blocks (DiLoCo F=4: 3)")
     ap.add_argument("--tail", type=int, default=20, help="final loss: mean of the last N")
-    ap.add_argument("--out", default="outer_reduce_convergence.json")
+    ap.add_argument("--out", "--json", dest="out", default="outer_reduce_convergence.json")
     ap.add_argument("--table", action="store_true", help="only print --out's table")
     args = ap.parse_args()
     if args.table:

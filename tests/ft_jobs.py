@@ -116,8 +116,8 @@ class _SenderDies(hsdp.RecoveryTransport):
     group's ranks paired with them have received it all: the split a recovery must
     survive)."""
 
-    def __init__(self, pg: Any, timeout: timedelta, cfg: dict) -> None:
-        super().__init__(pg, timeout)
+    def __init__(self, pg: Any, cfg: dict) -> None:
+        super().__init__(pg)
         self.cfg = cfg
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any,
@@ -135,8 +135,7 @@ class _SenderDies(hsdp.RecoveryTransport):
 
 def _manager(cfg: dict, transport: Any = None) -> Any:
     """A torchft Manager made by hand (what init_mesh also takes as it is); ``transport``
-    builds its checkpoint transport from its process group and timeout (default:
-    torchft's)."""
+    builds its checkpoint transport from its process group (default: torchft's)."""
     import torchft
 
     timeout = timedelta(seconds=cfg["timeout_s"])
@@ -145,14 +144,14 @@ def _manager(cfg: dict, transport: Any = None) -> Any:
         pg=pg, load_state_dict=None, state_dict=None,
         min_replica_size=1, timeout=timeout, rank=cfg["rank"], world_size=2, init_sync=False,
         lighthouse_addr=cfg["lighthouse"], replica_id=str(cfg["replica"]),
-        checkpoint_transport=None if transport is None else transport(pg, timeout))
+        checkpoint_transport=None if transport is None else transport(pg))
 
 
 def _fault_tolerance(cfg: dict) -> Any:
     if cfg.get("die_in_transfer"):
-        return _manager(cfg, lambda pg, t: hsdp.RecoveryTransport(_DiesOnRecv(pg, cfg), t))
+        return _manager(cfg, lambda pg: hsdp.RecoveryTransport(_DiesOnRecv(pg, cfg)))
     if cfg.get("die_sending"):
-        return _manager(cfg, lambda pg, t: _SenderDies(pg, t, cfg))
+        return _manager(cfg, lambda pg: _SenderDies(pg, cfg))
     return hsdp.FaultTolerance(lighthouse=cfg["lighthouse"], replica_id=str(cfg["replica"]),
                                min_replicas=1, timeout=timedelta(seconds=cfg["timeout_s"]),
                                connect_timeout=timedelta(seconds=cfg["connect_s"]),
@@ -182,7 +181,7 @@ def _fsdp2(cfg: dict) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor
 
-    manager = _manager(cfg, (lambda pg, t: _dying_transport(cfg, t))
+    manager = _manager(cfg, (lambda pg: _dying_transport(cfg, timedelta(seconds=cfg["timeout_s"])))
                        if cfg.get("die_in_transfer") else None)
     mesh = init_device_mesh("cpu", (2,))
     model = build_model(cfg["seed"])

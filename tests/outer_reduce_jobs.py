@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from parity_jobs import ROWS_PER_RANK, _batches
 
@@ -50,8 +51,8 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
 def resume_job(rank: int, world: int, root: str) -> dict[str, object]:
     """Train K steps, save, train K more; a differently seeded model loads the checkpoint
     and trains the same K steps: bit for bit the same parameters (and the same residuals)?
-    A control whose residuals are zeroed after the load: does it differ? A 2x2
-    checkpoint loaded on 4x1: loads, residuals zero."""
+    A control whose residuals are zeroed after the load: does it differ? The hsdp 2x2
+    checkpoint loaded on 4x1: each residual the mean of the old ones over outer."""
     out: dict[str, object] = {}
     mesh = hsdp.init_mesh(2, world // 2, "cpu")
     for strategy, mp in (("hsdp", False), ("hfsdp", False), ("hsdp", True)):
@@ -77,11 +78,26 @@ def resume_job(rank: int, world: int, root: str) -> dict[str, object]:
             "resumed_equal": all(torch.equal(a[k], b[k]) for k in a),
             "control_differs": any(not torch.equal(a[k], c[k]) for k in a),
         }
+        if name == "hsdp":
+            saved_hsdp = saved
+    # On (world x 1): each group's residual is the mean over the old outer ranks of the
+    # old residuals, laid back to back over the old inner ranks (one inner shard now).
+    old: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
+    dist.all_gather_object(old, saved_hsdp)
+    expected: dict[str, torch.Tensor] = {}
+    for key in sorted(k for per_rank in old for k in per_rank):
+        _, _, coords = key.rpartition(":")
+        t = next(per_rank[key] for per_rank in old if key in per_rank)
+        group, i = key.split("@")[0], int(coords.split("-")[1])
+        acc = expected.setdefault(group, torch.zeros(2 * t.numel()))
+        acc[i * t.numel():(i + 1) * t.numel()] += t / 2
     other = _build(hsdp.init_mesh(world, 1, "cpu"), "hsdp", 3)
     opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
     hsdp.load(os.path.join(root, "hsdp"), other, opt)
-    out["reshard_residual_zero"] = not any(t.any().item()
-                                          for t in residual_state(other).values())
+    got = {k.split("@")[0]: v for k, v in residual_state(other).items()}
+    out["reshard_residual_mean"] = got.keys() == expected.keys() and all(
+        torch.allclose(got[k], expected[k][:got[k].numel()], rtol=1e-6, atol=0)
+        and not expected[k][got[k].numel():].any() for k in got)
     return out
 
 
@@ -109,6 +125,31 @@ def microbatch_job(rank: int, world: int) -> dict[str, int]:
         groups = sum(len(u.groups) for u in _units(model))
         out[strategy] = (outer.count("all_to_all"), outer.count("all_gather"),
                          outer.count("all_reduce") + outer.count("reduce_scatter"), groups)
+    return out
+
+
+def divide_job(rank: int, world: int) -> dict[str, float]:
+    """``set_gradient_divide_factor(1.0)`` (sums, as torchtitan sets it): the compressed
+    reduction's gradients against the exact one's after two steps of error feedback,
+    relative error of all gradients, per strategy."""
+    mesh = hsdp.init_mesh(2, world // 2, "cpu")
+    out = {}
+    for strategy in ("hsdp", "hfsdp"):
+        grads = []
+        for outer_reduce in (None, INT8):
+            model = _build(mesh, strategy, 0, outer_reduce=outer_reduce)
+            model.set_gradient_divide_factor(1.0)
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the gradients only
+            cfg, rows = GPTConfig(), slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+            for step in range(2):
+                opt.zero_grad()
+                tokens = _batches(step, 0, world, cfg)[rows]
+                lm_loss(model(tokens), tokens).backward()
+                opt.step()
+            grads.append(torch.cat([p.grad.to_local().reshape(-1) for p in model.parameters()
+                                    if p.grad is not None]))
+        exact, compressed = grads
+        out[strategy] = ((compressed - exact).norm() / exact.norm()).item()
     return out
 
 

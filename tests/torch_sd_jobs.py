@@ -1,7 +1,8 @@
 """torch's own state-dict paths on hsdp models (4 ranks, 2x2 gloo): DCP checkpoints made by
-``torch.distributed.checkpoint.state_dict.get_state_dict`` exchanged with FSDP2, full state
-dicts broadcast from rank 0, pickled and deep-copied state dicts. Each is checked against
-one process trained on the same global batches with SGD-momentum (parity_jobs' layout).
+``torch.distributed.checkpoint.state_dict.get_state_dict`` exchanged with FSDP2, saved
+asynchronously by torch, full state dicts broadcast from rank 0, pickled and deep-copied
+state dicts. Each is checked against one process trained on the same global batches with
+SGD-momentum (parity_jobs' layout).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn as nn
 from checkpoint_jobs import _mesh, _same, _steps
 from parity_jobs import _batches, _fsdp2_state, _rel_err
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -25,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
 import hsdp
@@ -171,4 +174,57 @@ def torch_sd_job(rank: int, world: int, root: str) -> dict[str, object]:
         _steps(model, opt, range(K, K + 1), rank, world)  # the snapshot is a copy
         out[f"deepcopy:{kind}/independent"] = _rel_err(
             {k: v.full_tensor() for k, v in snap["model"].items()}, ref_at_k)
+    return out
+
+
+def _ref_full(world: int, steps: int) -> dict[str, torch.Tensor]:
+    """One process after ``steps`` steps."""
+    ref = _build("ref", 0)
+    opt = _sgd(ref)
+    for step in range(steps):
+        _ref_step(ref, opt, step, world)
+    return _full(ref, "ref")
+
+
+def async_save_job(rank: int, world: int, root: str) -> dict[str, float]:
+    """torch's asynchronous DCP save (``dcp.async_save``) of torch's ``get_state_dict``
+    on hsdp models, written by a thread (the default) or by torch's checkpoint process
+    (``AsyncCheckpointerType.PROCESS`` with a ``DefaultStager``: torchtitan's
+    ``async_with_pinned_mem`` less the pinned memory and non-blocking copies, which need
+    CUDA). The run takes a step while the save is written; a model resumed from it equals
+    one process at the save, and one step later the run that went on."""
+    out: dict[str, float] = {}
+    ref_at_k, want = _ref_full(world, K), _ref_full(world, K + 1)
+    for kind in ("hsdp", "hfsdp"):
+        for executor in ("thread", "process"):
+            name = f"async:{kind}:{executor}"
+            path = os.path.join(root, name.replace(":", "_"))
+            model = _build(kind, 0)
+            opt = _sgd(model)
+            _steps(model, opt, range(K), rank, world)
+            msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd}
+            if executor == "thread":
+                saved = dcp.async_save(state, checkpoint_id=path)
+            else:
+                stager = DefaultStager(StagingOptions(False, True, True, False))
+                response = dcp.async_save(state, checkpoint_id=path, async_stager=stager,
+                                          async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+                response.staging_completion.result()  # torchtitan waits before its next step
+                saved = response.upload_completion
+            _steps(model, opt, range(K, K + 1), rank, world)  # while the save is written
+            saved.result()
+            if executor == "process":
+                stager.close()
+            out[f"{name}/went on"] = _rel_err(_full(model, kind), want)
+            dst = _build(kind, 1)
+            dst_opt = _sgd(dst)
+            msd, osd = get_state_dict(dst, dst_opt)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(dst, dst_opt, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+            out[f"{name}/loaded"] = _rel_err(_full(dst, kind), ref_at_k)
+            _steps(dst, dst_opt, range(K, K + 1), rank, world)
+            out[f"{name}/step"] = _rel_err(_full(dst, kind), want)
     return out

@@ -162,15 +162,19 @@ def parity_job(rank: int, world: int) -> dict[str, float]:
         fsdp2_params = _full_params(fsdp2)
         out[f"fsdp2 mb={microbatches} vs ref"] = _rel(fsdp2_params, want)
 
-        for strategy, overlap, ac, reshard in (("hsdp", True, True, "default"),
-                                               ("hfsdp", False, False, "always")):
+        configs = [("hsdp", True, True, "default", None), ("hfsdp", False, False, "always", None)]
+        if microbatches == 2:  # the compressed outer reduction (block 16), through torchtitan
+            configs.append(("hsdp", True, False, "default", "int8:16"))
+        for strategy, overlap, ac, reshard, outer_reduce in configs:
             model = _parallelize(hsdp_titan.parallelize_llama, _meta_model(), dims, ac,
-                                 reshard, strategy=strategy, overlap_outer=overlap)
+                                 reshard, strategy=strategy, overlap_outer=overlap,
+                                 outer_reduce=outer_reduce)
             model.to_empty(device="cpu")
             torch.manual_seed(0)
             with torch.no_grad():
                 model.init_weights(buffer_device=None)
-            name = f"{strategy} mb={microbatches} ac={ac} reshard={reshard}"
+            name = (f"{strategy}{'+' + outer_reduce if outer_reduce else ''} "
+                    f"mb={microbatches} ac={ac} reshard={reshard}")
             out[f"{name} init vs ref"] = _rel(_full_params(model), _full_params(_reference()))
             _train(model, rank, world, microbatches)
             got = _full_params(model)
@@ -269,17 +273,18 @@ SAVE_AT = 5
 
 
 def _titan_run(model: nn.Module, rank: int, world: int, folder: str,
-               resume: bool) -> tuple[nn.Module, list[float]]:
+               resume: bool, async_mode: str = "disabled") -> tuple[nn.Module, list[float]]:
     """torchtitan's training loop pieces on ``model``: its optimizer container, LR
     schedulers, ``clip_grad_norm_`` and ``CheckpointManager`` (DCP) saving at step
-    ``SAVE_AT`` into ``folder``, or, with ``resume``, loading from there and running
-    the steps after it. Returns the model and this rank's loss per step run."""
+    ``SAVE_AT`` into ``folder`` (``async_mode``: its ``--checkpoint.async_mode``), or, with
+    ``resume``, loading from there and running the steps after it. Returns the model and
+    this rank's loss per step run."""
     opt = _OPTIMIZER.build(model_parts=[model])
     lr = _LR.build(optimizers=opt, training_steps=STEPS)
     state = _TrainState()
     ckpt = CheckpointManager.Config(
         enable=True, interval=SAVE_AT, last_save_model_only=False, keep_latest_k=0,
-        exclude_from_loading=["dataloader"],
+        exclude_from_loading=["dataloader"], async_mode=async_mode,
     ).build(dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=lr,
             states={"train_state": state}, sd_adapter=None, base_folder=folder)
     if resume:
@@ -297,6 +302,7 @@ def _titan_run(model: nn.Module, rank: int, world: int, folder: str,
         losses.append(loss.item())
         if not resume:
             ckpt.save(curr_step=step)
+    ckpt.maybe_wait_for_saving()
     ckpt.close()
     return model, losses
 
@@ -318,9 +324,11 @@ def _fsdp2_model(dims: ParallelDims) -> nn.Module:
 
 def checkpoint_job(rank: int, world: int, root: str) -> dict[str, float | bool]:
     """torchtitan's ``CheckpointManager`` on hsdp models: a resume from step ``SAVE_AT``
-    equals the uninterrupted run bit for bit (both strategies), and checkpoints cross
-    between torchtitan's FSDP2 path and hsdp (each resumed run against the uninterrupted
-    run of the path that wrote the checkpoint, relative error)."""
+    equals the uninterrupted run bit for bit (both strategies, and a save in torchtitan's
+    ``async`` mode, written while training goes on; its ``async_with_pinned_mem`` needs
+    CUDA), and checkpoints cross between torchtitan's FSDP2 path and hsdp (each resumed
+    run against the uninterrupted run of the path that wrote the checkpoint, relative
+    error)."""
     titan_dims_module.device_type = "cpu"
     dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=world,
                         spmd_backend="partial_dtensor")
@@ -338,6 +346,14 @@ def checkpoint_job(rank: int, world: int, root: str) -> dict[str, float | bool]:
         out[f"{strategy} resume equal"] = (resumed == losses[SAVE_AT:] and all(
             torch.equal(a, b) for a, b in zip(got, full[strategy])))
         hsdp.synchronize(model)
+    model, async_losses = _titan_run(_hsdp_model(dims, "hsdp"), rank, world,
+                                     f"{root}/hsdp-async", resume=False, async_mode="async")
+    hsdp.synchronize(model)
+    model, resumed = _titan_run(_hsdp_model(dims, "hsdp"), rank, world, f"{root}/hsdp-async",
+                                resume=True)
+    out["hsdp async resume equal"] = (resumed == async_losses[SAVE_AT:] and all(
+        torch.equal(a, b) for a, b in zip(_full_params(model), full["hsdp"])))
+    hsdp.synchronize(model)
     model, _ = _titan_run(_fsdp2_model(dims), rank, world, f"{root}/fsdp2", resume=False)
     full["fsdp2"] = _full_params(model)
     out["fsdp2 vs hsdp uninterrupted"] = _rel(full["fsdp2"], full["hsdp"])

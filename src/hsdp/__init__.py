@@ -7,9 +7,11 @@ from hsdp.api import (
     precompute_float8_scales,
     synchronize,
 )
-from hsdp.checkpoint.dcp import CheckpointError, get_state_dict, load, save, set_state_dict
+from hsdp.checkpoint.dcp import load, save
 from hsdp.checkpoint.full_state import full_state_dict, load_full_state_dict
 from hsdp.checkpoint.replica_state import fault_tolerance
+from hsdp.checkpoint.state_dicts import get_state_dict, set_state_dict
+from hsdp.checkpoint.sync import CheckpointError
 from hsdp.ft.errors import FaultToleranceError
 from hsdp.ft.outer import FaultTolerance
 from hsdp.ft.transport import RecoveryTransport

@@ -13,7 +13,8 @@ import torch.nn as nn
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.device_mesh import DeviceMesh
 
-from hsdp.checkpoint.dcp import finish_saves, load_state_dict_hook, state_dict_hook
+from hsdp.checkpoint.dcp import finish_saves
+from hsdp.checkpoint.state_dicts import load_state_dict_hook, state_dict_hook
 from hsdp.ft.errors import FaultToleranceError
 from hsdp.module import adopt
 from hsdp.runtime.hooks import units_below

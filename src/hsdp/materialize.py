@@ -94,7 +94,7 @@ class _Walk:
                 self.flats[g] = flat
                 self.blank.add(g)
             else:  # allocated already: start from its current values (a collective)
-                self.flats[g] = g.full_flat(Collectives())
+                self.flats[g] = g.gather.full_flat(Collectives())
         self.open_units.append(unit)
 
     def _replace(self, old: ParamGroup, new: ParamGroup) -> None:

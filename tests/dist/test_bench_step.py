@@ -147,6 +147,27 @@ def test_emulated_mesh(tmp_path):
     assert meta["record_steps"] == 2 and meta["trace_steps"] == 1
 
 
+def test_emulated_compressed_outer_reduction(tmp_path):
+    """``--outer-reduce int8:16``: overlap-q and hfsdp-q exchange one byte per element
+    (plus a 4-byte scale per 16) over outer by all-to-all, where overlap all-reduces fp32."""
+    out = tmp_path / "step.json"
+    schedules = ["overlap", "overlap-q", "hfsdp-q"]
+    proc = bench_step("--emulate", "--mesh", "2x4", *TINY, "--schedules", ",".join(schedules),
+                      "--outer-reduce", "int8:16", "--record-steps", "1", "--trace-steps", "1",
+                      "--json", str(out), "--out-dir", str(tmp_path / "traces"))
+    check_output(proc)
+    result = check_result(out, tmp_path / "traces", schedules, recorded=1, traced=1)
+    assert result["meta"]["outer_reduce"] == {"dtype": "int8", "block": 16,
+                                              "error_feedback": True}
+    nbytes = {n: s["collective_bytes_per_step"] for n, s in result["schedules"].items()}
+    exact = nbytes["overlap"]["all_reduce:outer"]
+    for name in ("overlap-q", "hfsdp-q"):
+        assert "all_reduce:outer" not in nbytes[name] and "reduce_scatter:outer" not in nbytes[
+            name]
+        assert 1.25 / 4 <= nbytes[name]["all_to_all:outer"] / exact < 0.4, nbytes
+    assert nbytes["overlap-q"]["all_gather:outer"] == nbytes["overlap-q"]["all_to_all:outer"]
+
+
 def test_emulated_tp(tmp_path):
     """--tp 2 on an emulated 2x2 mesh: a 2x2x2 world whose every schedule issues the TP
     collectives of torch's plan, by the bytes a hand count gives, delayed on compute."""

@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import hsdp
-from hsdp.sharding.group import ParamGroup
+from hsdp.sharding.grad_state import GradientState
 
 
 def _model() -> nn.Sequential:
@@ -177,13 +177,13 @@ def test_zero_grad_in_place_counts_as_cleared(fake_world_8, monkeypatch):
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     m(torch.randn(2, 5)).sum().backward()
     carried = []
-    hide = ParamGroup.hide_grads
+    hide = GradientState.hide_grads
 
-    def spy(g: ParamGroup) -> None:
-        hide(g)
-        carried.append(g.carry is not None)
+    def spy(grads: GradientState) -> None:
+        hide(grads)
+        carried.append(grads.carry is not None)
 
-    monkeypatch.setattr(ParamGroup, "hide_grads", spy)
+    monkeypatch.setattr(GradientState, "hide_grads", spy)
     for clear in (lambda: opt.zero_grad(set_to_none=False),
                   lambda: m.zero_grad(set_to_none=False)):
         hsdp.clip_grad_norm_(m, 1.0)  # writes the gradients in place too

@@ -8,7 +8,10 @@ recovery transfer itself; (c) group 1 restarted again, recovered by step 9 and t
 from step 10, its parameters, momentum and lr equal to group 0's bit for bit. A second
 test: the lighthouse unreachable at start raises a clear error on every rank. hfsdp on a
 fault-tolerant mesh is refused on every rank. The same scenario runs with the peer, torch
-FSDP2 over each group's ranks with torchft wired by hand (``library="fsdp2"``).
+FSDP2 over each group's ranks with torchft wired by hand (``library="fsdp2"``). A third:
+the live group dies while it sends its state to a joining one (its rank 0 alone, or both):
+the joining group's ranks agree the recovery failed, apply and commit nothing, and refuse
+to train on from step 0 unless ``allow_lost_progress``.
 """
 
 from __future__ import annotations

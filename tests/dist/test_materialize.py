@@ -42,7 +42,7 @@ def _check_pieces(model: nn.Module, ref: nn.Module) -> None:
         assert name == rname
         g, idx = owner(p)
         start = g.shard_starts[idx]
-        piece = g.local(idx)  # this rank's piece of the flattened parameter
+        piece = g.buffers.local(idx)  # this rank's piece of the flattened parameter
         want = r.detach().reshape(-1)[start:start + piece.numel()]
         assert piece.device.type == "cpu" and torch.equal(piece, want), name
 

@@ -42,11 +42,11 @@ def sample(*_):
 rs_inputs = {"max": 0}  # other units' RS inputs alive when a unit's is allocated
 for m in model:
     for g in m._hsdp_unit.groups:
-        def copy_in(orig=g.copy_in):
+        def copy_in(orig=g.grads.copy_in):
             pending = model._hsdp_unit.runtime.step.pending_rs
             rs_inputs["max"] = max(rs_inputs["max"], sum(p[1].numel() for p in pending))
             return orig()
-        g.copy_in = copy_in
+        g.grads.copy_in = copy_in
     m.register_forward_hook(sample)
     m.register_full_backward_hook(sample)
 x = torch.randn(8, width)

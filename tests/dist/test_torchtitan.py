@@ -39,8 +39,11 @@ def jobs_4(tmp_path_factory) -> dict[str, list[dict]]:
 
 def test_llama3_debugmodel_matches_one_process_and_fsdp2(jobs_4):
     per_rank = jobs_4["parity"]
-    assert len(per_rank[0]) == 14
-    bad = {k: e for r in per_rank for k, e in r.items() if not e < 1e-5}
+    assert len(per_rank[0]) == 17
+    # int8 outer reduction (HSDP_OUTER_REDUCE's): close, and not exact
+    compressed = {k for k in per_rank[0] if "+int8" in k and "init" not in k}
+    bad = {k: e for r in per_rank for k, e in r.items()
+           if not (1e-5 < e < 2e-2 if k in compressed else e < 1e-5)}
     assert not bad, bad
 
 
@@ -68,6 +71,7 @@ def test_checkpoint_manager_resumes_bit_for_bit_and_crosses_with_fsdp2(jobs_4):
     per_rank = jobs_4["checkpoint"]
     for r in per_rank:
         assert r["hsdp resume equal"] and r["hfsdp resume equal"], r
+        assert r["hsdp async resume equal"], r  # once: "cannot pickle 'ProcessGroup'"
         bad = {k: e for k, e in r.items() if not isinstance(e, bool) and not e < 1e-5}
         assert not bad, bad
 

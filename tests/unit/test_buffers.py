@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 import hsdp
+from hsdp.sharding.group_state_dict import GroupState
 
 
 def _net(strategy: str) -> nn.Sequential:
@@ -29,15 +30,15 @@ def _live(t: torch.Tensor) -> bool:
 def test_gradient_buffers_live_from_reduce_scatter_to_zero_grad(fake_world_8, strategy):
     net = _net(strategy)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    assert not any(_live(g.accum) or _live(g.grad_buf) for g in _groups(net))
+    assert not any(_live(g.grads.accum) or _live(g.grads.grad_buf) for g in _groups(net))
     net(torch.randn(2, 8)).sum().backward()
-    assert all(_live(g.accum) and _live(g.grad_buf) for g in _groups(net))
+    assert all(_live(g.grads.accum) and _live(g.grads.grad_buf) for g in _groups(net))
     assert all(p.grad is not None for p in net.parameters())
     opt.step()
     opt.zero_grad()
     net(torch.randn(2, 8))  # the next step's forward: cleared gradients are freed
     hsdp.synchronize(net)
-    assert not any(_live(g.accum) or _live(g.grad_buf) for g in _groups(net))
+    assert not any(_live(g.grads.accum) or _live(g.grads.grad_buf) for g in _groups(net))
 
 
 def test_uncleared_gradients_are_kept_through_the_forward(fake_world_8):
@@ -45,7 +46,7 @@ def test_uncleared_gradients_are_kept_through_the_forward(fake_world_8):
     net(torch.randn(2, 8)).sum().backward()
     net(torch.randn(2, 8))
     hsdp.synchronize(net)
-    assert all(_live(g.accum) for g in _groups(net))
+    assert all(_live(g.grads.accum) for g in _groups(net))
 
 
 def test_no_gathered_buffer_outlives_its_step(fake_world_8):
@@ -74,18 +75,18 @@ def test_optimizer_state_is_one_buffer_per_group_and_key(fake_world_8, strategy,
     again at the next step."""
     snapshots = []
 
-    def pack_and_check(self, state, pack=hsdp.sharding.group.ParamGroup.pack_state):
-        before = {(id(p), k): v._local_tensor.clone() for p in self.sharded if p in state
+    def pack_and_check(self, state, pack=GroupState.pack_state):
+        before = {(id(p), k): v._local_tensor.clone() for p in self.b.sharded if p in state
                   for k, v in state[p].items() if v.dim()}
         pack(self, state)
-        after = {(id(p), k): v._local_tensor for p in self.sharded if p in state
+        after = {(id(p), k): v._local_tensor for p in self.b.sharded if p in state
                  for k, v in state[p].items() if v.dim()}
         # Bit for bit: the fake world's collectives leave garbage (NaNs too) in the values.
         snapshots.append(before.keys() == after.keys() and all(
             torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8))
             for k in before))
 
-    monkeypatch.setattr(hsdp.sharding.group.ParamGroup, "pack_state", pack_and_check)
+    monkeypatch.setattr(GroupState, "pack_state", pack_and_check)
     mesh = hsdp.init_mesh(2, 4, "cpu")
     # Small sizes: several pieces of odd lengths in this rank's part of the root.
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 40), nn.Tanh(),

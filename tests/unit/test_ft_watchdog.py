@@ -180,7 +180,7 @@ class Parent:
 class Manager:
     def __init__(self, pg: Any) -> None:
         self._pg, self.error = pg, None
-        self._checkpoint_transport = RecoveryTransport(pg, timedelta(seconds=TIMEOUT))
+        self._checkpoint_transport = RecoveryTransport(pg)
 
     def errored(self) -> Exception | None:
         return self.error

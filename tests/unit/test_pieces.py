@@ -1,10 +1,14 @@
 """Optimizer math on hsdp's Pieces (fake 2x4 world): the same values as on the local
 tensors, and new tensors laid out like their inputs."""
 
+import io
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import hsdp
 from hsdp.sharding.pieces import Piece, as_dtensor, spec
@@ -18,7 +22,7 @@ def _pieces(mesh, seed: int) -> list[Piece]:
     for i, shape in enumerate(SHAPES):
         n = 3 + i  # this rank's piece: a flat range of the parameter
         out.append(as_dtensor(torch.randn(n, generator=g), spec(mesh, False, shape,
-                                                              torch.float32), i, n, ()))
+                                                              torch.float32), i, n))
     return out
 
 
@@ -61,7 +65,7 @@ def test_single_tensor_results_are_pieces_with_the_local_ops_values(fake_world_8
     ``g.add(p, alpha=wd)``, ``-g``): Pieces laid out like ``x``, the local op's values;
     one that changes the dtype (an integer piece divided) is torch's DTensor result."""
     mesh = hsdp.init_mesh(2, 4, "cpu")
-    xs = [as_dtensor(x._local_tensor.abs(), x._spec, *x._hsdp_range, ())
+    xs = [as_dtensor(x._local_tensor.abs(), x._spec, *x._hsdp_range)
           for x in _pieces(mesh, 0)]
     for x, y in zip(xs, _pieces(mesh, 1)):
         a, b = x._local_tensor, y._local_tensor
@@ -73,7 +77,7 @@ def test_single_tensor_results_are_pieces_with_the_local_ops_values(fake_world_8
             assert out._hsdp_range == x._hsdp_range
             assert torch.equal(out._local_tensor, ref)
         ints = as_dtensor(torch.arange(a.numel()), spec(mesh, False, x.shape, torch.int64),
-                          *x._hsdp_range, ())
+                          *x._hsdp_range)
         half = ints.div(2)
         assert half.dtype == torch.float32 and half._spec.tensor_meta.dtype == torch.float32
         assert torch.equal(half._local_tensor, torch.arange(a.numel()) / 2)
@@ -132,3 +136,32 @@ def test_runs_of_back_to_back_pieces():
     assert contiguous_runs([b[0:4].view(2, 2), b[4:6]]) == [1, 1]
     meta = torch.zeros(3, device="meta")
     assert contiguous_runs([meta[0:1], meta[1:2]]) == [1, 1]
+
+
+def test_torch_async_stager_copies_pieces_as_pieces_of_their_own(fake_world_8):
+    """torch's async checkpoint stager (``dcp.async_save``) copies a tensor subclass as
+    ``new_empty`` plus its slots and attributes: a Piece (here a view at an offset of a
+    flat buffer, as hsdp's are) stages as a Piece over a copy, which pickles without the
+    process groups and unpickles where hsdp has no mesh (torch's checkpoint process)."""
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
+    mesh = hsdp.init_mesh(2, 4, "cpu")
+    flat = torch.arange(20.0)
+    x = as_dtensor(flat[7:13], spec(mesh, False, (6, 5), torch.float32), 3, 6)
+    staged = StateDictStager().stage({"x": x})["x"]
+    assert type(staged) is Piece and staged._hsdp_range == x._hsdp_range
+    assert torch.equal(staged._local_tensor, flat[7:13])
+    flat.zero_()  # training goes on: the staged copy keeps the values
+    assert torch.equal(staged._local_tensor, torch.arange(7.0, 13.0))
+    assert staged._hsdp_groups == x._hsdp_groups
+    buf = io.BytesIO()
+    torch.save(staged, buf)
+    dist.destroy_process_group()  # no hsdp mesh: it still loads; its groups are refused
+    try:
+        buf.seek(0)
+        loaded = torch.load(buf)
+        assert torch.equal(loaded._local_tensor, torch.arange(7.0, 13.0))
+        with pytest.raises(RuntimeError, match="needs hsdp's mesh"):
+            loaded.full_tensor()
+    finally:
+        dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())

@@ -64,3 +64,44 @@ def test_rows_join_into_equals_join(numel: int, n: int) -> None:
     out = torch.empty(numel)
     rows.join_into(out, r)
     assert torch.equal(out, rows.join(r))
+
+
+def test_outer_reduce_needs_an_all_to_all_on_the_outer_communicator() -> None:
+    """Fault tolerance (torchft's replica-group communicator) and an outer backend not
+    known to have all-to-all are refused (``fully_shard`` checks before it builds
+    anything)."""
+    from types import SimpleNamespace
+
+    from hsdp.api import _check_outer_reduce
+    from hsdp.ft.outer import FaultToleranceError
+
+    cpu = torch.device("cpu")
+    with pytest.raises(FaultToleranceError, match="not supported with fault tolerance"):
+        _check_outer_reduce(SimpleNamespace(elastic=object(), outer_size=2), cpu)
+
+    class Backend:
+        def __init__(self, name: str) -> None:
+            self._name = name
+
+        def name(self) -> str:
+            return self._name
+
+    def comms(name: str) -> SimpleNamespace:
+        return SimpleNamespace(elastic=None, outer_size=2,
+                               outer=SimpleNamespace(_get_backend=lambda _d: Backend(name)))
+
+    with pytest.raises(ValueError, match="backend 'custom' is not one known to have it"):
+        _check_outer_reduce(comms("custom"), cpu)
+    _check_outer_reduce(comms("gloo"), cpu)  # no error
+
+
+def test_outer_reduce_short_form() -> None:
+    from hsdp.sharding.policy import as_outer_reduce
+
+    assert as_outer_reduce("fp8_e4m3:64") == hsdp.OuterReduce("fp8_e4m3", 64)
+    assert as_outer_reduce("int8") == hsdp.OuterReduce()
+    assert as_outer_reduce("none") is None and as_outer_reduce(None) is None
+    with pytest.raises(ValueError, match="expected none or DTYPE"):
+        as_outer_reduce("int8:x")
+    with pytest.raises(TypeError, match="short form"):
+        as_outer_reduce(8)

@@ -2,8 +2,8 @@
 for torchft's process group (point-to-point queues), recovering ranks receive on threads
 and meet in a shared store. What arrives equals what was sent; a payload carrying code is
 refused without running it (weights_only); a corrupted one is refused by its digest; a
-recovery that fails on one rank fails on every rank; progress a failed recovery lost is
-refused unless allowed."""
+recovery that fails on one rank fails on every rank, and a retry does not read the last
+attempt's outcomes; progress a failed recovery lost is refused unless allowed."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hsdp.ft.errors import FaultToleranceError
-from hsdp.ft.outer import make_manager
+from hsdp.ft.outer import FaultTolerance, make_manager
 from hsdp.ft.transport import RecoveryTransport
 
 T = timedelta(seconds=5)
@@ -89,7 +89,7 @@ def _recover(wire: Wire, world: int, step: int = 5, **kw: Any) -> list[Any]:
     store, results = dist.HashStore(), [None] * world
 
     def run(r: int) -> None:
-        transport = RecoveryTransport(End(wire, 1), T / 10, **kw)
+        transport = RecoveryTransport(End(wire, 1), **kw)
         transport.bind(lambda: 7, store=store, rank=r, world=world)
         try:
             results[r] = transport.recv_checkpoint(0, "hsdp", step, T / 10)
@@ -105,7 +105,7 @@ def _recover(wire: Wire, world: int, step: int = 5, **kw: Any) -> list[Any]:
 
 
 def _send(wire: Wire, state: Any, step: int = 5) -> None:
-    RecoveryTransport(End(wire, 0), T).send_checkpoint([1], step, state, T)
+    RecoveryTransport(End(wire, 0)).send_checkpoint([1], step, state, T)
 
 
 def test_what_arrives_equals_what_was_sent():
@@ -153,11 +153,11 @@ def test_a_recovery_failing_on_one_rank_fails_on_every_rank():
     wire = Wire()
     store = dist.HashStore()
     results: list[Any] = [None, None]
-    sender = RecoveryTransport(End(wire, 0), T)
+    sender = RecoveryTransport(End(wire, 0))
 
     def run(r: int) -> None:
         # rank r of the recovering group listens on its own wire to rank r of the live one
-        transport = RecoveryTransport(End(wires[r], 1), T / 10)
+        transport = RecoveryTransport(End(wires[r], 1))
         transport.bind(lambda: 7, store=store, rank=r, world=2)
         try:
             results[r] = transport.recv_checkpoint(0, "hsdp", 5, T / 10)
@@ -177,9 +177,50 @@ def test_a_recovery_failing_on_one_rank_fails_on_every_rank():
             in str(results[r])
 
 
+def test_a_retry_meets_under_new_keys():
+    """A retry in the same quorum (torchft counted the failed commit in between) does not
+    read the last attempt's outcomes: rank 1, done first, waits for rank 0's new one."""
+    store, failures = dist.HashStore(), [0]
+    results: dict[int, Any] = {}
+
+    def run(r: int, wire: Wire) -> None:
+        transport = RecoveryTransport(End(wire, 1))
+        transport.bind(lambda: f"3/{failures[0]}", store=store, rank=r, world=2)
+        try:
+            results[r] = transport.recv_checkpoint(0, "hsdp", 5, T / 10)
+        except Exception as exc:
+            results[r] = exc
+
+    # attempt 1: rank 0's sender is gone, rank 1's sends everything: both fail
+    dead, live = Wire(), Wire()
+    _send(live, _state(5))
+    threads = [threading.Thread(target=run, args=(r, w)) for r, w in ((0, dead), (1, live))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(isinstance(results[r], FaultToleranceError) for r in range(2))
+    failures[0] += 1  # the group's commit vote failed on every rank
+    # attempt 2: both senders send; rank 1 receives first and must wait for rank 0
+    wires = [Wire(), Wire()]
+    for w in wires:
+        _send(w, _state(5))
+    results.clear()
+    early = threading.Thread(target=run, args=(1, wires[1]))
+    early.start()
+    early.join(0.5)
+    assert early.is_alive() and not results, results  # not decided on a stale outcome
+    late = threading.Thread(target=run, args=(0, wires[0]))
+    late.start()
+    for t in (early, late):
+        t.join()
+    for r in range(2):
+        assert isinstance(results[r], dict) and results[r]["torchft"]["step"] == 5, results[r]
+
+
 def _failed_recovery(allowed: bool) -> RecoveryTransport:
     """A transport whose recovery of step 5 failed: nothing came (the live group is gone)."""
-    transport = RecoveryTransport(End(Wire(), 1), T / 10, allow_lost_progress=allowed)
+    transport = RecoveryTransport(End(Wire(), 1), allow_lost_progress=allowed)
     transport.bind(lambda: 7, store=dist.HashStore(), rank=0, world=1)
     with pytest.raises(FaultToleranceError, match="recovering step 5"):
         transport.recv_checkpoint(0, "hsdp", 5, T / 10)
@@ -195,6 +236,8 @@ def test_progress_a_failed_recovery_lost_is_refused_unless_allowed(caplog):
     allowing.check_progress(0)
     assert "drops 5 step(s) of progress (allow_lost_progress=True)" in caplog.text
     allowing.check_progress(0)  # said once; training goes on from step 0
+    with pytest.raises(TypeError, match="allow_lost_progress must be a bool"):
+        FaultTolerance(allow_lost_progress="yes")
 
 
 def test_a_manager_recovering_through_another_transport_is_refused():

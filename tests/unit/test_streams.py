@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from hsdp.ft.errors import FaultToleranceError
 from hsdp.streams.cpu_backend import StreamFailure
 from hsdp.streams.stream_set import Streams
 
@@ -40,6 +41,23 @@ def test_failure_surfaces_to_the_waiter_and_poisons_every_stream_until_cleared()
     ok = s.ag.submit(lambda: ran.append("ag"))
     s.compute.wait(ok)
     assert ran == ["ag"]
+
+
+def test_a_fault_tolerance_verdict_surfaces_unchanged():
+    """hsdp's own FaultToleranceError (raised on the outer stream, where the quorum is
+    first known) reaches the waiter as it is, not wrapped as a stream failure."""
+    s = Streams.create(torch.device("cpu"))
+    verdict = FaultToleranceError("hsdp: progress lost")
+
+    def refuse() -> None:
+        raise verdict
+
+    bad = s.outer.submit(refuse, label="OUTER_AR:x")
+    with pytest.raises(FaultToleranceError) as raised:
+        s.compute.wait(bad)
+    assert raised.value is verdict
+    assert s.quiesce(5.0)
+    s.failed.clear()
 
 
 def test_tracer_records_ops_and_blocking_compute_waits():

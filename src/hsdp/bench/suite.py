@@ -38,8 +38,10 @@ FLOAT8_LOSS = "Float8 loss curves on one H200"
 FAULT_TOLERANCE = "Fault tolerance (torchft) on one H200"
 TP = "Tensor parallelism (emulated 16x8x8) on one H200"
 TORCHTITAN = "torchtitan's trainer on one H200"
-TABLES = (STEP, TWINS, SLOW_OUTER, MICROBATCHES, SHARED_LINKS, CPU_OVERLAP, CHECKPOINT, FLOAT8,
-          FLOAT8_LOSS, FAULT_TOLERANCE, TP, TORCHTITAN)
+COMPRESSED = "Compressed outer reduction (emulated 16x8) on one H200"
+CONVERGENCE = "Compressed outer reduction: convergence (8 CPU ranks)"
+TABLES = (STEP, TWINS, SLOW_OUTER, COMPRESSED, CONVERGENCE, MICROBATCHES, SHARED_LINKS,
+          CPU_OVERLAP, CHECKPOINT, FLOAT8, FLOAT8_LOSS, FAULT_TOLERANCE, TP, TORCHTITAN)
 
 # 5 recorded and 3 profiled steps per schedule: the simulator's calibration takes the
 # median host time and least device time over them (hsdp.sim.calibrate).
@@ -107,6 +109,17 @@ def plan() -> list[Run]:
     runs.append(_step(SLOW_OUTER, "emu2x4_s4096_outer12.5", "--emulate", "--mesh", "2x4",
                       "--seq", "4096", "--outer-gbps", "12.5", "--steps", "5", "--schedules",
                       "overlap,serial,hfsdp,hfsdp-serial"))
+    for gbps in ("47", "12.5", "3"):  # scripts/outer_reduce_gpu.sh runs the same
+        runs.append(Run(COMPRESSED, "h200/outer_reduce", f"step_outer{gbps}",
+                        ("bench", "step", "--reduce-dtype", "bf16", "--record-steps", "2",
+                         "--trace-steps", "1", "--warmup", "2", "--emulate", "--mesh", "16x8",
+                         "--seq", "4096", "--steps", "4", "--outer-reduce", "int8",
+                         "--schedules", "overlap,overlap-q,hfsdp,hfsdp-q,fsdp2",
+                         "--outer-gbps", gbps), 300))
+    for mesh in ("4x2", "2x4"):  # CPU gloo ranks, 500 steps x 3 seeds x 4 runs
+        runs.append(Run(CONVERGENCE, "cpu", f"outer_reduce_convergence_{mesh}",
+                        ("--meshes", mesh), 3600,
+                        program=("scripts/outer_reduce_convergence.py",)))
     runs.append(_step(MICROBATCHES, "emu16x8_s1024_mb4", "--emulate", "--mesh", "16x8",
                       "--seq", "1024", "--microbatches", "4", "--steps", "4", "--warmup", "1",
                       "--schedules", "overlap,serial"))

@@ -73,9 +73,9 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False,
             out[key] = _keep(t.detach(), cpu_offload)
     coll = Collectives()
     for group, members in groups.items():
-        flat = group.full_flat(coll)
+        flat = group.gather.full_flat(coll)
         for key, idx in members:
-            whole = group.whole(flat, idx)  # a collective over tp where TP shards it
+            whole = group.buffers.whole(flat, idx)  # a collective over tp where TP shards it
             if keep:
                 out[key] = _keep(whole, cpu_offload)
             del whole  # a view of flat: it would keep flat alive into the next group
@@ -129,7 +129,7 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None
             continue
         group, idx = managed
         # In place: hfsdp sees the version bump and re-gathers its inner shard.
-        group.local(idx).copy_(group.piece_of(idx, full))
+        group.buffers.local(idx).copy_(group.buffers.piece_of(idx, full))
 
 
 def _mismatch(entries: dict[str, torch.Tensor],

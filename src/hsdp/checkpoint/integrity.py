@@ -1,23 +1,40 @@
-"""Checksums of a checkpoint's data files: a truncated or corrupted file is found before
-anything is loaded.
+"""Checksums of a checkpoint's files, and what binds them to one checkpoint: a truncated,
+corrupted, edited or foreign file is found before anything is loaded.
 
 DCP stores each item as a byte range of a ``.distcp`` file and checks nothing: a flipped
 byte inside a tensor loads as a wrong value. Each rank records the CRC-32 of the ranges it
 wrote (``.hsdp-checksums.<rank>.json`` in the checkpoint directory, written before DCP
 writes the metadata that completes the checkpoint); ``verify`` checks a file's ranges
 (length, then CRC) before DCP reads them.
+
+Checksums of ranges alone let a shard of another save of the same model load when its
+checksum file comes with it, and a ``.metadata`` edited to swap two ranges of one length
+load swapped tensors. So every save has an id (``save_id``), written into DCP's metadata
+(``storage_meta.save_id``) and into each rank's checksum record; once DCP has written the
+metadata, ``seal`` writes ``.hsdp-seal.json``: the id, the number of ranks and the SHA-256
+of ``.metadata``. ``open_checkpoint`` checks all of it (and reads and unpickles
+``.metadata`` once: DCP's reader is handed the result).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import hashlib
 import json
 import os
+import pickle
 import zlib
 from collections.abc import Iterable
 from typing import Any
 
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from hsdp.checkpoint.dirs import MARKER
+
 _SUMS = ".hsdp-checksums"
+SEAL = ".hsdp-seal.json"
+METADATA = ".metadata"  # DCP's file name for it
 _BLOCK = 16 << 20
 
 
@@ -40,23 +57,78 @@ def _crc(path: str, offset: int, length: int) -> int:
     return crc
 
 
-def record(directory: str, rank: int, infos: Iterable[Any]) -> None:
-    """Write the checksums of the ranges this rank wrote (DCP ``_StorageInfo``s)."""
+def record(directory: str, rank: int, infos: Iterable[Any], save_id: str) -> None:
+    """Write the checksums of the ranges this rank wrote (DCP ``_StorageInfo``s) with the
+    id of the save."""
     sums = {_key(i): _crc(os.path.join(directory, i.relative_path), i.offset, i.length)
             for i in infos}
     with open(os.path.join(directory, f"{_SUMS}.{rank}.json"), "x") as f:
-        json.dump(sums, f)
+        json.dump({"save_id": save_id, "sums": sums}, f)
 
 
-def load_sums(directory: str) -> dict[str, int]:
-    """Every rank's recorded checksums (empty for a checkpoint that has none)."""
+def seal(directory: str, save_id: str, ranks: int) -> None:
+    """Bind the ``.metadata`` DCP has just written to this save (DCP's coordinator)."""
+    with open(os.path.join(directory, METADATA), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    with open(os.path.join(directory, SEAL), "x") as f:
+        json.dump({"save_id": save_id, "ranks": ranks, "metadata_sha256": digest}, f)
+
+
+@dataclasses.dataclass
+class Opened:
+    """A checkpoint's metadata and checksums, checked to belong together."""
+
+    metadata: Metadata
+    sums: dict[str, int]
+    required: bool  # hsdp wrote it: every range must have a checksum
+
+
+def open_checkpoint(directory: str) -> Opened:
+    """Read ``.metadata`` (unpickled here, once) and, for a checkpoint hsdp wrote, its seal
+    and every rank's checksums; ``ValueError`` unless they all belong to one save (a plain
+    DCP checkpoint has none of them: only its lengths are checked). ``FileNotFoundError``
+    when there is no ``.metadata``."""
+    with open(os.path.join(directory, METADATA), "rb") as f:
+        raw = f.read()
+    ours = os.path.isfile(os.path.join(directory, MARKER))
+    sealed = _read_json(os.path.join(directory, SEAL)) if ours else None
+    if sealed is not None and hashlib.sha256(raw).hexdigest() != sealed["metadata_sha256"]:
+        raise ValueError(f"{METADATA} does not match the checksum in {SEAL} (edited, or from "
+                         f"another checkpoint)")
+    metadata = pickle.loads(raw)  # noqa: S301 - DCP's format (see checkpoints.md)
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    if sealed is None:
+        return Opened(metadata, {}, False)
+    save_id = sealed["save_id"]
+    if metadata.storage_meta.save_id != save_id:
+        raise ValueError(f"{METADATA} is from save {metadata.storage_meta.save_id}, {SEAL} "
+                         f"from save {save_id}")
+    return Opened(metadata, _load_sums(directory, save_id, sealed["ranks"]), True)
+
+
+def _read_json(name: str) -> dict[str, Any]:
+    try:
+        with open(name) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{name} is missing or unreadable ({e})") from e
+
+
+def _load_sums(directory: str, save_id: str, ranks: int) -> dict[str, int]:
+    """The checksums of the ``ranks`` ranks that wrote save ``save_id``."""
+    names = {os.path.join(directory, f"{_SUMS}.{r}.json") for r in range(ranks)}
+    stray = set(glob.glob(os.path.join(glob.escape(directory), f"{_SUMS}.*.json"))) - names
+    if stray:
+        raise ValueError(f"{min(stray)} is not from this checkpoint ({ranks} ranks saved it)")
     sums: dict[str, int] = {}
-    for name in sorted(glob.glob(os.path.join(glob.escape(directory), f"{_SUMS}.*.json"))):
-        try:
-            with open(name) as f:
-                sums.update(json.load(f))
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{name} is unreadable ({e})") from e
+    for name in sorted(names):
+        rec = _read_json(name)
+        if not isinstance(rec, dict) or rec.get("save_id") != save_id:
+            raise ValueError(f"{name} is from another checkpoint (save "
+                             f"{rec.get('save_id') if isinstance(rec, dict) else None}, this "
+                             f"one is {save_id})")
+        sums.update(rec["sums"])
     return sums
 
 

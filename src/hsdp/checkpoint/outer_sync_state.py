@@ -69,6 +69,14 @@ def outer_sync_state(model: nn.Module, opt_state: Mapping[torch.Tensor, dict] | 
     return out
 
 
+def in_checkpoint(state: dict[str, torch.Tensor], saved: dict[str, object],
+                  prefix: str) -> dict[str, torch.Tensor]:
+    """The entries of ``state`` that the checkpoint's metadata ``saved`` (DCP's flattened
+    keys, ``prefix`` + key) holds with the same shape: the ones to load."""
+    return {k: v for k, v in state.items() if prefix + k in saved
+            and tuple(getattr(saved[prefix + k], "size", ())) == tuple(v.shape)}
+
+
 def load_outer_sync(model: nn.Module, state: dict[str, torch.Tensor] | None,
                     optimizer: torch.optim.Optimizer | None = None) -> None:
     """Set this rank's outer state from ``state`` (``outer_sync_state``'s form); a group

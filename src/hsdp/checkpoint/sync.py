@@ -9,6 +9,7 @@ raises a ``CheckpointError`` naming them, the phase and the save or load.
 from __future__ import annotations
 
 import itertools
+import pickle
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -81,6 +82,25 @@ class Meeting:
                                    f"{error}", group=group)
         return next((e for e in every if e is not None), None)
 
+    def verdict(self, group: dist.ProcessGroup, phase: str, fn: Callable[[], T]) -> T:
+        """``fn()`` on every rank; if it raised on any, every rank raises the exception of
+        the first rank that did (that rank its own), so no rank goes on alone."""
+        result: Any = None
+        error: Exception | None = None
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            error = e
+        every: list[Any] = [None] * dist.get_world_size(group)
+        with self.at(phase):
+            dist.all_gather_object(every, _portable(error), group=group)
+        first = next((i for i, e in enumerate(every) if e is not None), None)
+        if first is None:
+            return result
+        if error is not None and first == dist.get_rank(group):
+            raise error
+        raise every[first]
+
     def agree(self, group: dist.ProcessGroup, phase: str, fn: Callable[[], T]) -> T:
         """``fn()`` on rank 0, its result (or its exception, raised) on every rank."""
         box: list[Any] = [None]
@@ -95,3 +115,14 @@ class Meeting:
         if error is not None:
             raise error
         return result
+
+
+def _portable(error: Exception | None) -> Exception | None:
+    """``error`` as another rank can unpickle it (else a ``CheckpointError`` saying it)."""
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any unpicklable exception
+        return CheckpointError(f"{type(error).__name__}: {error}")

@@ -59,6 +59,9 @@ class FaultTolerance:
         if not isinstance(self.min_replicas, int) or self.min_replicas < 1:
             raise ValueError(f"FaultTolerance.min_replicas must be an int >= 1, "
                              f"got {self.min_replicas!r}")
+        if not isinstance(self.allow_lost_progress, bool):
+            raise TypeError(f"FaultTolerance.allow_lost_progress must be a bool, "
+                            f"got {self.allow_lost_progress!r}")
 
 
 def torchft() -> Any:
@@ -248,8 +251,7 @@ def make_manager(ft: FaultTolerance | Any, device_type: str) -> Any:
             quorum_timeout=ft.quorum_timeout, connect_timeout=ft.connect_timeout,
             rank=rank, world_size=world, store_addr=host, store_port=port,
             lighthouse_addr=lighthouse, replica_id=replica_id, init_sync=False,
-            checkpoint_transport=RecoveryTransport(pg, ft.timeout, device_type,
-                                                   ft.allow_lost_progress)))
+            checkpoint_transport=RecoveryTransport(pg, device_type, ft.allow_lost_progress)))
 
     # Rank 0 hosts the group's ManagerServer, which connects to the lighthouse; the
     # others would wait for its address until the store's timeout: share the outcome.
@@ -276,15 +278,19 @@ def make_manager(ft: FaultTolerance | Any, device_type: str) -> Any:
 
 
 def _bound(manager: Any) -> Any:
-    """``manager``, its ``RecoveryTransport`` bound to this replica group's store and to
-    torchft's quorum id; any other transport is refused (torchft's default serves the
-    state over unauthenticated HTTP and unpickles what it receives)."""
+    """``manager``, its ``RecoveryTransport`` bound to this replica group's store; any
+    other transport is refused (torchft's default serves the state over unauthenticated
+    HTTP and unpickles what it receives)."""
     transport = manager._checkpoint_transport  # torchft 0.2.0's attribute
     if not isinstance(transport, RecoveryTransport):
         raise FaultToleranceError(
             f"init_mesh(fault_tolerance=manager): the Manager recovers through "
             f"{type(transport).__name__}; make it with checkpoint_transport="
-            f"hsdp.RecoveryTransport(pg, timeout, device_type) over its own pg "
+            f"hsdp.RecoveryTransport(pg, device_type) over its own pg "
             f"(docs/guide/fault_tolerance.md, 'What recovery exposes')")
-    transport.bind(lambda: manager._quorum_id)
+    # an attempt (with the step it recovers): torchft's quorum (the same for the group's
+    # ranks) and the failed commits since the last one (a failed recovery fails the
+    # group's commit vote: +1 on every rank), so that a retry in the same quorum meets
+    # under new keys (torchft 0.2.0's attribute names)
+    transport.bind(lambda: f"{manager._quorum_id}/{manager._commit_failures}")
     return manager

@@ -44,25 +44,27 @@ class RecoveryTransport:
     ``FaultToleranceError``, so torchft applies nothing, commits nothing, and retries the
     recovery at the next quorum. ``check_progress`` then refuses to train on from an older
     step than the one a failed recovery was to bring (every live group was lost during the
-    transfer), unless ``allow_lost_progress``. ``bind`` gives it the group's store and the
-    quorum id (``init_mesh`` does)."""
+    transfer), unless ``allow_lost_progress``. ``bind`` gives it the group's store and
+    names each attempt (``init_mesh`` does)."""
 
-    def __init__(self, pg: Any, timeout: timedelta, device_type: str = "cpu",
+    def __init__(self, pg: Any, device_type: str = "cpu",
                  allow_lost_progress: bool = False) -> None:
-        self._pg, self._timeout = pg, timeout
+        self._pg = pg  # torchft gives each transfer its timeout (the Manager's)
         self._device = torch.device(device_type)
         self.allow_lost_progress = allow_lost_progress
         self.awaited_step: int | None = None  # the newest step a recovery was to bring
         self._store: Any = None
-        self._quorum_id: Callable[[], int] | None = None
+        self._attempt: Callable[[], str] | None = None
         self._rank, self._world = 0, 1
 
-    def bind(self, quorum_id: Callable[[], int], store: Any | None = None,
+    def bind(self, attempt: Callable[[], str], store: Any | None = None,
              rank: int | None = None, world: int | None = None) -> None:
         """Where the recovering group's ranks meet: ``store`` (default: the torch world's,
         which is the replica group), this rank and the group's size (default: the world's),
-        keyed by ``quorum_id()`` (torchft's current quorum)."""
-        self._quorum_id = quorum_id
+        under the key ``attempt()``, which names the recovery attempt, the same on the
+        group's ranks and new at each retry (else a retry would read the last attempt's
+        outcomes)."""
+        self._attempt = attempt
         self._store = store if store is not None else dist.distributed_c10d._get_default_store()
         self._rank = dist.get_rank() if rank is None else rank
         self._world = dist.get_world_size() if world is None else world
@@ -99,7 +101,7 @@ class RecoveryTransport:
             mine = {"ok": True, "step": step, "src": src_rank, "digest": digest}
         except Exception as exc:  # posted, then raised on every rank by the agreement
             state, mine = None, {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        outcomes = self._agree(mine, timeout)
+        outcomes = self._agree(mine, step, timeout)
         failed = [f"rank {r}: {o['error']}" for r, o in enumerate(outcomes) if not o["ok"]]
         received = {(o["step"], o["src"]) for o in outcomes if o["ok"]}
         if not failed and len(received) > 1:
@@ -166,13 +168,14 @@ class RecoveryTransport:
         rank's device (the sender's index may not exist here)."""
         return storage if location == "cpu" else storage.to(device=self._device)
 
-    def _agree(self, mine: dict, timeout: timedelta) -> list[dict]:
-        """Every rank's outcome (``mine`` for this one), through the group's store; a rank
-        that posts nothing within twice the timeout (its own transfer's bound) failed."""
-        if self._quorum_id is None:
+    def _agree(self, mine: dict, step: int, timeout: timedelta) -> list[dict]:
+        """Every rank's outcome of receiving ``step`` (``mine`` for this one), through the
+        group's store; a rank that posts nothing within twice the timeout (its own
+        transfer's bound) failed."""
+        if self._attempt is None:
             raise FaultToleranceError("hsdp: RecoveryTransport used before bind(); pass "
                                       "it to init_mesh through its torchft Manager")
-        prefix = f"hsdp/ft/recovery/{self._quorum_id()}/"
+        prefix = f"hsdp/ft/recovery/{self._attempt()}/{step}/"
         self._store.set(f"{prefix}{self._rank}", json.dumps(mine))
         keys = [f"{prefix}{r}" for r in range(self._world)]
         try:

@@ -39,7 +39,7 @@ from torchtitan.models.llama3 import config_registry as _llama3_configs
 from torchtitan.protocols.module import Module as TitanModule
 
 import hsdp
-from hsdp.checkpoint.dcp import load_state_dict_hook
+from hsdp.checkpoint.state_dicts import load_state_dict_hook
 from hsdp.sharding.policy import Strategy, parse_outer_reduce
 
 MODEL_NAME = "hsdp_llama3"

@@ -11,7 +11,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
 if TYPE_CHECKING:
-    from hsdp.runtime.runtime import Runtime
+    from hsdp.runtime.gather import Gathering
+    from hsdp.runtime.schedule import Schedule
     from hsdp.runtime.unit import Unit
 
 
@@ -73,13 +74,13 @@ class PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs; its backward runs once the unit's backward is done."""
 
     @staticmethod
-    def forward(ctx, runtime: Runtime, unit: Unit, *inputs: torch.Tensor):
-        ctx.runtime, ctx.unit = runtime, unit
+    def forward(ctx, schedule: Schedule, unit: Unit, *inputs: torch.Tensor):
+        ctx.schedule, ctx.unit = schedule, unit
         return inputs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        ctx.runtime._post_backward(ctx.unit)
+        ctx.schedule.post_backward(ctx.unit)
         return (None, None, *grads)
 
 
@@ -87,8 +88,8 @@ class UnshardHandle:
     """``module.unshard(async_op=True)``'s result: ``wait()`` makes compute wait for the
     all-gather and shows the unsharded parameters on the module."""
 
-    def __init__(self, runtime: Runtime, unit: Unit) -> None:
-        self.runtime, self.unit = runtime, unit
+    def __init__(self, gathering: Gathering, unit: Unit) -> None:
+        self.gathering, self.unit = gathering, unit
 
     def wait(self) -> None:
-        self.runtime._unshard(self.unit)
+        self.gathering.unshard_now(self.unit)

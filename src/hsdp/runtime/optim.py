@@ -4,31 +4,43 @@ through hooks on each optimizer that holds fully_shard-ed parameters."""
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from hsdp.runtime.context import RuntimeContext
+from hsdp.runtime.gather import Gathering
 from hsdp.runtime.hooks import in_backward
+from hsdp.runtime.recovery import Recovery
 from hsdp.sharding.float8_weights import refresh_scales
-from hsdp.sharding.group import owner
+from hsdp.sharding.group import ParamGroup, owner
 from hsdp.sharding.pieces import adopt_state, same_layout
 
-if TYPE_CHECKING:
-    from hsdp.runtime.runtime import Runtime
-
-RUNTIMES: weakref.WeakSet[Runtime] = weakref.WeakSet()
-
+STEPPERS: weakref.WeakSet[OptimizerSteps] = weakref.WeakSet()  # each model's (runtime.py)
 
 
 class OptimizerSteps:
-    """The optimizer part of ``Runtime``."""
+    """The optimizer part of a model's runtime: hooks around each step of an optimizer
+    that holds the model's parameters, and the users' grad hooks (optimizer in backward)."""
 
-    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+    def __init__(self, ctx: RuntimeContext, gathering: Gathering, recovery: Recovery) -> None:
+        self.ctx = ctx
+        self.gathering = gathering
+        self.recovery = recovery
+        self.param_ids = {id(p) for g in ctx.groups for p in g.sharded}
+        self.shards_outer = any(g.shard_outer for g in ctx.groups)  # hfsdp
+        self.float8_groups = [g for g in ctx.groups if g.float8 is not None]
+        self._in_grad_hooks = False  # running the users' post-accumulate-grad hooks
+        self._stepped = False  # an optimizer stepped in the grad hooks now running
+        self._checked_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._adopted_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def owns(self, optimizer: torch.optim.Optimizer) -> bool:
         return any(id(p) in self.param_ids for pg in optimizer.param_groups for p in pg["params"])
 
-    def _check_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+    def check_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse, on every rank and before the step, optimizer state laid out for another
         mesh or strategy (a per-rank ``optimizer.state_dict()`` loaded elsewhere). Checked
         when the state changed size or was replaced (first steps, loads): one tiny
@@ -40,9 +52,10 @@ class OptimizerSteps:
         bad = next((k for p, st in optimizer.state.items() if owner(p) is not None
                     for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0
                     and not same_layout(v, p)), None)
-        flag = torch.tensor([0.0 if bad is None else 1.0], device=self.root.device)
+        root = self.ctx.root
+        flag = torch.tensor([0.0 if bad is None else 1.0], device=root.device)
         for dim in ("inner", "outer"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.root.mesh.get_group(dim))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=root.mesh.get_group(dim))
         if flag.item():
             del self._checked_state[optimizer]
             raise RuntimeError(
@@ -51,30 +64,30 @@ class OptimizerSteps:
                 "not taken. Save and load with hsdp.save / hsdp.load (or hsdp.get_state_dict "
                 "/ hsdp.set_state_dict with torch.distributed.checkpoint), which reshard.")
 
-    def _before_optimizer_step(self) -> None:
+    def before_step(self) -> None:
         if in_backward() and not self._in_grad_hooks:
             raise RuntimeError("hsdp: optimizer.step() called during backward")
-        self.settle()
-        if self.step.awaiting_last:
+        self.recovery.settle()
+        if self.ctx.step.awaiting_last:
             raise RuntimeError(
                 "hsdp: optimizer.step() called while the gradient reduction is still "
                 "pending: the last backward ran inside hsdp.microbatch(model, is_last=False) "
                 "or with model.set_requires_gradient_sync(False). Run the step's final "
                 "microbatch with is_last=True (or outside any hsdp.microbatch context) and "
                 "gradient sync on before optimizer.step().")
-        self.streams.compute.begin(f"OPTIMIZER:{self.root.label}")
-        if self.outer_sync is not None:
-            self.outer_sync.before_step()
+        self.ctx.streams.compute.begin(f"OPTIMIZER:{self.ctx.root.label}")
+        if self.ctx.outer_sync is not None:
+            self.ctx.outer_sync.before_step()
 
-    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.streams.compute.end(f"OPTIMIZER:{self.root.label}")
-        if self.outer_sync is not None:
-            self.outer_sync.after_step(self)
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.ctx.streams.compute.end(f"OPTIMIZER:{self.ctx.root.label}")
+        if self.ctx.outer_sync is not None:
+            self.ctx.outer_sync.after_step(self.ctx)
         key = (id(optimizer.state), len(optimizer.state))
         if self._adopted_state.get(optimizer) != key:  # new state (first steps, loads)
             adopt_state(optimizer.state)
-            for g in self.trainable:
-                g.pack_state(optimizer.state)
+            for g in self.ctx.trainable:
+                g.state.pack_state(optimizer.state)
             self._adopted_state[optimizer] = key
         if self._in_grad_hooks:
             self._stepped = True  # the float8 scales once, after the last hook
@@ -89,9 +102,25 @@ class OptimizerSteps:
             for p in pg["params"]:
                 managed = owner(p)
                 if managed is not None:
-                    managed[0].mark_written()
+                    managed[0].gather.mark_written()
         if not self._in_grad_hooks:  # else once, after the last hook
-            self._refresh_outer_shards()
+            self.gathering.refresh_outer_shards()
+
+    def run_grad_hooks(self, reduced: list[ParamGroup]) -> None:
+        """The users' post-accumulate-grad hooks, as FSDP2 runs them: once a step's
+        gradients are final (reduced and exposed), group by group in reduction order. An
+        optimizer may step in them (optimizer-in-backward); hfsdp then refreshes the outer
+        shards once, after the last hook."""
+        self._in_grad_hooks = True
+        self._stepped = False
+        try:
+            for g in reduced:
+                g.grads.run_grad_hooks()
+        finally:
+            self._in_grad_hooks = False
+        if self._stepped:
+            self.refresh_float8_scales()
+        self.gathering.refresh_outer_shards()
 
     def refresh_float8_scales(self) -> None:
         """New scales for every float8 weight of the model from its current values (on
@@ -101,18 +130,18 @@ class OptimizerSteps:
         would cast grown weights with stale scales, saturating them without a word."""
         if not self.float8_groups:
             return
-        self.settle()
+        self.recovery.settle()
 
         def reduce(t: torch.Tensor, group: dist.ProcessGroup) -> None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
 
-        refresh_scales([(g.float8, g.float8_pieces(), g.shard_outer)
+        refresh_scales([(g.float8, g.buffers.float8_pieces(), g.shard_outer)
                         for g in self.float8_groups],
-                       (self.comms.host_inner, self.comms.host_outer), reduce)
+                       (self.ctx.comms.host_inner, self.ctx.comms.host_outer), reduce)
         for g in self.float8_groups:
-            g.float8.version = g.version()
+            g.float8.version = g.buffers.version()
             if g.shard_outer:
-                g.mark_written()
+                g.gather.mark_written()
 
 
 # optimizer -> its number of parameters when ``_detect`` last looked at it
@@ -158,15 +187,15 @@ def attach_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for rt in list(RUNTIMES):
-        if rt._owns(optimizer):
-            if rt.outer_sync is not None:
-                rt.outer_sync.check_optimizer(optimizer)
-            rt._before_optimizer_step()
-            rt._check_optimizer_state(optimizer)
+    for steps in list(STEPPERS):
+        if steps.owns(optimizer):
+            if steps.ctx.outer_sync is not None:
+                steps.ctx.outer_sync.check_optimizer(optimizer)
+            steps.before_step()
+            steps.check_optimizer_state(optimizer)
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for rt in list(RUNTIMES):
-        if rt._owns(optimizer):
-            rt._after_optimizer_step(optimizer)
+    for steps in list(STEPPERS):
+        if steps.owns(optimizer):
+            steps.after_step(optimizer)

@@ -31,7 +31,7 @@ from hsdp.streams.op_table import OpKind, label
 from hsdp.topology.outer_sync import DiLoCo
 
 if TYPE_CHECKING:
-    from hsdp.runtime.runtime import Runtime
+    from hsdp.runtime.context import RuntimeContext
     from hsdp.runtime.unit import Unit
 
 
@@ -72,7 +72,7 @@ class OuterSync:
         return [g for f, fragment in enumerate(self.fragments) for g in fragment
                 if g.anchor.steps % cfg.inner_steps == cfg.offset(f)]
 
-    def after_step(self, rt: Runtime) -> None:
+    def after_step(self, rt: RuntimeContext) -> None:
         """Issue the all-reduces of the fragments due after this optimizer step, then the
         outer steps due now (with ``delay=0`` those just issued)."""
         due = self.due()
@@ -82,8 +82,8 @@ class OuterSync:
             taken = rt.streams.compute.record()
             stream = rt.stream_of(OpKind.OUTER_SYNC)
             for g in due:
-                g.anchor.reduced = rt._logged(OpKind.OUTER_SYNC, g,
-                                              self.reduce(g, stream, rt.coll, [taken]))
+                g.anchor.reduced = rt.logged(OpKind.OUTER_SYNC, g,
+                                             self.reduce(g, stream, rt.coll, [taken]))
         ready = [g for g in self.groups if g.anchor.apply_at == g.anchor.steps]
         for g in ready:
             if g.anchor.reduced is not None:

@@ -8,6 +8,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from hsdp.runtime.context import RuntimeContext
+from hsdp.runtime.gather import Gathering
 from hsdp.runtime.hooks import in_backward
 from hsdp.runtime.state import Phase
 from hsdp.runtime.step_agreement import Verdict, agree, missing, post_note, read_note
@@ -17,106 +19,109 @@ from hsdp.streams.op_table import OUTER_REDUCTIONS, OpKind
 
 
 class Recovery:
-    """The failure part of ``Runtime``: step agreement, abandon and replay."""
+    """The failure part of a model's runtime: step agreement, abandon and replay."""
 
-    def _agree(self, failed: str, on_slow: Callable[[], None] | None = None) -> Verdict:
-        used = [u for g in self.trainable for u in g.used]
+    def __init__(self, ctx: RuntimeContext, gathering: Gathering) -> None:
+        self.ctx = ctx
+        self.gathering = gathering
+
+    def agree(self, failed: str, on_slow: Callable[[], None] | None = None) -> Verdict:
+        ctx = self.ctx
+        used = [u for g in ctx.trainable for u in g.grads.used]
         try:
-            return agree(self.log, failed, used, self.comms.control, self.comms.timeout,
-                         on_slow)
+            return agree(ctx.log, failed, used, ctx.comms.control, ctx.comms.timeout, on_slow)
         except RuntimeError as exc:
-            self.broken = str(exc)
+            ctx.broken = str(exc)
             raise
 
-    def _note(self, kind: str) -> None:
-        post_note(f"hsdp/{self.root.label}/{self.log.step}",
-                  f"{kind} {dist.get_rank()} {self.log.forwards}")
+    def note(self, kind: str) -> None:
+        """Leave a note for peers blocked in this step (``kind``: failed, ended)."""
+        post_note(f"hsdp/{self.ctx.root.label}/{self.ctx.log.step}",
+                  f"{kind} {dist.get_rank()} {self.ctx.log.forwards}")
 
-    def _poll(self) -> None:
+    def poll(self) -> None:
         """CPU, while a wait blocks: raise if another rank gave up this step, or ended it
         after fewer microbatches than this one runs (it will not join our collectives)."""
-        note = read_note(f"hsdp/{self.root.label}/{self.log.step}")
+        step, log = self.ctx.step, self.ctx.log
+        note = read_note(f"hsdp/{self.ctx.root.label}/{log.step}")
         if note is None:
             return
         kind, rank, forwards = note.split()
         if kind == "failed":
-            self.step.gave_up = True
+            step.gave_up = True
             raise RuntimeError(
-                f"hsdp: rank {rank} gave up step {self.log.step} (its forward or backward "
+                f"hsdp: rank {rank} gave up step {log.step} (its forward or backward "
                 f"raised), so this rank stops waiting for it. Handle this like that rank's "
                 f"error: the next forward abandons the step on every rank and starts a new one.")
-        if int(forwards) < self.log.forwards:
-            self.step.gave_up = True
+        if int(forwards) < log.forwards:
+            step.gave_up = True
             raise RuntimeError(
-                f"hsdp: the ranks disagree on the structure of step {self.log.step}: rank "
+                f"hsdp: the ranks disagree on the structure of step {log.step}: rank "
                 f"{rank} ended it after {forwards} microbatch(es), this rank runs microbatch "
-                f"{self.log.forwards}. Every rank must run the same number of microbatches "
+                f"{log.forwards}. Every rank must run the same number of microbatches "
                 f"per step (is_last on the same one).")
 
     def settle(self) -> None:
         """If the last forward or backward raised (on this rank), abandon that step on
         every rank before anything else runs: the entry points (forward, optimizer step,
         state dict, clip, synchronize) call this; every rank reaches one of them."""
-        if self.broken is not None:
-            raise RuntimeError(self.broken)
-        if self.step.phase is Phase.IDLE or in_backward():
+        if self.ctx.broken is not None:
+            raise RuntimeError(self.ctx.broken)
+        if self.ctx.step.phase is Phase.IDLE or in_backward():
             return
-        self._note("failed")
-        self._agree(failed="peer" if self.step.gave_up else "origin")
-        self._abandon()
+        self.note("failed")
+        self.agree(failed="peer" if self.ctx.step.gave_up else "origin")
+        self.abandon()
 
-    def _abandon(self) -> None:
+    def abandon(self) -> None:
         """Drop the current step consistently: complete the collectives that other ranks
         issued and this one did not, drain every stream, and reset to a clean state (no
         gradients; the next forward starts a new step)."""
-        self.streams.compute.poll = None  # every rank is here now: waits will complete
+        ctx = self.ctx
+        ctx.streams.compute.poll = None  # every rank is here now: waits will complete
         last: dict[str, Event] = {}
-        for op in self.log.ops:
-            last[self.ops[op.desc[0]].communicator] = op.event
+        for op in ctx.log.ops:
+            last[ctx.ops[op.desc[0]].communicator] = op.event
         keep_alive = []
         try:
-            extra = missing(self.log, self.comms.control)
+            extra = missing(ctx.log, ctx.comms.control)
         except RuntimeError as exc:  # nothing can complete the pending collectives
-            self.streams.failed.append(exc)
-            self.broken = str(exc)
+            ctx.streams.failed.append(exc)
+            ctx.broken = str(exc)
             raise
         for kind, gid, _ in extra:
-            comm = self.ops[kind].communicator
+            comm = ctx.ops[kind].communicator
             # stream waits: collectives of one communicator must keep their order.
             after = [last[comm]] if comm in last else []
-            last[comm] = self._replay(kind, self.groups[gid], after, keep_alive)
-        self.streams.drain()
-        self.streams.compute.record().synchronize()
+            last[comm] = self._replay(kind, ctx.groups[gid], after, keep_alive)
+        ctx.streams.drain()
+        ctx.streams.compute.record().synchronize()
         keep_alive.clear()
-        for u in self.units:
+        for u in ctx.units:
             u.swap(False)
-        for holders in self._holders.values():
-            holders.clear()
-        self._free([g for g in self.groups if g.gathered_event is not None])
-        for g in self.trainable:
-            g.abandon_step()
-        self._release_cleared_grads()
-        self.step.reset()
-        self._reset_units()
-        if self._recording is not None:
-            self._recording = []
-        self.log.next_step()
+        self.gathering.drop_all()
+        for g in ctx.trainable:
+            g.grads.abandon_step()
+        ctx.release_cleared_grads()
+        ctx.step.reset()
+        ctx.reset_units()
+        ctx.log.next_step()
 
     def _replay(self, kind: OpKind, g: ParamGroup, after: list[Event],
                 keep_alive: list) -> Event:
         """Issue a collective another rank issued in the abandoned step, on the stream the
         op table names, on real buffers (their contents are discarded)."""
-        stream = self.stream_of(kind)
+        stream, coll = self.ctx.stream_of(kind), self.ctx.coll
         if kind is OpKind.GATHER:
-            return g.unshard(stream, self.coll, after)
+            return g.gather.unshard(stream, coll, after)
         if kind in OUTER_REDUCTIONS:
-            return g.outer_reduce(stream, self.coll, after)
+            return g.outer_reduce(stream, coll, after)
         if kind is OpKind.OUTER_SYNC:
-            return self.outer_sync.replay(g, stream, self.coll, after, keep_alive)
+            return self.ctx.outer_sync.replay(g, stream, coll, after, keep_alive)
         if kind is OpKind.OUTER_ALL_GATHER:
-            return g.outer_all_gather(stream, self.coll, after)
+            return g.gather.outer_all_gather(stream, coll, after)
         rs_in = torch.zeros(g.layout.total, dtype=g.reduce_dtype, device=g.main.device)
         keep_alive.append(rs_in)
         # rs waits: rs_in was written on compute.
-        return g.reduce_scatter(stream, self.coll, rs_in, True,
-                                [*after, self.streams.compute.record()])
+        return g.reduce_scatter(stream, coll, rs_in, True,
+                                [*after, self.ctx.streams.compute.record()])

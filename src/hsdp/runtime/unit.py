@@ -116,11 +116,11 @@ class Unit:
                 raise RuntimeError(outside_root(self))
             _refuse_meta_run(module, args, kwargs)
             Runtime(self)
-        return self.runtime._pre_forward(self, args, kwargs)
+        return self.runtime.pre_forward(self, args, kwargs)
 
     @torch.compiler.disable
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
-        return self.runtime._post_forward(self, output)
+        return self.runtime.post_forward(self, output)
 
     @torch.compiler.disable
     def _forward_failed_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):

@@ -46,11 +46,6 @@ class CompressedOuter:
         self.residual: torch.Tensor | None = None  # [n, m]; None: zeros
         self._next: torch.Tensor | None = None  # this step's, until commit
 
-    @property
-    def residual_bytes(self) -> int:
-        """Memory of the residual with error feedback (twice that during a backward)."""
-        return 4 * self.rows.n * self.rows.m if self.config.error_feedback else 0
-
     def _quantize(self, x: torch.Tensor) -> torch.Tensor:
         return quantize(x, self.config.dtype, self.config.block)
 

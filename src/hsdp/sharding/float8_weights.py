@@ -65,7 +65,7 @@ class Float8Weights:
         self._protos = [WeightWithDynamicFloat8CastTensor(
             torch.empty(0, device=p.device), p._linear_mm_config, dtype) for p in params]
         self._wrap = WeightWithDynamicFloat8CastTensor
-        # The group's version (``ParamGroup.version``) the scales were computed at; None:
+        # The group's version (``GroupBuffers.version``) the scales were computed at; None:
         # not yet (meta weights: no values).
         self.version: int | None = None
         if any(p.is_meta for p in params):

@@ -1,99 +1,92 @@
-"""A parameter group's gradient state: which parameters got a gradient, the gradients
-kept without sync, carried across steps, exposed to and hidden from the optimizer."""
+"""A parameter group's gradient state and its reductions: the gradient buffers, which
+parameters got a gradient, the gradients kept without sync, the copy-in and the inner and
+outer reductions (HOW; ``runtime/schedule.py`` decides WHEN, on which stream), and the
+sharded ``.grad``s carried across steps, exposed to and hidden from the optimizer."""
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn as nn
 
+from hsdp.sharding.comm import Collectives
+from hsdp.sharding.compressed import CompressedOuter
+from hsdp.sharding.group_buffers import GroupBuffers
 from hsdp.sharding.pieces import as_dtensor, placeholders_if_empty, same_layout
+from hsdp.sharding.tp_blocks import grad_local
 from hsdp.sharding.write_guard import direct
+from hsdp.streams.contract import Event, SideStream
+from hsdp.streams.op_table import OpKind, label
+
+
+def _allocate(t: torch.Tensor) -> None:
+    """Give ``t`` back its storage (on the current stream) if it was freed."""
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().nbytes() < nbytes:
+        t.untyped_storage().resize_(nbytes)
 
 
 class GradientState:
-    """The gradient state machine of ``ParamGroup`` (a mixin)."""
+    """The gradients of one trainable group (made when the group first has a trainable
+    parameter). ``all_in`` is called once every trainable parameter got its gradient in
+    a backward; ``compressed``: the compressed outer reduction (None: the exact one)."""
 
-    def _init_grad_state(self) -> None:
-        S, C = self.layout.shard_numel, self.layout.chunk_numel
-        device = self.main.device
-        self.accum = torch.empty(S, dtype=self.orig_dtype, device=device)
-        self.grad_buf = (torch.empty(C, dtype=self.orig_dtype, device=device)
-                         if self.shard_outer else self.accum)
+    def __init__(self, buffers: GroupBuffers, compressed: CompressedOuter | None,
+                 trainable_count: int, all_in: Callable[[], None]) -> None:
+        self.b = b = buffers
+        self.compressed = compressed
+        self.trainable_count = trainable_count
+        self._all_in = all_in
+        S, C = b.layout.shard_numel, b.layout.chunk_numel
+        device = b.main.device
+        self.accum = torch.empty(S, dtype=b.orig_dtype, device=device)
+        self.grad_buf = (torch.empty(C, dtype=b.orig_dtype, device=device)
+                         if b.shard_outer else self.accum)
         # The sharded .grad DTensors, made once (while the storage exists), then freed.
-        locals_ = placeholders_if_empty([self.grad_buf[a:a + n] for a, n in self._slices])
-        self._grad_views = [as_dtensor(local, dspec, start, n, groups)
-                            for local, (_, n), dspec, start, groups in zip(
-                                locals_, self._slices, self.specs, self.shard_starts,
-                                self._groups_of)]
+        locals_ = placeholders_if_empty([self.grad_buf[a:a + n] for a, n in b.slices])
+        self._grad_views = [as_dtensor(local, dspec, start, n)
+                            for local, (_, n), dspec, start in zip(
+                                locals_, b.slices, b.specs, b.shard_starts)]
         self._placeholder_grads = [g._local_tensor for g, (_, n) in
-                                   zip(self._grad_views, self._slices) if n == 0]
-        for buf in {id(b): b for b in (self.accum, self.grad_buf)}.values():
+                                   zip(self._grad_views, b.slices) if n == 0]
+        for buf in {id(t): t for t in (self.accum, self.grad_buf)}.values():
             buf.untyped_storage().resize_(0)
         self.grads_live = False  # host view: buffers allocated (or about to be)
-        segments = self.layout.segments()
+        segments = b.layout.segments()
         self._segment_sizes = [n for n, _ in segments]
         self._gap_segments = [j for j, (_, i) in enumerate(segments) if i is None]
         self._param_segments = [j for j, (_, i) in enumerate(segments) if i is not None]
         self.received: set[int] = set()
-        self.used = [False] * len(self.unsharded)  # got a gradient on this rank in this step
+        self.used = [False] * len(b.unsharded)  # got a gradient on this rank in this step
         self.local_grads: torch.Tensor | None = None  # unsynced microbatches' gradients
         self._to_outer: torch.Tensor | None = None  # reduce_scatter's result for outer_reduce
         self.carry: torch.Tensor | None = None  # [C]: uncleared .grads (see hide_grads)
         self.carried: list[bool] = []  # which parameters had a .grad then
         self.reduced = False
-        me = weakref.ref(self)  # see __init__
-        for idx, up in enumerate(self.unsharded):
+        # Hooks on the group's own tensors reach it weakly: a strong reference is a cycle
+        # through autograd's C++ that gc cannot see.
+        me = weakref.ref(self)
+        for idx, up in enumerate(b.unsharded):
             frozen = not up.requires_grad
             up.requires_grad_(True)  # a hook needs it
             up.register_post_accumulate_grad_hook(lambda _p, idx=idx: me()._on_grad(idx))
             up.requires_grad_(not frozen)
-        self.has_grads = True
 
-    def sync_requires_grad(self) -> None:
-        """Follow ``requires_grad_`` changes made on the sharded parameters since
-        fully_shard (FSDP2 does the same at each unshard): a frozen parameter gets no
-        gradient, no reduction and no update; a group with none trainable is not reduced."""
-        with direct():
-            now = [p.requires_grad for p in self.sharded]
-        if now == self.param_requires_grad:
-            return
-        if any(now) and not self.has_grads:
-            if self.strategy.shards_outer:
-                module, name = self.slots[now.index(True)][0]
-                raise RuntimeError(
-                    f"hsdp: {type(module).__name__}.{name} was frozen when fully_shard ran; "
-                    f"with strategy='hfsdp' its shards cannot become trainable later (they "
-                    f"are not sharded over outer). Set requires_grad before fully_shard.")
-            self._init_grad_state()
-        for up, flag in zip(self.unsharded, now):
-            up.requires_grad_(flag)
-        self.param_requires_grad = now
-        self.trainable_count = sum(now)
-        self.requires_grad = any(now)
-
-    def _grad_on_shard(self, p: nn.Parameter) -> None:
-        """Autograd reached a sharded parameter: it was used outside its unit's forward
-        (e.g. through ``to_local()`` in a loss term), where its gradient would be lost."""
-        module, name = self.slots[p._hsdp_index][0]
-        raise RuntimeError(
-            f"hsdp: a gradient reached the sharded {type(module).__name__}.{name} (group "
-            f"{self.label}) directly: it was used outside the forward of the unit that owns "
-            f"it, where hsdp would lose that gradient. Use it inside that unit's forward, or "
-            f"fully_shard the module that uses it together with it (their common parent).")
+    def set_trainable(self, count: int) -> None:
+        """The group's number of trainable parameters changed (``requires_grad_``)."""
+        self.trainable_count = count
 
     def _on_grad(self, idx: int) -> None:
         if self.reduced:
             raise RuntimeError(
-                f"hsdp: parameter {idx} of group {self.label} received a gradient after the "
+                f"hsdp: parameter {idx} of group {self.b.label} received a gradient after the "
                 f"group was reduce-scattered in this backward (is it used outside its unit, "
                 f"or both inside and outside a reentrant checkpoint?). Make it belong to the "
                 f"unit that uses it.")
         self.received.add(idx)
-        if len(self.received) == self.trainable_count and self.on_all_grads is not None:
-            self.on_all_grads(self)
+        if len(self.received) == self.trainable_count:
+            self._all_in()
 
     def keep_local(self, flat: torch.Tensor) -> None:
         """A microbatch without gradient sync: keep ``copy_in``'s result (which includes
@@ -101,15 +94,132 @@ class GradientState:
         self.local_grads = flat
         self.reduced = True
 
+    def copy_in(self) -> torch.Tensor:
+        """On compute: the reduce-scatter input, i.e. the unsharded grads laid out flat, plus
+        those kept by ``keep_local`` (the reductions average them over all DP ranks)."""
+        rs_in = torch.empty(self.b.layout.total, dtype=self.b.reduce_dtype,
+                            device=self.b.main.device)
+        # One split into every parameter's and padding's view, and list comprehensions:
+        # this runs for every group in every backward, on the host's critical path.
+        views = rs_in.split(self._segment_sizes)
+        grads = [p.grad for p in self.b.unsharded]
+        for p in self.b.unsharded:
+            p.grad = None
+        dst = [views[j] for j, g in zip(self._param_segments, grads) if g is not None]
+        src = [grad_local(g, s).reshape(-1) for g, s in zip(grads, self.b.tp_specs)
+               if g is not None]
+        zero = [views[j] for j in self._gap_segments]
+        zero += [views[j] for j, g in zip(self._param_segments, grads) if g is None]
+        self.used = [u or g is not None for u, g in zip(self.used, grads)]
+        if dst:
+            torch._foreach_copy_(dst, src)
+        if zero:
+            torch._foreach_zero_(zero)
+        if self.local_grads is not None:  # gradients of microbatches that ran without sync
+            rs_in.add_(self.local_grads)
+            self.local_grads = None
+        return rs_in
+
+    def reduce_scatter(self, stream: SideStream, coll: Collectives, rs_in: torch.Tensor,
+                       first: bool, after: Sequence[Event], divide: float | None,
+                       outer_next: bool = False) -> Event:
+        """Inner reduce-scatter of ``rs_in`` into ``accum`` (overwrite on the first
+        microbatch of a step, accumulate after). ``outer_next``: ``outer_reduce`` follows
+        in this step; hsdp's all-reduce then takes the reduce-dtype result as it is and
+        casts it into ``accum`` once (as FSDP2 does), instead of a cast into ``accum``
+        here and two around the all-reduce (same values: the result is exact in both).
+        ``divide``: the group's divide factor (None: the collectives average)."""
+        def run() -> None:
+            _allocate(self.accum)
+            direct = first and self.b.reduce_dtype == self.accum.dtype
+            out = self.accum if direct else torch.empty(
+                self.b.layout.shard_numel, dtype=self.b.reduce_dtype, device=rs_in.device)
+            coll.reduce_scatter(out, rs_in, self.b.comms.inner_rs, "inner",
+                                avg=divide is None)
+            if divide not in (None, 1.0):
+                out.div_(divide)
+            if first and not direct and outer_next and not self.b.shard_outer:
+                self._to_outer = out
+            elif first and not direct:
+                self.accum.copy_(out)
+            elif not first:
+                self.accum.add_(out)
+        self.reduced = True
+        self.grads_live = True
+        return stream.submit(run, after, label(OpKind.REDUCE_SCATTER, self.b.label))
+
+    @property
+    def outer_reduction(self) -> OpKind:
+        """hfsdp's outer reduce-scatter, else hsdp's outer all-reduce (compressed ones with
+        ``outer_reduce``)."""
+        if self.compressed is not None:
+            return (OpKind.OUTER_Q_REDUCE_SCATTER if self.b.shard_outer
+                    else OpKind.OUTER_Q_ALL_REDUCE)
+        return OpKind.OUTER_REDUCE_SCATTER if self.b.shard_outer else OpKind.OUTER_ALL_REDUCE
+
+    @property
+    def has_outer_reduction(self) -> bool:
+        """False for hsdp on one outer rank: ``accum`` is already the reduced gradient (an
+        outer reduction would only cast it to the reduce dtype and back). Always True
+        with fault tolerance: replica groups may join at any step. False with DiLoCo
+        (``init_mesh(outer_sync=...)``): each outer replica trains alone between syncs."""
+        if self.b.comms.outer_sync is not None:
+            return False
+        return self.b.shard_outer or self.b.comms.outer_size > 1 or self.b.comms.elastic is not None
+
+    def outer_reduce(self, stream: SideStream, coll: Collectives, after: Sequence[Event],
+                     divide: float | None) -> Event:
+        """Outer all-reduce of ``accum`` (hsdp) or outer reduce-scatter into ``grad_buf``;
+        compressed ones (``compressed.py``) with ``outer_reduce``."""
+        def run() -> None:
+            _allocate(self.accum)  # a replayed reduction may find it freed
+            src, self._to_outer = self._to_outer, None  # the inner result, if left for us
+            if src is not None:
+                stream.hold(src)  # allocated on rs: not reused before this stream is done
+            elif self.compressed is not None:
+                src = self.accum  # quantized from fp32 (it is the accumulated gradient)
+            else:
+                src = self.accum.to(self.b.reduce_dtype)  # no copy when dtypes match
+            avg = divide is None
+            if self.compressed is not None:  # fp32 sums straight into the fp32 buffers
+                _allocate(self.grad_buf)
+                reduce = (self.compressed.reduce_scatter if self.b.shard_outer
+                          else self.compressed.all_reduce)
+                reduce(coll, self.grad_buf, src, self.b.comms.outer, avg)
+            elif self.b.shard_outer:
+                _allocate(self.grad_buf)
+                out = self.grad_buf if self.grad_buf.dtype == src.dtype else torch.empty(
+                    self.grad_buf.numel(), dtype=src.dtype, device=src.device)
+                coll.reduce_scatter(out, src, self.b.comms.outer, "outer", avg=avg)
+                if out is not self.grad_buf:
+                    self.grad_buf.copy_(out)
+            else:
+                coll.all_reduce(src, self.b.comms.grad_outer, "outer", avg=avg)
+                if src is not self.accum:
+                    self.accum.copy_(src)
+        return stream.submit(run, after, label(self.outer_reduction, self.b.label))
+
+    def release_grads(self, accum_stream: SideStream, grad_buf_stream: SideStream,
+                      after: Sequence[Event]) -> None:
+        """Free ``accum`` and ``grad_buf`` on the given streams (the op table's
+        ``FREE_ACCUM`` and ``FREE_GRAD_BUF``); ``after`` must cover every reader (the
+        optimizer on compute)."""
+        frees = ((self.accum, accum_stream, OpKind.FREE_ACCUM),
+                 (self.grad_buf, grad_buf_stream, OpKind.FREE_GRAD_BUF))
+        for buf, stream, kind in frees[:2 if self.b.shard_outer else 1]:
+            stream.submit(lambda b=buf: b.untyped_storage().resize_(0), after,
+                          label(kind, self.b.label))
+        self.grads_live = False
+
     def grads_exposed(self) -> bool:
         with direct():
-            return any(p.grad is not None for p in self.sharded)
+            return any(p.grad is not None for p in self.b.sharded)
 
     def run_grad_hooks(self) -> None:
         """The users' post-accumulate-grad hooks of the sharded parameters that have a
         ``.grad`` (set by ``expose_grads``, final), in parameter order, as FSDP2 runs
         them after its reduction; not hsdp's own guard (``_grad_on_shard``)."""
-        for p, guard in zip(self.sharded, self._guard_hooks):
+        for p, guard in zip(self.b.sharded, self.b.guard_hooks):
             with direct():
                 hooks = getattr(p, "_post_accumulate_grad_hooks", None)
                 if not hooks or p.grad is None:
@@ -125,7 +235,7 @@ class GradientState:
     def abandon_step(self) -> None:
         """Forget what a failed step left: gradients (unsharded, and sharded ones, which may be
         the last step's or set by autograd), received / used flags."""
-        for p in (*self.unsharded, *self.sharded):
+        for p in (*self.b.unsharded, *self.b.sharded):
             p.grad = None
         self.used = [False] * len(self.used)
         self.local_grads = None
@@ -147,7 +257,7 @@ class GradientState:
             used = [u or c for u, c in zip(used, self.carried)]
             self.carry = None
         with direct():
-            for p, v, u in zip(self.sharded, self._grad_views, used):
+            for p, v, u in zip(self.b.sharded, self._grad_views, used):
                 p.grad = v if u else None
         self.used = [False] * len(self.used)
 
@@ -157,8 +267,8 @@ class GradientState:
         to the new reduced gradients by ``expose_grads``, as torch accumulates into a
         ``.grad`` left set. Reads the values (a device sync) only when some are set."""
         with direct():
-            grads = [p.grad for p in self.sharded]
-            for p in self.sharded:
+            grads = [p.grad for p in self.b.sharded]
+            for p in self.b.sharded:
                 p.grad = None
         self.carry = None
         if all(g is None for g in grads):
@@ -167,7 +277,7 @@ class GradientState:
         # on a shard may be set while the buffers are freed).
         carry = (self.grad_buf.clone() if self.grads_live
                  else torch.zeros_like(self.grad_buf))
-        for idx, (g, view, (a, n)) in enumerate(zip(grads, self._grad_views, self._slices)):
+        for idx, (g, view, (a, n)) in enumerate(zip(grads, self._grad_views, self.b.slices)):
             if g is None:
                 carry[a:a + n].zero_()
             elif g is not view and n:
@@ -177,12 +287,12 @@ class GradientState:
 
     def _foreign_grad(self, idx: int, g: torch.Tensor) -> torch.Tensor:
         """The local piece of a ``.grad`` the user set on sharded parameter ``idx``."""
-        p = self.sharded[idx]
+        p = self.b.sharded[idx]
         if not same_layout(g, p):
-            module, name = self.slots[idx][0]
+            module, name = self.b.slots[idx][0]
             raise RuntimeError(
                 f"hsdp: the .grad of {type(module).__name__}.{name} was replaced by a tensor "
                 f"not laid out like its shard (shape {tuple(g.shape)}), so the next backward "
                 f"cannot accumulate into it. Clear it (optimizer.zero_grad()) or set it to a "
                 f"tensor like the parameter (torch.zeros_like(p)).")
-        return g._local_tensor.reshape(-1)[:self._slices[idx][1]]
+        return g._local_tensor.reshape(-1)[:self.b.slices[idx][1]]

@@ -1,9 +1,11 @@
 """One unit's parameter group: flat buffers, sharded / unsharded views, its collectives.
 
-A group holds the parameters of one unit that share a dtype and requires_grad. Its
-collectives are in ``group_comm.py`` (HOW to gather, reduce and swap one group;
-``runtime/schedule.py`` decides WHEN, on which stream and after which events), its
-gradient state in ``grad_state.py``, its state I/O in ``group_state.py``.
+A group holds the parameters of one unit that share a dtype and requires_grad. It builds
+its buffers (``GroupBuffers``, ``group_buffers.py``) and hands them to its parts: its
+all-gathers (``gather``: ``GroupGather``, ``group_comm.py``), its gradient state and
+reductions (``grads``: ``GradientState``, ``grad_state.py``) and its state I/O (``state``:
+``GroupState``, ``group_state_dict.py``). They do HOW; ``runtime/schedule.py`` and
+``runtime/gather.py`` decide WHEN, on which stream and after which events.
 
 Buffers (S = inner shard, C = optimizer chunk, N = whole group; see ``layout.py``):
 - ``main``       [C] original dtype: what the optimizer updates. ``model.parameters()``
@@ -16,6 +18,7 @@ Buffers (S = inner shard, C = optimizer chunk, N = whole group; see ``layout.py`
                  ``reshard``; unsharded parameters are views into it.
 A group of torchao float8 weights (``float8.py``) gathers float8 bytes: ``gathered`` and
 hfsdp's ``inner_shard`` are float8, cast from ``main`` with the weights' global scales.
+Gradient buffers (``grads``, made with the first trainable parameter):
 - ``accum``      [S] original dtype: the inner reduce-scatter accumulates microbatches here;
                  hsdp's outer all-reduce runs on it in place, so it is also hsdp's grad.
 - ``grad_buf``   [C]: hfsdp's outer reduce-scatter output (hsdp: ``accum``).
@@ -31,7 +34,7 @@ that first writes them, freed by ``release_grads``.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -39,16 +42,19 @@ from torch.distributed.tensor import DTensor
 
 from hsdp.sharding.anchor import Anchor
 from hsdp.sharding.chunks import attach_chunks
+from hsdp.sharding.comm import Collectives
 from hsdp.sharding.compressed import CompressedOuter
 from hsdp.sharding.float8_weights import Float8Weights, float8_dtype
 from hsdp.sharding.grad_state import GradientState
-from hsdp.sharding.group_comm import GroupCollectives
+from hsdp.sharding.group_buffers import GroupBuffers
+from hsdp.sharding.group_comm import GroupGather
 from hsdp.sharding.group_state_dict import GroupState
 from hsdp.sharding.layout import FlatLayout
 from hsdp.sharding.pieces import as_dtensor, placeholders_if_empty, spec
 from hsdp.sharding.policy import MixedPrecision, OuterReduce, Strategy
-from hsdp.sharding.tp_blocks import block_of, local_of, placement_of, unsharded_spec
-from hsdp.streams.contract import Event
+from hsdp.sharding.tp_blocks import local_of, placement_of, unsharded_spec
+from hsdp.sharding.write_guard import direct
+from hsdp.streams.contract import Event, SideStream
 from hsdp.topology.communicators import CommGroups
 
 Slot = tuple[nn.Module, str]
@@ -70,8 +76,9 @@ def owner(p: torch.Tensor) -> tuple[ParamGroup, int] | None:
 
 
 
-class ParamGroup(GradientState, GroupCollectives, GroupState):
-    """The parameters of one unit that share a dtype and requires_grad, flattened."""
+class ParamGroup:
+    """The parameters of one unit that share a dtype and requires_grad, flattened; its
+    parts ``gather``, ``grads`` (None until a parameter is trainable) and ``state``."""
 
     def __init__(self, label: str, params: list[nn.Parameter], slots: list[list[Slot]],
                  comms: CommGroups, device: torch.device, strategy: Strategy,
@@ -100,6 +107,8 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
         sources = [p.detach().reshape(-1) for p in params]
 
         self.main = self._filled(sources, owned_lo, C, self.orig_dtype, device)
+        self.inner_shard: torch.Tensor | None = None
+        self.chunk_offset = 0
         if not self.shard_outer:
             self.ag_src = self.main
         else:
@@ -117,22 +126,32 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
         self.anchor = (Anchor(comms.outer_sync)
                        if comms.outer_sync is not None and self.requires_grad else None)
         self._make_sharded(owned_lo, owned_hi)
-        self.synced_version: int | None = self.version()
-        if self.float8 is not None and not self.main.is_meta:
-            self.float8.version = self.synced_version  # scales of the weights as they are
         self._make_unsharded(params, device, gather_dtype)
-
-        self.has_grads = False  # gradient state (buffers, hooks) made
+        self._make_parts()
         # None: gradients are means over the DP ranks; f: sums divided by f (FSDP2's
         # set_gradient_divide_factor; 1.0 gives plain sums).
         self.divide_factor: float | None = None
         self.on_all_grads: Callable[[ParamGroup], None] | None = None
         self.param_requires_grad = [p.requires_grad for p in params]
-        self.trainable_count = sum(self.param_requires_grad)
+        self.grads: GradientState | None = None  # made for the first trainable parameter
         if self.requires_grad:
-            self._init_grad_state()
-        self.gathered_event: Event | None = None  # None: not gathered
-        self.params_ready: Event | None = None  # hfsdp: last outer all-gather
+            self._make_grads()
+
+    def _make_parts(self) -> None:
+        """The buffers as the parts receive them; the gathers and the state I/O."""
+        self.buffers = GroupBuffers(
+            label=self.label, comms=self.comms, layout=self.layout, orig_dtype=self.orig_dtype,
+            reduce_dtype=self.reduce_dtype, shard_outer=self.shard_outer, float8=self.float8,
+            inner_lo=self.inner_lo, main=self.main, ag_src=self.ag_src,
+            inner_shard=self.inner_shard, chunk_offset=self.chunk_offset,
+            gathered=self.gathered, gathered_bytes=self._gathered_bytes, sharded=self.sharded,
+            unsharded=self.unsharded, slots=self.slots, slices=self._slices,
+            shard_starts=self.shard_starts, specs=self.specs,
+            tp_specs=self.tp_specs, guard_hooks=self._guard_hooks)
+        self.gather = GroupGather(self.buffers)
+        if self.float8 is not None and not self.main.is_meta:
+            self.float8.version = self.gather.synced_version  # scales of the weights as they are
+        self.state = GroupState(self.buffers)
 
     def _tp_locals(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         """Mark the original parameters (for ties and stale optimizers) and return what
@@ -156,8 +175,6 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
         self.shard_starts: list[int] = []  # first element of each parameter held here
         self.specs = [spec(self.comms.mesh, self.shard_outer, shape, self.orig_dtype, tp)
                       for shape, tp in zip(self._shapes, self._tp)]
-        self._groups_of = [self.comms.piece_groups(self.shard_outer, block_of(s) is not None)
-                           for s in self.specs]
         owned = self.layout.pieces(owned_lo, owned_hi)
         # Hooks on the group's own tensors reach it weakly: a strong reference is a cycle
         # through autograd's C++ that gc cannot see (the model, and with it the process
@@ -165,10 +182,10 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
         me = weakref.ref(self)
         locals_ = placeholders_if_empty([self.main[pc.range_offset:pc.range_offset + pc.length]
                                          if pc else self.main[:0] for pc in owned])
-        for dspec, piece, local, groups in zip(self.specs, owned, locals_, self._groups_of):
+        for dspec, piece, local in zip(self.specs, owned, locals_):
             a, n = (piece.range_offset, piece.length) if piece else (0, 0)
             start = piece.param_start if piece else 0
-            sp = nn.Parameter(as_dtensor(local, dspec, start, n, groups),
+            sp = nn.Parameter(as_dtensor(local, dspec, start, n),
                               requires_grad=self.requires_grad)
             attach_chunks(sp._local_tensor, dspec, start, n)  # state_dict(keep_vars=True)
             sp._hsdp_group = self  # marks the parameter as managed by hsdp (see owner())
@@ -199,30 +216,70 @@ class ParamGroup(GradientState, GroupCollectives, GroupState):
         self._gathered_bytes = self.layout.total * self.gathered.element_size()
         self.gathered.untyped_storage().resize_(0)
 
-    def version(self) -> int:
-        """Changes when the sharded values were written through ``main`` (checkpoint
-        loading) or by a non-foreach in-place op on a DTensor parameter (which bumps the
-        parameter's own counter). Foreach ops on DTensors bump nothing: the optimizer
-        step hook calls ``mark_written`` instead."""
-        return self.main._version + sum(p._version for p in self.sharded)
+    @property
+    def has_grads(self) -> bool:
+        """Gradient state (buffers, hooks) made: trainable now or earlier."""
+        return self.grads is not None
 
-    def check_float8_scales(self) -> None:
-        """Refuse to gather float8 weights whose values changed since their scales were
-        computed (a load, an edit by hand): the cast would saturate or lose precision."""
-        if self.float8 is not None and self.float8.version != self.version():
-            raise RuntimeError(
-                f"hsdp: the float8 weights of group {self.label} changed since their scales "
-                f"were computed (hsdp computes them after each optimizer.step()); call "
-                f"hsdp.precompute_float8_scales(model) after changing weights another way "
-                f"(loading a checkpoint, editing them), before the next forward")
+    def _make_grads(self) -> None:
+        me = weakref.ref(self)  # see _make_sharded
+        self.grads = GradientState(self.buffers, self.compressed,
+                                   sum(self.param_requires_grad),
+                                   lambda: me()._all_grads_in())
 
-    def float8_pieces(self) -> list[torch.Tensor]:
-        """This rank's piece of each float8 weight (what its scale is computed from)."""
-        return [self.main[a:a + n] for a, n in self._slices]
+    def _all_grads_in(self) -> None:
+        if self.on_all_grads is not None:
+            self.on_all_grads(self)
 
-    def mark_written(self) -> None:
-        """hfsdp: the next refresh re-gathers the inner shard from every updated chunk."""
-        self.synced_version = None
+    def sync_requires_grad(self) -> None:
+        """Follow ``requires_grad_`` changes made on the sharded parameters since
+        fully_shard (FSDP2 does the same at each unshard): a frozen parameter gets no
+        gradient, no reduction and no update; a group with none trainable is not reduced."""
+        with direct():
+            now = [p.requires_grad for p in self.sharded]
+        if now == self.param_requires_grad:
+            return
+        if any(now) and not self.has_grads:
+            if self.strategy.shards_outer:
+                module, name = self.slots[now.index(True)][0]
+                raise RuntimeError(
+                    f"hsdp: {type(module).__name__}.{name} was frozen when fully_shard ran; "
+                    f"with strategy='hfsdp' its shards cannot become trainable later (they "
+                    f"are not sharded over outer). Set requires_grad before fully_shard.")
+            self._make_grads()
+        for up, flag in zip(self.unsharded, now):
+            up.requires_grad_(flag)
+        self.param_requires_grad = now
+        if self.grads is not None:
+            self.grads.set_trainable(sum(now))
+        self.requires_grad = any(now)
+
+    def _grad_on_shard(self, p: nn.Parameter) -> None:
+        """Autograd reached a sharded parameter: it was used outside its unit's forward
+        (e.g. through ``to_local()`` in a loss term), where its gradient would be lost."""
+        module, name = self.slots[p._hsdp_index][0]
+        raise RuntimeError(
+            f"hsdp: a gradient reached the sharded {type(module).__name__}.{name} (group "
+            f"{self.label}) directly: it was used outside the forward of the unit that owns "
+            f"it, where hsdp would lose that gradient. Use it inside that unit's forward, or "
+            f"fully_shard the module that uses it together with it (their common parent).")
+
+    def reduce_scatter(self, stream: SideStream, coll: Collectives, rs_in: torch.Tensor,
+                       first: bool, after: Sequence[Event], outer_next: bool = False) -> Event:
+        """The gradient state's inner reduce-scatter, divided by this group's factor."""
+        return self.grads.reduce_scatter(stream, coll, rs_in, first, after, self.divide_factor,
+                                         outer_next)
+
+    def outer_reduce(self, stream: SideStream, coll: Collectives,
+                     after: Sequence[Event]) -> Event:
+        """The gradient state's outer reduction, divided by this group's factor."""
+        return self.grads.outer_reduce(stream, coll, after, self.divide_factor)
+
+    def load_flat(self, flat: torch.Tensor) -> None:
+        """Take this rank's shards (and float8 scales) from ``flat``, the whole group in the
+        original dtype (``GroupState.load_flat``); the inner shard is then up to date."""
+        self.state.load_flat(flat)
+        self.gather.mark_synced()
 
     def _filled(self, sources: list[torch.Tensor], lo: int, numel: int, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""A parameter group's state I/O: pieces for state dicts, optimizer-state packing and
-loading whole flat buffers."""
+"""A parameter group's state I/O: optimizer-state packing and loading whole flat buffers
+(each parameter's piece for state dicts: ``GroupBuffers``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Mapping
 
 import torch
 
-from hsdp.sharding.pieces import Piece, checkpoint_view, piece_like
-from hsdp.sharding.tp_blocks import block_of
+from hsdp.sharding.group_buffers import GroupBuffers
+from hsdp.sharding.pieces import Piece, piece_like
 from hsdp.sharding.write_guard import before_write
 
 
@@ -36,34 +36,10 @@ def _pack(states: list[dict], key: str, pieces: list[tuple[Piece, int, int]],
 
 
 class GroupState:
-    """Checkpoint and optimizer-state I/O of ``ParamGroup`` (a mixin)."""
+    """Optimizer-state packing and loading of one group's buffers."""
 
-    def local(self, idx: int) -> torch.Tensor:
-        """This rank's piece of parameter ``idx``: a 1-D view of ``main`` (writes into it
-        bump ``main``'s version counter, which ``version`` watches)."""
-        a, n = self._slices[idx]
-        return self.main[a:a + n]
-
-    def piece_of(self, idx: int, full: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of parameter ``idx`` in ``full``, the whole parameter (of
-        the global shape: its TP block first, where TP shards it)."""
-        block = block_of(self.specs[idx])
-        flat = (full if block is None else block.local_of(full)).reshape(-1)
-        start = self.shard_starts[idx]
-        return flat[start:start + self._slices[idx][1]]
-
-    def whole(self, flat: torch.Tensor, idx: int) -> torch.Tensor:
-        """Parameter ``idx`` whole, from ``full_flat``'s result: a collective over the tp
-        group where TP shards it (every rank must call it)."""
-        off, n = self.layout.offsets[idx], self.layout.numels[idx]
-        t = flat[off:off + n].view(self.layout.shapes[idx])
-        block = block_of(self.specs[idx])
-        return t if block is None else block.whole(t, self.comms.host_tp)
-
-    def checkpoint_view(self, idx: int, local: torch.Tensor | None = None) -> torch.Tensor:
-        """A DTensor for state dicts over ``local`` (by default parameter ``idx``'s piece),
-        which must be laid out like that piece (e.g. its optimizer state)."""
-        return checkpoint_view(self.sharded[idx], self.local(idx) if local is None else local)
+    def __init__(self, buffers: GroupBuffers) -> None:
+        self.b = buffers
 
     def pack_state(self, state: Mapping[torch.Tensor, dict]) -> None:
         """Move the optimizer's elementwise state of this group's parameters (``state``:
@@ -77,10 +53,10 @@ class GroupState:
         single allocation. Only when every parameter of the pool has the key (otherwise
         the buffer would hold room for state that does not exist); values are copied
         exactly."""
-        held = [(p, a, n) for p, (a, n) in zip(self.sharded, self._slices) if n]
+        held = [(p, a, n) for p, (a, n) in zip(self.b.sharded, self.b.slices) if n]
         empty = [(p, j, 1) for j, p in enumerate(
-            p for p, (_, n) in zip(self.sharded, self._slices) if not n)]
-        for pieces, numel in ((held, self.main.numel()), (empty, len(empty))):
+            p for p, (_, n) in zip(self.b.sharded, self.b.slices) if not n)]
+        for pieces, numel in ((held, self.b.main.numel()), (empty, len(empty))):
             states = [state.get(p) for p, _, _ in pieces]
             if pieces and all(st is not None for st in states):
                 for key in set.intersection(*(set(st) for st in states)):
@@ -90,19 +66,18 @@ class GroupState:
         """Take this rank's shards from ``flat``, the whole group in the original dtype
         (identical on every rank; no communication); float8 weights: their scales too,
         from the whole weights."""
-        lo, hi = self.layout.owned_range(self.comms.outer_rank, self.comms.inner_rank)
-        before_write(self.sharded)
-        self.main.copy_(flat[lo:hi])
-        if self.float8 is not None:
-            self.float8.set_amax(torch.stack([
+        lo, hi = self.b.layout.owned_range(self.b.comms.outer_rank, self.b.comms.inner_rank)
+        before_write(self.b.sharded)
+        self.b.main.copy_(flat[lo:hi])
+        if self.b.float8 is not None:
+            self.b.float8.set_amax(torch.stack([
                 flat[a:a + n].abs().max().float()
-                for a, n in zip(self.layout.offsets, self.layout.numels)]))
-        if self.shard_outer:
-            a, b = self.inner_lo, self.inner_lo + self.layout.shard_numel
-            if self.float8 is None:
-                self.inner_shard.copy_(flat[a:b])
+                for a, n in zip(self.b.layout.offsets, self.b.layout.numels)]))
+        if self.b.shard_outer:
+            a, b = self.b.inner_lo, self.b.inner_lo + self.b.layout.shard_numel
+            if self.b.float8 is None:
+                self.b.inner_shard.copy_(flat[a:b])
             else:
-                self.float8.cast(self.inner_shard, flat[a:b], self.layout.pieces(a, b))
-        self.synced_version = self.version()  # the inner shard is up to date
-        if self.float8 is not None:
-            self.float8.version = self.synced_version
+                self.b.float8.cast(self.b.inner_shard, flat[a:b], self.b.layout.pieces(a, b))
+        if self.b.float8 is not None:
+            self.b.float8.version = self.b.version()

@@ -77,7 +77,7 @@ def _as_piece(out: DTensor, arg: object) -> DTensor:
     elementwise from one (a clone, p - 1, p.abs(), p == 0), so that what is computed from
     it next knows where its elements lie."""
     if isinstance(arg, Piece) and not out.requires_grad and same_layout(out, arg):
-        return as_dtensor(out._local_tensor, out._spec, *arg._hsdp_range, arg._hsdp_groups)
+        return as_dtensor(out._local_tensor, out._spec, *arg._hsdp_range)
     return out
 
 
@@ -90,8 +90,22 @@ class Piece(DTensor):
     ops plain DTensors (torch's dispatch)."""
 
     _hsdp_range: tuple[int, int]  # (start, length) in the flattened TP-local tensor
-    # whose sum assembles the pieces: inner, outer (hfsdp), tp (a TP-sharded parameter)
-    _hsdp_groups: tuple[dist.ProcessGroup, ...]
+
+    @property
+    def _hsdp_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """The host groups whose sum assembles the pieces: inner, outer (hfsdp), tp (a
+        TP-sharded parameter). Looked up from the mesh, never kept on the tensor: torch's
+        async checkpoint stager deep-copies a tensor's attributes, and its process-based
+        saver pickles them, which no process group survives."""
+        groups = registered_groups(self._spec.mesh)
+        if groups is None:
+            raise RuntimeError(
+                "hsdp: this hsdp shard (a DTensor of a model sharded by hsdp, unpickled or "
+                "copied) needs hsdp's mesh with the same ranks in this process to combine "
+                "its pieces (hsdp.init_mesh, then fully_shard); for tensors that load "
+                "anywhere save hsdp.full_state_dict(model)")
+        return groups.piece_groups(self._spec.placements[0].is_shard(),
+                                   block_of(self._spec) is not None)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -109,7 +123,7 @@ class Piece(DTensor):
             if getattr(func, "__self__", None) is DATA:
                 group = getattr(args[0], "_hsdp_group", None)
                 if group is not None:  # writes through .data bump no version counter
-                    group.mark_written()
+                    group.gather.mark_written()
             if PENDING.data:  # (``len(PENDING)`` is a Python call)
                 before_write(written(func, args, kwargs))
             if func in ELEMENTWISE and not (torch.is_grad_enabled() and any_requires_grad(
@@ -148,6 +162,24 @@ class Piece(DTensor):
 
     def detach(self) -> Piece:  # nn.Parameter requires detach() to keep the type
         return piece_like(self, self._local_tensor.detach())
+
+    # torch's async checkpoint stager (``dcp.async_save``) copies a tensor subclass as
+    # ``x.new_empty(x.size(), device=...)``, then fills its slots (the local tensor, the
+    # spec) and attributes. On torch 2.13 a DTensor's ``data_ptr()`` is its local tensor's
+    # storage offset (in bytes), which the stager takes for storage of its own; a Piece is
+    # a wrapper without storage (0, as on torch 2.11). Its ``new_empty`` of its own shape is
+    # a Piece laid out like it (DTensor's would be torch.chunk rows, a copy that writes
+    # and pickles as a plain DTensor).
+    def data_ptr(self) -> int:
+        return 0
+
+    def new_empty(self, *size, **kwargs) -> torch.Tensor:
+        shape = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
+        if (tuple(shape) == tuple(self.shape) and kwargs.get("dtype") in (None, self.dtype)
+                and not kwargs.get("requires_grad")):
+            return piece_like(self, self._local_tensor.new_empty(
+                self._local_tensor.shape, **kwargs))
+        return super().new_empty(*size, **kwargs)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None
                  ) -> torch.Tensor:
@@ -225,16 +257,10 @@ class Piece(DTensor):
 
 def _rebuild(local: torch.Tensor, dspec: DTensorSpec, hsdp_range: tuple[int, int],
              requires_grad: bool) -> Piece:
-    """An unpickled Piece (``Piece.__reduce_ex__``), on hsdp's groups of its mesh."""
-    groups = registered_groups(dspec.mesh)
-    if groups is None:
-        raise RuntimeError(
-            "hsdp: unpickling an hsdp shard (a DTensor of a model sharded by hsdp) needs "
-            "hsdp's mesh with the same ranks in this process (hsdp.init_mesh, then "
-            "fully_shard); for tensors that load anywhere save hsdp.full_state_dict(model)")
-    out = as_dtensor(local, dspec, *hsdp_range,
-                     groups.piece_groups(dspec.placements[0].is_shard(),
-                                         block_of(dspec) is not None))
+    """An unpickled Piece (``Piece.__reduce_ex__``). Where hsdp's mesh is not in this
+    process (torch's checkpoint process, which only writes it), what needs its groups
+    raises (``Piece._hsdp_groups``)."""
+    out = as_dtensor(local, dspec, *hsdp_range)
     if requires_grad:
         out.requires_grad_(True)
     return out
@@ -244,22 +270,21 @@ def _rebuild(local: torch.Tensor, dspec: DTensorSpec, hsdp_range: tuple[int, int
 torch.serialization.add_safe_globals([_rebuild])
 
 
-def as_dtensor(local: torch.Tensor, dspec: DTensorSpec, start: int, length: int,
-               groups: tuple[dist.ProcessGroup, ...]) -> Piece:
+def as_dtensor(local: torch.Tensor, dspec: DTensorSpec, start: int, length: int) -> Piece:
     """A Piece over the 1-D ``local`` piece itself, elements ``[start, start + length)`` of
     the flattened tensor (no copy, no autograd; writes into its local tensor bump
-    ``local``'s own version counter). ``groups``: host groups of the dims it is sharded on."""
+    ``local``'s own version counter)."""
     # ``Piece.__new__`` (torch's C++ constructor) without ``Piece(...)``, which also runs
     # ``DTensor.__init__``: it does nothing, behind a dynamo-disabling wrapper that costs
     # more than the construction (the optimizer makes 75 new Pieces a step here).
     out = Piece.__new__(Piece, local, dspec, requires_grad=False)
-    out._hsdp_range, out._hsdp_groups = (start, length), groups
+    out._hsdp_range = (start, length)
     return out
 
 
 def piece_like(piece: Piece, local: torch.Tensor) -> Piece:
     """A Piece laid out like ``piece`` over ``local`` (no copy)."""
-    return as_dtensor(local, piece._spec, *piece._hsdp_range, piece._hsdp_groups)
+    return as_dtensor(local, piece._spec, *piece._hsdp_range)
 
 
 def placeholders_if_empty(views: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -107,13 +107,13 @@ def parse_outer_reduce(text: str) -> OuterReduce | None:
 
 def as_outer_reduce(value: object) -> OuterReduce | None:
     """``fully_shard``'s ``outer_reduce``: an ``OuterReduce``, None (exact reduction), or
-    a dtype name as shorthand for ``OuterReduce(dtype=name)``."""
+    its short form "DTYPE[:BLOCK]" ("int8", "fp8_e4m3:128"; "none": None)."""
     if value is None or isinstance(value, OuterReduce):
         return value
     if isinstance(value, str):
-        return OuterReduce(dtype=value)
-    raise TypeError(f"fully_shard: outer_reduce must be an hsdp.OuterReduce, a dtype name "
-                    f"({OUTER_DTYPES}) or None, got {value!r}")
+        return parse_outer_reduce(value)
+    raise TypeError(f"fully_shard: outer_reduce must be an hsdp.OuterReduce, its short form "
+                    f"'DTYPE[:BLOCK]' (DTYPE in {OUTER_DTYPES}) or None, got {value!r}")
 
 
 def as_mixed_precision(mp_policy: object) -> MixedPrecision:

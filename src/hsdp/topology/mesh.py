@@ -88,7 +88,15 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
             f"init_mesh: outer*inner*tp = {outer}*{inner}*{tp} = {outer * inner * tp} but the "
             f"world has {dist.get_world_size()} ranks; choose sizes whose product is the "
             f"world size")
-    timeout = timeout or default_timeout()
+    return _mesh_of_world(outer, inner, tp, device_type, nccl, timeout or default_timeout(),
+                          outer_sync)
+
+
+def _mesh_of_world(outer: int, inner: int, tp: int, device_type: str,
+                   nccl: dict[str, NcclConfig], timeout: timedelta,
+                   outer_sync: DiLoCo | None) -> DeviceMesh:
+    """The mesh over the whole world and its communicators (those cached for the same
+    arguments, with this ``outer_sync``)."""
     shape, names = ((outer, inner, tp), TP_DIM_NAMES) if tp > 1 else ((outer, inner), DIM_NAMES)
     cached = mesh_groups().get((device_type, tuple(range(outer * inner * tp)), shape))
     if cached is not None and (cached.nccl, cached.timeout) == (nccl, timeout):

@@ -4,6 +4,8 @@ and the check every mesh passes."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -23,9 +25,18 @@ def axis_groups(outer: int, inner: int) -> dict[str, list[list[int]]]:
             "inner": [[o * inner + i for i in range(inner)] for o in range(outer)]}
 
 
+_KEYS: weakref.WeakKeyDictionary[DeviceMesh, tuple] = weakref.WeakKeyDictionary()
+
+
 def mesh_key(mesh: DeviceMesh) -> tuple:
-    """A mesh's identity: device type, ranks and shape."""
-    return mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape)
+    """A mesh's identity: device type, ranks and shape; read once per mesh (reading a
+    DeviceMesh's ranks takes about a millisecond on torch 2.13, and ``Piece._hsdp_groups``
+    asks)."""
+    key = _KEYS.get(mesh)
+    if key is None:
+        key = _KEYS[mesh] = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()),
+                             tuple(mesh.mesh.shape))
+    return key
 
 
 def as_hsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:

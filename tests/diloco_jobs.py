@@ -80,14 +80,14 @@ def equivalence_job(rank: int, world: int, steps: int = 6) -> dict[str, object]:
     _train(sync, ref_opt, range(steps))
     ref = _state(sync)
     out: dict[str, object] = {}
-    for fragments in (1, 3):
+    for name, fragments, quant in (("F1", 1, None), ("F3", 3, None), ("int8", 1, "int8:64")):
         cfg = hsdp.DiLoCo(inner_steps=1, fragments=fragments, outer_lr=1.0, momentum=0.0)
-        model = _build(hsdp.init_mesh(outer, inner, "cpu", outer_sync=cfg))
+        model = _build(hsdp.init_mesh(outer, inner, "cpu", outer_sync=cfg), outer_reduce=quant)
         counter = model._hsdp_unit.collectives = CountOuter()
         _train(model, torch.optim.SGD(model.parameters(), lr=LR), range(steps))
         groups = len(model._hsdp_unit.runtime.outer_sync.groups)
-        out[f"F{fragments}"] = {"rel": _rel(_state(model), ref),
-                                "outer_per_group_step": counter.outer / (groups * steps)}
+        out[name] = {"rel": _rel(_state(model), ref),
+                     "outer_per_group_step": counter.outer / (groups * steps)}
     return out
 
 
@@ -169,7 +169,6 @@ def errors_job(rank: int, world: int) -> dict[str, str]:
     }.items()}
     mesh = hsdp.init_mesh(4, world // 4, "cpu", outer_sync=hsdp.DiLoCo(10, fragments=2))
     out["hfsdp"] = _error(lambda: _build(mesh, strategy="hfsdp"))
-    out["outer_reduce"] = _error(lambda: _build(mesh, outer_reduce="int8"))
     tokens = _batch(0, 0, ROWS)
     model = _build(mesh)  # 3 units: 2 fragments do not divide them
     before = _state(model)

@@ -81,7 +81,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
             "state is sharded over the outer axis, so a lost replica group takes state no "
             "other group holds. Use strategy='hsdp' with init_mesh(fault_tolerance=...)")
     if comms.outer_sync is not None:
-        _check_outer_sync(strategy, outer_reduce)
+        _check_outer_sync(strategy)
     device = (torch.device("cuda", torch.cuda.current_device())
               if mesh.device_type == "cuda" else torch.device(mesh.device_type))
     if outer_reduce is not None:
@@ -137,18 +137,13 @@ Tie = tuple[ParamGroup, int, Slot]
 _ALL_TO_ALL = ("nccl", "gloo", "fake", "mpi", "ucc", "xccl")
 
 
-def _check_outer_sync(strategy: Strategy, outer_reduce: OuterReduce | None) -> None:
-    """What a DiLoCo mesh (``init_mesh(outer_sync=...)``) cannot shard yet."""
+def _check_outer_sync(strategy: Strategy) -> None:
+    """What a DiLoCo mesh (``init_mesh(outer_sync=...)``) cannot shard."""
     if strategy is Strategy.HFSDP:
         raise ValueError(
             "fully_shard: strategy='hfsdp' cannot train with outer_sync=DiLoCo(...): its "
             "gradients and optimizer state are sharded over the outer axis, so an outer "
             "replica cannot step alone between synchronizations. Use strategy='hsdp'")
-    if outer_reduce is not None:
-        raise ValueError(
-            "fully_shard: outer_reduce with outer_sync=DiLoCo(...) is not supported yet: "
-            "DiLoCo has no per-step outer gradient reduction to compress, and its "
-            "pseudo-gradients are reduced exactly (fp32). Use outer_reduce=None")
 
 
 def _check_outer_reduce(comms: CommGroups, device: torch.device) -> None:

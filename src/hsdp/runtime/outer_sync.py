@@ -99,7 +99,7 @@ class OuterSync:
         """``g``'s pseudo-gradient all-reduce on ``stream`` (outer waits: the
         pseudo-gradient was written on compute). Compute does not touch it until it
         waited for the returned event."""
-        return stream.submit(lambda: g.anchor.reduce(coll, g.comms.outer), after,
+        return stream.submit(lambda: g.anchor.reduce(coll, g.comms.outer, g.compressed), after,
                              label(OpKind.OUTER_SYNC, g.label))
 
     @staticmethod
@@ -108,8 +108,14 @@ class OuterSync:
         """The all-reduce of an abandoned step that another rank issued, on scratch."""
         scratch = torch.zeros(g.main.numel(), dtype=torch.float32, device=g.main.device)
         keep_alive.append(scratch)
-        return stream.submit(lambda: coll.all_reduce(scratch, g.comms.outer, "outer", avg=True),
-                             after, label(OpKind.OUTER_SYNC, g.label))
+
+        def run() -> None:
+            if g.compressed is None:
+                coll.all_reduce(scratch, g.comms.outer, "outer", avg=True)
+            else:  # the same collectives, the residual kept as it was
+                g.compressed.all_reduce(coll, scratch, scratch, g.comms.outer, avg=True)
+                g.compressed.drop()
+        return stream.submit(run, after, label(OpKind.OUTER_SYNC, g.label))
 
 
 def outer_sync_of(units: Sequence[Unit]) -> OuterSync | None:

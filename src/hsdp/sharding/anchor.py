@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from hsdp.sharding.comm import Collectives
+from hsdp.sharding.compressed import CompressedOuter
 from hsdp.streams.contract import Event
 from hsdp.topology.outer_sync import DiLoCo
 
@@ -36,10 +37,16 @@ class Anchor:
         self.pseudo_grad = self.anchor - main
         self.apply_at = apply_at
 
-    def reduce(self, coll: Collectives, group: object) -> None:
+    def reduce(self, coll: Collectives, group: object,
+               compressed: CompressedOuter | None = None) -> None:
         """Average the pseudo-gradient over ``group`` (the outer communicator; a SUM and a
-        division where the backend has no AVG)."""
-        coll.all_reduce(self.pseudo_grad, group, "outer", avg=True)
+        division where the backend has no AVG); with ``compressed`` (``outer_reduce``) in
+        8 bits, its error-feedback residual committed at once (nothing abandons it)."""
+        if compressed is None:
+            coll.all_reduce(self.pseudo_grad, group, "outer", avg=True)
+            return
+        compressed.all_reduce(coll, self.pseudo_grad, self.pseudo_grad, group, avg=True)
+        compressed.commit()
 
     def apply(self, main: torch.Tensor) -> None:
         """The outer optimizer step on the anchor with the reduced pseudo-gradient (SGD,

@@ -182,6 +182,10 @@ class HSDPModule:
             raise ValueError(
                 "hsdp: set_all_reduce_hook needs strategy='hsdp': hfsdp reduce-scatters the "
                 "gradients over outer, there is no all-reduce for the hook to follow")
+        if hook is not None and any(g.comms.outer_sync is not None for g in groups):
+            raise ValueError(
+                "hsdp: set_all_reduce_hook is not supported with init_mesh(outer_sync=...): "
+                "DiLoCo has no per-step outer all-reduce for the hook to follow")
         if hook is not None and any(g.compressed is not None for g in groups):
             raise ValueError(
                 "hsdp: set_all_reduce_hook is not supported with outer_reduce: the compressed "

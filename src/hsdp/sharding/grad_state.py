@@ -164,8 +164,12 @@ class GradientState:
         """False for hsdp on one outer rank: ``accum`` is already the reduced gradient (an
         outer reduction would only cast it to the reduce dtype and back). Always True
         with fault tolerance (replica groups may join at any step) and with an all-reduce
-        hook (FSDP2 calls it after the reduce-scatter when there is no all-reduce)."""
+        hook (FSDP2 calls it after the reduce-scatter when there is no all-reduce). False
+        with DiLoCo (``init_mesh(outer_sync=...)``): each outer replica trains alone
+        between syncs."""
         c = self.b.comms
+        if c.outer_sync is not None:
+            return False
         return (self.b.shard_outer or c.outer_size > 1 or c.elastic is not None
                 or self.all_reduce_hook is not None)
 

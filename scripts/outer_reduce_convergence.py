@@ -1,8 +1,11 @@
-"""Convergence of the compressed outer reduction on real collectives (8 CPU ranks, gloo).
+"""Convergence of the compressed outer reduction and of DiLoCo on real collectives (8 CPU
+ranks, gloo).
 
     nice -n 19 python scripts/outer_reduce_convergence.py --meshes 4x2 --out c42.json
     nice -n 19 python scripts/outer_reduce_convergence.py --meshes 2x4 --out c24.json
     python scripts/outer_reduce_convergence.py --out c42.json --table  # a (partial) run's
+    nice -n 19 python scripts/outer_reduce_convergence.py --meshes 4x2 --layers 3 \
+        --seeds 0,1 --runs "exact,DiLoCo H1 F1,DiLoCo H10 F4,..." --out diloco.json
 
 Exact vs int8 + error feedback vs fp8 + error feedback vs fp8 without, on 4x2 and 2x4
 meshes (hsdp), 3 seeds, a small Llama (``hsdp.bench.convergence.MODEL``) trained with AdamW
@@ -65,6 +68,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--meshes", default="4x2,2x4", help="OUTERxINNER[:strategy],...")
     ap.add_argument("--runs", default=",".join(RUNS))
+    ap.add_argument("--layers", type=int, default=2, help="Llama blocks (DiLoCo F=4: 3)")
     ap.add_argument("--tail", type=int, default=20, help="final loss: mean of the last N")
     ap.add_argument("--out", "--json", dest="out", default="outer_reduce_convergence.json")
     ap.add_argument("--table", action="store_true", help="only print --out's table")
@@ -78,7 +82,7 @@ def main() -> None:
         outer, inner = (int(x) for x in shape.split("x"))
         meshes.append((outer, inner, strategy or "hsdp"))
     plan = Plan(tuple(meshes), tuple(int(s) for s in args.seeds.split(",")),
-                tuple(args.runs.split(",")), args.steps)
+                tuple(args.runs.split(",")), args.steps, args.layers)
     world = meshes[0][0] * meshes[0][1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,11 +21,13 @@ from hsdp.runtime.optim import attach_optimizer
 from hsdp.sharding.policy import MixedPrecision, OuterReduce, Strategy
 from hsdp.topology.communicators import NcclConfig
 from hsdp.topology.mesh import init_mesh
+from hsdp.topology.outer_sync import DiLoCo
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "DiLoCo",
     "FaultTolerance",
     "FaultToleranceError",
     "MixedPrecision",

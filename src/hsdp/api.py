@@ -85,6 +85,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
             "fully_shard: strategy='hfsdp' cannot be made fault tolerant: its optimizer "
             "state is sharded over the outer axis, so a lost replica group takes state no "
             "other group holds. Use strategy='hsdp' with init_mesh(fault_tolerance=...)")
+    if comms.outer_sync is not None:
+        _check_outer_sync(strategy)
     device = (torch.device("cuda", torch.cuda.current_device())
               if mesh.device_type == "cuda" else torch.device(mesh.device_type))
     if outer_reduce is not None:
@@ -150,6 +152,15 @@ Tie = tuple[ParamGroup, int, Slot]
 
 # Backends known to run all_to_all_single (torch's fake one stands for NCCL in emulation).
 _ALL_TO_ALL = ("nccl", "gloo", "fake", "mpi", "ucc", "xccl")
+
+
+def _check_outer_sync(strategy: Strategy) -> None:
+    """What a DiLoCo mesh (``init_mesh(outer_sync=...)``) cannot shard."""
+    if strategy is Strategy.HFSDP:
+        raise ValueError(
+            "fully_shard: strategy='hfsdp' cannot train with outer_sync=DiLoCo(...): its "
+            "gradients and optimizer state are sharded over the outer axis, so an outer "
+            "replica cannot step alone between synchronizations. Use strategy='hsdp'")
 
 
 def _check_outer_reduce(comms: CommGroups, device: torch.device) -> None:

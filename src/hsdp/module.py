@@ -178,15 +178,21 @@ class HSDPModule:
                 "on its outer stream, after the outer all-reduce (as FSDP2 does under HSDP). "
                 "Drop stream=; for torchft replica groups use "
                 "hsdp.init_mesh(..., fault_tolerance=...)")
-        if hook is not None and any(g.shard_outer or g.compressed is not None
-                                    for g in groups):
+        if hook is not None and any(g.shard_outer for g in groups):
             raise ValueError(
-                "hsdp: set_all_reduce_hook needs strategy='hsdp' with the exact outer "
-                "all-reduce: hfsdp reduce-scatters the gradients over outer, and a compressed "
-                "outer reduction (outer_reduce=...) has no reduce-dtype result to hand over")
+                "hsdp: set_all_reduce_hook needs strategy='hsdp': hfsdp reduce-scatters the "
+                "gradients over outer, there is no all-reduce for the hook to follow")
+        if hook is not None and any(g.comms.outer_sync is not None for g in groups):
+            raise ValueError(
+                "hsdp: set_all_reduce_hook is not supported with init_mesh(outer_sync=...): "
+                "DiLoCo has no per-step outer all-reduce for the hook to follow")
+        if hook is not None and any(g.compressed is not None for g in groups):
+            raise ValueError(
+                "hsdp: set_all_reduce_hook is not supported with outer_reduce: the compressed "
+                "outer reduction has no all-reduce output of the reduce dtype for the hook; "
+                "use outer_reduce=None with an all-reduce hook")
         for g in groups:
-            if g.grads is not None:  # (a group with no trainable parameter reduces nothing)
-                g.grads.all_reduce_hook = hook
+            g.set_all_reduce_hook(hook)
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """All-gather ``modules`` (fully_shard-ed) when this unit's forward starts, instead

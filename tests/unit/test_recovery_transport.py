@@ -222,6 +222,7 @@ def _failed_recovery(allowed: bool) -> RecoveryTransport:
     """A transport whose recovery of step 5 failed: nothing came (the live group is gone)."""
     transport = RecoveryTransport(End(Wire(), 1), allow_lost_progress=allowed)
     transport.bind(lambda: 7, store=dist.HashStore(), rank=0, world=1)
+    transport.expect(5)  # the quorum asked for step 5
     with pytest.raises(FaultToleranceError, match="recovering step 5"):
         transport.recv_checkpoint(0, "hsdp", 5, T / 10)
     return transport

@@ -1,8 +1,10 @@
-"""Loss curves of the exact and the compressed outer reduction on real collectives.
+"""Loss curves of the exact and the compressed outer reduction, and of DiLoCo, on real
+collectives.
 
 ``convergence_job`` runs inside a spawned world (gloo on CPU moves real data; torch's
 fake process group would not): for each mesh (outer x inner over the whole world), seed
-and run (``RUNS``: exact, int8 + error feedback, fp8 + error feedback, fp8 without),
+and run (``RUNS``: exact, int8 + error feedback, fp8 + error feedback, fp8 without,
+DiLoCo with H in {1, 10, 50} and 1 or 4 fragments),
 a small Llama trained with AdamW on learnable synthetic data, every rank on its own rows
 of one global batch. Returns, per (mesh, seed, run), the loss of every step (mean over
 the ranks). ``summarize`` turns that into the table of docs/benchmarks.md:
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -25,12 +27,15 @@ from hsdp.models import LlamaConfig, build_model, lm_loss
 MODEL = LlamaConfig(vocab=128, hidden=64, heads=4, kv_heads=2, ffn=128, layers=2, seq=32)
 ROWS_PER_RANK = 2
 LR = 3e-3
-# name -> fully_shard's outer_reduce (block 64: the model's groups are small)
-RUNS: dict[str, hsdp.OuterReduce | None] = {
+# name -> fully_shard's outer_reduce (block 64: the model's groups are small) or
+# init_mesh's outer_sync (DiLoCo: the paper's outer optimizer, Nesterov 0.9 at lr 0.7)
+RUNS: dict[str, hsdp.OuterReduce | hsdp.DiLoCo | None] = {
     "exact": None,
     "int8+EF": hsdp.OuterReduce("int8", block=64),
     "fp8+EF": hsdp.OuterReduce("fp8_e4m3", block=64),
     "fp8 no EF": hsdp.OuterReduce("fp8_e4m3", block=64, error_feedback=False),
+    **{f"DiLoCo H{h} F{f}": hsdp.DiLoCo(inner_steps=h, fragments=f, outer_lr=0.7, momentum=0.9)
+       for h in (1, 10, 50) for f in (1, 4)},
 }
 
 
@@ -40,6 +45,7 @@ class Plan:
     seeds: tuple[int, ...]
     runs: tuple[str, ...]
     steps: int
+    layers: int = MODEL.layers  # DiLoCo with 4 fragments: 3 (3 blocks + the root: 4 units)
 
 
 def _batch(step: int, seed: int, rows: int) -> torch.Tensor:
@@ -57,11 +63,11 @@ def _batch(step: int, seed: int, rows: int) -> torch.Tensor:
 
 
 def train(mesh: object, strategy: str, seed: int, outer_reduce: hsdp.OuterReduce | None,
-          steps: int) -> list[float]:
+          steps: int, layers: int = MODEL.layers) -> list[float]:
     """Loss per step (mean over every rank) of one run."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
-    model = build_model(MODEL)
+    model = build_model(replace(MODEL, layers=layers))
     for block in model.blocks:  # units: each block, the root (embedding, head)
         hsdp.fully_shard(block, mesh=mesh, strategy=strategy, outer_reduce=outer_reduce)
     hsdp.fully_shard(model, mesh=mesh, strategy=strategy, outer_reduce=outer_reduce)
@@ -88,11 +94,14 @@ def convergence_job(rank: int, world: int, plan: Plan,
     ``on_run(key, losses)`` is called after each run."""
     out = {}
     for outer, inner, strategy in plan.meshes:
-        mesh = hsdp.init_mesh(outer, inner, "cpu")
         for seed in plan.seeds:
             for run in plan.runs:
+                cfg = RUNS[run]
+                diloco = isinstance(cfg, hsdp.DiLoCo)
+                mesh = hsdp.init_mesh(outer, inner, "cpu", outer_sync=cfg if diloco else None)
                 key = f"{outer}x{inner} {strategy}/seed{seed}/{run}"
-                out[key] = train(mesh, strategy, seed, RUNS[run], plan.steps)
+                out[key] = train(mesh, strategy, seed, None if diloco else cfg, plan.steps,
+                                 plan.layers)
                 if on_run is not None:
                     on_run(key, out[key])
     return out

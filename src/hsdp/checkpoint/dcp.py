@@ -30,6 +30,8 @@ from hsdp.checkpoint import dirs, integrity
 from hsdp.checkpoint.full_state import clean_keys, model_keys, quiesce
 from hsdp.checkpoint.load_targets import check_model, optim_targets
 from hsdp.checkpoint.outer_residual import KEY, from_read, load_residuals, to_read
+from hsdp.checkpoint.outer_sync_state import KEY as SYNC_KEY
+from hsdp.checkpoint.outer_sync_state import in_checkpoint, load_outer_sync
 from hsdp.checkpoint.state_dicts import name_of, optim_state_dict, optimizer_input, param_names
 from hsdp.checkpoint.sync import CheckpointError, Meeting
 from hsdp.sharding.chunks import attach_chunks
@@ -299,6 +301,7 @@ def load(path: str | os.PathLike, model: nn.Module,
         adopt_state(optimizer.state)
         load_residuals(model, from_read(model, state["optim"][KEY])
                        if KEY in state["optim"] else None)
+        load_outer_sync(model, state["optim"].get(SYNC_KEY), optimizer)
 
 
 def _load_targets(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None
@@ -323,4 +326,6 @@ def _load_targets(path: str, model: nn.Module, optimizer: torch.optim.Optimizer 
     optim = optim_targets(path, ours, params, saved)
     if KEY in ours:  # this rank's residuals, or another mesh's to reshard (outer_residual.py)
         optim[KEY] = to_read(model, ours[KEY], saved, f"optim.{KEY}.")
+    if SYNC_KEY in ours:  # DiLoCo: this rank's where the checkpoint has them (same mesh)
+        optim[SYNC_KEY] = in_checkpoint(ours[SYNC_KEY], saved, f"optim.{SYNC_KEY}.")
     return opened, {"model": model_sd, "optim": optim}

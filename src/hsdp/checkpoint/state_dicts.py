@@ -21,6 +21,8 @@ from hsdp.checkpoint.full_state import clean_key, clean_keys, model_keys, quiesc
 from hsdp.checkpoint.lazy_state import initial_state, supported
 from hsdp.checkpoint.load_targets import check_groups
 from hsdp.checkpoint.outer_residual import KEY, load_residuals, residual_state
+from hsdp.checkpoint.outer_sync_state import KEY as SYNC_KEY
+from hsdp.checkpoint.outer_sync_state import load_outer_sync, outer_sync_state
 from hsdp.sharding.group import owner
 from hsdp.sharding.pieces import Piece, adopt_state
 from hsdp.sharding.write_guard import before_write
@@ -120,6 +122,7 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
     the dict (``hsdp.load`` restores it so)."""
     names = param_names(model)
     state: dict[str, dict[str, Any]] = {}
+    held: dict[torch.Tensor, dict[str, Any]] = {}  # by parameter, for DiLoCo's replicas
     for pg in optimizer.param_groups:
         for p in pg["params"]:
             name = name_of(names, p)
@@ -135,6 +138,7 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
                         f"hsdp.load, which need no such state.")
             if st:
                 state[name] = {k: _state_view(p, name, k, v) for k, v in st.items()}
+                held[p] = st
     groups = [{**{k: v for k, v in pg.items() if k != "params"},
                "params": [name_of(names, p) for p in pg["params"]]}
               for pg in optimizer.param_groups]
@@ -142,6 +146,9 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
     residuals = residual_state(model)  # compressed outer reduction: training state too
     if residuals:
         optim_sd[KEY] = residuals
+    outer_sync = outer_sync_state(model, held)  # DiLoCo: anchors, replica-local state
+    if outer_sync:
+        optim_sd[SYNC_KEY] = outer_sync
     return optim_sd
 
 
@@ -182,6 +189,7 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
         optimizer.load_state_dict(groups)
         adopt_state(optimizer.state)
         load_residuals(model, optim_state_dict.get(KEY))
+        load_outer_sync(model, optim_state_dict.get(SYNC_KEY), optimizer)
 
 
 def optimizer_input(model: nn.Module, optimizer: torch.optim.Optimizer,

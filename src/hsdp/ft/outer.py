@@ -293,4 +293,24 @@ def _bound(manager: Any) -> Any:
     # group's commit vote: +1 on every rank), so that a retry in the same quorum meets
     # under new keys (torchft 0.2.0's attribute names)
     transport.bind(lambda: f"{manager._quorum_id}/{manager._commit_failures}")
+    manager._client = _QuorumWatch(manager._client, transport)
     return manager
+
+
+class _QuorumWatch:
+    """torchft's client of the group's ManagerServer, telling ``transport`` which step
+    each quorum asks this group to recover, as soon as the quorum is known. **WHY here**:
+    torchft's recovery can fail before the transport is called (fetching the sender's
+    address from a dead group), and the group must still know what it was to receive."""
+
+    def __init__(self, client: Any, transport: RecoveryTransport) -> None:
+        self._client, self._transport = client, transport
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(*args, **kwargs)
+        if quorum.heal:
+            self._transport.expect(quorum.max_step)
+        return quorum
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)

@@ -44,8 +44,9 @@ class RecoveryTransport:
     ``FaultToleranceError``, so torchft applies nothing, commits nothing, and retries the
     recovery at the next quorum. ``check_progress`` then refuses to train on from an older
     step than the one a failed recovery was to bring (every live group was lost during the
-    transfer), unless ``allow_lost_progress``. ``bind`` gives it the group's store and
-    names each attempt (``init_mesh`` does)."""
+    transfer), unless ``allow_lost_progress``; ``expect`` learns that step from each
+    quorum. ``bind`` gives it the group's store and names each attempt (``init_mesh``
+    does both)."""
 
     def __init__(self, pg: Any, device_type: str = "cpu",
                  allow_lost_progress: bool = False) -> None:
@@ -95,7 +96,6 @@ class RecoveryTransport:
                         timeout: timedelta) -> Any:
         """The state ``src_rank`` sends at ``step``, once every rank of this group has
         received the same step intact; else ``FaultToleranceError`` on every rank."""
-        self.awaited_step = max(step, self.awaited_step or step)
         try:
             state, digest = self._receive(src_rank, step, timeout)
             mine = {"ok": True, "step": step, "src": src_rank, "digest": digest}
@@ -114,6 +114,10 @@ class RecoveryTransport:
         log.info("hsdp: received step %d from replica rank %d, sha256 %s (every rank of "
                  "the group received it)", step, src_rank, mine["digest"])
         return state
+
+    def expect(self, step: int) -> None:
+        """A quorum asks this group to recover ``step`` (before any of the transfer)."""
+        self.awaited_step = max(step, self.awaited_step or step)
 
     def check_progress(self, step: int) -> None:
         """Before this group trains at ``step`` (taking part, not recovering): refuse if a

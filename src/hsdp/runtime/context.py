@@ -17,6 +17,7 @@ from hsdp.streams.stream_set import Streams
 from hsdp.topology.communicators import CommGroups
 
 if TYPE_CHECKING:
+    from hsdp.runtime.outer_sync import OuterSync
     from hsdp.runtime.unit import Unit
 
 
@@ -34,6 +35,7 @@ class RuntimeContext:
     step: StepState
     log: StepLog
     broken: str | None = None  # why hsdp's communicators cannot be used any more
+    outer_sync: OuterSync | None = None  # DiLoCo's schedule (None: outer reduction per step)
 
     def __post_init__(self) -> None:
         self.gid = {g: i for i, g in enumerate(self.groups)}

@@ -76,9 +76,13 @@ class OptimizerSteps:
                 "microbatch with is_last=True (or outside any hsdp.microbatch context) and "
                 "gradient sync on before optimizer.step().")
         self.ctx.streams.compute.begin(f"OPTIMIZER:{self.ctx.root.label}")
+        if self.ctx.outer_sync is not None:
+            self.ctx.outer_sync.before_step()
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.ctx.streams.compute.end(f"OPTIMIZER:{self.ctx.root.label}")
+        if self.ctx.outer_sync is not None:
+            self.ctx.outer_sync.after_step(self.ctx)
         key = (id(optimizer.state), len(optimizer.state))
         if self._adopted_state.get(optimizer) != key:  # new state (first steps, loads)
             adopt_state(optimizer.state)
@@ -185,6 +189,8 @@ def attach_optimizer(optimizer: torch.optim.Optimizer) -> None:
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for steps in list(STEPPERS):
         if steps.owns(optimizer):
+            if steps.ctx.outer_sync is not None:
+                steps.ctx.outer_sync.check_optimizer(optimizer)
             steps.before_step()
             steps.check_optimizer_state(optimizer)
 

@@ -116,6 +116,8 @@ class Recovery:
             return g.gather.unshard(stream, coll, after)
         if kind in OUTER_REDUCTIONS:
             return g.outer_reduce(stream, coll, after)
+        if kind is OpKind.OUTER_SYNC:
+            return self.ctx.outer_sync.replay(g, stream, coll, after, keep_alive)
         if kind is OpKind.OUTER_ALL_GATHER:
             return g.gather.outer_all_gather(stream, coll, after)
         rs_in = torch.zeros(g.layout.total, dtype=g.reduce_dtype, device=g.main.device)

@@ -36,10 +36,10 @@ class GradientState:
                  trainable_count: int, all_in: Callable[[], None]) -> None:
         self.b = b = buffers
         self.compressed = compressed
-        # FSDP2's set_all_reduce_hook: called with the outer all-reduce's result (hsdp)
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.trainable_count = trainable_count
         self._all_in = all_in
+        # FSDP2's set_all_reduce_hook: called with the outer all-reduce's result (hsdp)
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         S, C = b.layout.shard_numel, b.layout.chunk_numel
         device = b.main.device
         self.accum = torch.empty(S, dtype=b.orig_dtype, device=device)
@@ -164,9 +164,14 @@ class GradientState:
         """False for hsdp on one outer rank: ``accum`` is already the reduced gradient (an
         outer reduction would only cast it to the reduce dtype and back). Always True
         with fault tolerance (replica groups may join at any step) and with an all-reduce
-        hook (FSDP2 calls it after the reduce-scatter when there is no all-reduce)."""
-        return (self.b.shard_outer or self.b.comms.outer_size > 1
-                or self.b.comms.elastic is not None or self.all_reduce_hook is not None)
+        hook (FSDP2 calls it after the reduce-scatter when there is no all-reduce). False
+        with DiLoCo (``init_mesh(outer_sync=...)``): each outer replica trains alone
+        between syncs."""
+        c = self.b.comms
+        if c.outer_sync is not None:
+            return False
+        return (self.b.shard_outer or c.outer_size > 1 or c.elastic is not None
+                or self.all_reduce_hook is not None)
 
     def outer_reduce(self, stream: SideStream, coll: Collectives, after: Sequence[Event],
                      divide: float | None) -> Event:

@@ -23,7 +23,9 @@ Gradient buffers (``grads``, made with the first trainable parameter):
                  hsdp's outer all-reduce runs on it in place, so it is also hsdp's grad.
 - ``grad_buf``   [C]: hfsdp's outer reduce-scatter output (hsdp: ``accum``).
 With ``outer_reduce`` the outer reduction is compressed (``compressed.py``), which keeps
-an fp32 error-feedback residual of about S elements per group.
+an fp32 error-feedback residual of about S elements per group. With DiLoCo
+(``init_mesh(outer_sync=...)``) there is no outer reduction per step; ``anchor.py`` keeps
+an fp32 anchor (and momentum) of C elements.
 ``accum`` and ``grad_buf`` exist from the step's first reduce-scatter until the user has
 cleared the gradients (``zero_grad``) and the next step starts: allocated by the stream
 that first writes them, freed by ``release_grads``.
@@ -38,6 +40,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from hsdp.sharding.anchor import Anchor
 from hsdp.sharding.chunks import attach_chunks
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.compressed import CompressedOuter
@@ -119,12 +122,16 @@ class ParamGroup:
         # The compressed outer reduction and its residual (None: the exact one).
         self.compressed = (CompressedOuter(outer_reduce, S, comms.outer_size, o, device)
                            if outer_reduce is not None and comms.outer_size > 1 else None)
+        # DiLoCo (init_mesh(outer_sync=...)): the anchor and outer momentum of main.
+        self.anchor = (Anchor(comms.outer_sync)
+                       if comms.outer_sync is not None and self.requires_grad else None)
         self._make_sharded(owned_lo, owned_hi)
         self._make_unsharded(params, device, gather_dtype)
         self._make_parts()
         # None: gradients are means over the DP ranks; f: sums divided by f (FSDP2's
         # set_gradient_divide_factor; 1.0 gives plain sums).
         self.divide_factor: float | None = None
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None  # set_all_reduce_hook
         self.on_all_grads: Callable[[ParamGroup], None] | None = None
         self.param_requires_grad = [p.requires_grad for p in params]
         self.grads: GradientState | None = None  # made for the first trainable parameter
@@ -220,6 +227,14 @@ class ParamGroup:
         self.grads = GradientState(self.buffers, self.compressed,
                                    sum(self.param_requires_grad),
                                    lambda: me()._all_grads_in())
+        self.grads.all_reduce_hook = self.all_reduce_hook
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None) -> None:
+        """FSDP2's ``set_all_reduce_hook`` for this group: its gradient state runs ``hook``
+        on the outer all-reduce's result (kept here for gradient state made later)."""
+        self.all_reduce_hook = hook
+        if self.grads is not None:
+            self.grads.all_reduce_hook = hook
 
     def _all_grads_in(self) -> None:
         if self.on_all_grads is not None:

@@ -30,13 +30,15 @@ from hsdp.topology.communicators import (
     mesh_groups,
 )
 from hsdp.topology.mesh_dims import DIM_NAMES, TP_DIM_NAMES, mesh_key
+from hsdp.topology.outer_sync import DiLoCo
 
 
 def init_mesh(outer: int | None = None, inner: int | None = None,
               device_type: str | None = None, *, tp: int = 1,
               nccl: dict[str, NcclConfig] | None = None, timeout: timedelta | None = None,
               allow_inner_across_hosts: bool = False,
-              fault_tolerance: FaultTolerance | Any | None = None) -> DeviceMesh:
+              fault_tolerance: FaultTolerance | Any | None = None,
+              outer_sync: DiLoCo | None = None) -> DeviceMesh:
     """A 2-D DeviceMesh with dims ("outer", "inner") plus hsdp's three communicators; with
     ``tp > 1`` (keyword only) a 3-D one, ("outer", "inner", "tp"), rank ``(o * inner + i) * tp + t``
     (tp fastest, as torchtitan): give ``mesh["tp"]`` to torch's ``parallelize_module``,
@@ -61,15 +63,20 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
     its own torch world of ``inner`` ranks (one torchrun per group) and ``outer`` is the
     number of groups launched; the returned mesh covers this group, (1, inner), and the
     outer gradient all-reduce runs over the live groups. Only ``strategy="hsdp"``.
+
+    ``outer_sync=hsdp.DiLoCo(...)``: the outer axis synchronizes every ``inner_steps``
+    optimizer steps instead of every step (docs/guide/across_datacenters.md); only
+    ``strategy="hsdp"``, not with ``fault_tolerance``.
     """
     nccl = _check_arguments(outer, inner, tp, nccl, timeout)
+    _check_outer_sync(outer_sync, fault_tolerance)
     device_type = _check_device_type(device_type)
     _init_default_group(timeout)
     if dist.get_world_size() % tp:
         raise ValueError(f"init_mesh: tp={tp} does not divide the world's "
                          f"{dist.get_world_size()} ranks; choose a tp that does (the ranks "
                          f"per node or a divisor of it)")
-    _agree_on_arguments(outer, inner, tp, device_type, nccl, timeout)
+    _agree_on_arguments(outer, inner, tp, device_type, nccl, timeout, outer_sync)
     if fault_tolerance is not None:
         if tp > 1:
             raise FaultToleranceError("init_mesh: fault_tolerance with tp > 1 is not "
@@ -81,14 +88,37 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
             f"init_mesh: outer*inner*tp = {outer}*{inner}*{tp} = {outer * inner * tp} but the "
             f"world has {dist.get_world_size()} ranks; choose sizes whose product is the "
             f"world size")
-    timeout = timeout or default_timeout()
+    return _mesh_of_world(outer, inner, tp, device_type, nccl, timeout or default_timeout(),
+                          outer_sync)
+
+
+def _mesh_of_world(outer: int, inner: int, tp: int, device_type: str,
+                   nccl: dict[str, NcclConfig], timeout: timedelta,
+                   outer_sync: DiLoCo | None) -> DeviceMesh:
+    """The mesh over the whole world and its communicators (those cached for the same
+    arguments, with this ``outer_sync``)."""
     shape, names = ((outer, inner, tp), TP_DIM_NAMES) if tp > 1 else ((outer, inner), DIM_NAMES)
     cached = mesh_groups().get((device_type, tuple(range(outer * inner * tp)), shape))
     if cached is not None and (cached.nccl, cached.timeout) == (nccl, timeout):
+        if cached.outer_sync != outer_sync:  # same communicators, another outer schedule
+            mesh_groups()[mesh_key(cached.mesh)] = replace(cached, outer_sync=outer_sync)
         return cached.mesh
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    mesh_groups()[mesh_key(mesh)] = create_groups(mesh, nccl, timeout)
+    mesh_groups()[mesh_key(mesh)] = replace(create_groups(mesh, nccl, timeout),
+                                            outer_sync=outer_sync)
     return mesh
+
+
+def _check_outer_sync(outer_sync: object, fault_tolerance: object) -> None:
+    """Raise on a bad ``outer_sync`` or one combined with what it cannot serve yet."""
+    if outer_sync is not None and not isinstance(outer_sync, DiLoCo):
+        raise TypeError(f"init_mesh: outer_sync must be an hsdp.DiLoCo or None, got "
+                        f"{outer_sync!r}")
+    if outer_sync is not None and fault_tolerance is not None:
+        raise FaultToleranceError(
+            "init_mesh: outer_sync=DiLoCo(...) with fault_tolerance is not supported yet: "
+            "the outer synchronization would need torchft's quorum at each fragment's sync "
+            "and the anchors in its recovery state. Use one or the other")
 
 
 def _check_arguments(outer: int | None, inner: int | None, tp: int,
@@ -165,12 +195,14 @@ def _sizes_on_hosts(outer: int | None, inner: int | None, tp: int,
 
 
 def _agree_on_arguments(outer: int, inner: int, tp: int, device_type: str,
-                        nccl: dict[str, NcclConfig], timeout: timedelta | None) -> None:
+                        nccl: dict[str, NcclConfig], timeout: timedelta | None,
+                        outer_sync: DiLoCo | None = None) -> None:
     """Raise on every rank, within the timeout, if the ranks called init_mesh with
     different arguments: their groups would not match and ``new_group`` would hang."""
     settings = ", ".join(f"{k}={v}" for k, v in sorted(nccl.items()))
     agree_in_store("init_mesh", f"init_mesh(outer={outer}, inner={inner}, tp={tp}, device_type="
-                   f"{device_type!r}, nccl={{{settings}}}, timeout={timeout})",
+                   f"{device_type!r}, nccl={{{settings}}}, timeout={timeout}, "
+                   f"outer_sync={outer_sync})",
                    timeout or default_timeout(),
                    "Call init_mesh with the same arguments on every rank.")
 

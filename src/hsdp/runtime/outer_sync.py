@@ -1,0 +1,132 @@
+"""DiLoCo on the outer axis (``init_mesh(outer_sync=hsdp.DiLoCo(...))``): WHEN each
+fragment synchronizes, on which stream.
+
+Between syncs each outer replica trains alone: the groups have no outer reduction
+(``ParamGroup.has_outer_reduction``), so gradients are means over the inner group only.
+After the optimizer step that completes a fragment's period (steps ``offset(f)`` mod H,
+staggered by H / F), on the optimizer's post-step hook:
+
+1. on compute, per group of the fragment, the fp32 pseudo-gradient ``anchor - main`` (it
+   reads the parameters the optimizer updated); the outer stream waits for it (**WHY**:
+   written on compute) and all-reduces it over the outer communicator (``OUTER_SYNC``);
+2. compute waits for those events (**WHY**: the outer step reads the reduced
+   pseudo-gradient), then the outer optimizer updates the anchor and resets ``main``.
+
+With ``delay=d`` > 0 (streaming) step 2 happens ``d`` optimizer steps later, in the
+post-step hook of that step: the all-reduce overlaps the forwards, backwards and inner
+collectives of those steps; the fragment's parameters are then set to the new anchor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from hsdp.sharding.comm import Collectives
+from hsdp.sharding.group import ParamGroup
+from hsdp.streams.contract import Event, SideStream
+from hsdp.streams.op_table import OpKind, label
+from hsdp.topology.outer_sync import DiLoCo
+
+if TYPE_CHECKING:
+    from hsdp.runtime.context import RuntimeContext
+    from hsdp.runtime.unit import Unit
+
+
+class OuterSync:
+    """The DiLoCo schedule of one model: its fragments and their outer steps."""
+
+    def __init__(self, config: DiLoCo, units: Sequence[Unit]) -> None:
+        config.check_units(len(units))
+        per = len(units) // config.fragments
+        self.config = config
+        self.fragments = [[g for u in units[f * per:(f + 1) * per] for g in u.groups
+                           if g.anchor is not None] for f in range(config.fragments)]
+        self.groups = [g for fragment in self.fragments for g in fragment]
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise before the step unless ``optimizer`` holds every trainable parameter of
+        the model: the outer step counts this optimizer's steps."""
+        held = {id(p) for pg in optimizer.param_groups for p in pg["params"]}
+        missing = sum(p.requires_grad and id(p) not in held
+                      for g in self.groups for p in g.sharded)
+        if missing:
+            raise ValueError(
+                f"hsdp.DiLoCo: this optimizer does not hold {missing} trainable parameter(s) "
+                f"of the model; with init_mesh(outer_sync=DiLoCo(...)) one optimizer must step "
+                f"all of them (its steps are the inner steps), not one per parameter or part")
+
+    def before_step(self) -> None:
+        """Take the anchors still missing from the parameters (on compute, before the
+        optimizer changes them)."""
+        for g in self.groups:
+            g.anchor.capture(g.main)
+
+    def due(self) -> list[ParamGroup]:
+        """Count one step; the groups of the fragments whose period it completes."""
+        for g in self.groups:
+            g.anchor.steps += 1
+        cfg = self.config
+        return [g for f, fragment in enumerate(self.fragments) for g in fragment
+                if g.anchor.steps % cfg.inner_steps == cfg.offset(f)]
+
+    def after_step(self, rt: RuntimeContext) -> None:
+        """Issue the all-reduces of the fragments due after this optimizer step, then the
+        outer steps due now (with ``delay=0`` those just issued)."""
+        due = self.due()
+        if due:
+            for g in due:  # on compute: it reads the parameters the optimizer updated
+                g.anchor.take_pseudo_grad(g.main, g.anchor.steps + self.config.delay)
+            taken = rt.streams.compute.record()
+            stream = rt.stream_of(OpKind.OUTER_SYNC)
+            for g in due:
+                g.anchor.reduced = rt.logged(OpKind.OUTER_SYNC, g,
+                                             self.reduce(g, stream, rt.coll, [taken]))
+        ready = [g for g in self.groups if g.anchor.apply_at == g.anchor.steps]
+        for g in ready:
+            if g.anchor.reduced is not None:
+                # compute waits: the outer step reads the reduced pseudo-gradient.
+                rt.streams.compute.wait(g.anchor.reduced)
+        with torch.no_grad():
+            for g in ready:
+                g.anchor.apply(g.main)
+
+    @staticmethod
+    def reduce(g: ParamGroup, stream: SideStream, coll: Collectives,
+               after: Sequence[Event]) -> Event:
+        """``g``'s pseudo-gradient all-reduce on ``stream`` (outer waits: the
+        pseudo-gradient was written on compute). Compute does not touch it until it
+        waited for the returned event."""
+        return stream.submit(lambda: g.anchor.reduce(coll, g.comms.outer, g.compressed), after,
+                             label(OpKind.OUTER_SYNC, g.label))
+
+    @staticmethod
+    def replay(g: ParamGroup, stream: SideStream, coll: Collectives, after: Sequence[Event],
+               keep_alive: list) -> Event:
+        """The all-reduce of an abandoned step that another rank issued, on scratch."""
+        scratch = torch.zeros(g.main.numel(), dtype=torch.float32, device=g.main.device)
+        keep_alive.append(scratch)
+
+        def run() -> None:
+            if g.compressed is None:
+                coll.all_reduce(scratch, g.comms.outer, "outer", avg=True)
+            else:  # the same collectives, the residual kept as it was
+                g.compressed.all_reduce(coll, scratch, scratch, g.comms.outer, avg=True)
+                g.compressed.drop()
+        return stream.submit(run, after, label(OpKind.OUTER_SYNC, g.label))
+
+
+def outer_sync_of(units: Sequence[Unit]) -> OuterSync | None:
+    """The DiLoCo schedule of the model made of ``units`` (None: synchronous); every unit
+    must be sharded on meshes with the same ``outer_sync``."""
+    configs = {g.comms.outer_sync for u in units for g in u.groups}
+    if len(configs) > 1:
+        raise ValueError(f"hsdp: the model's units were sharded on meshes with different "
+                         f"outer_sync settings ({sorted(map(str, configs))}); shard every "
+                         f"unit of a model on the same mesh")
+    config = next(iter(configs), None)
+    return None if config is None else OuterSync(config, units)
+
+

@@ -1,0 +1,71 @@
+"""``DiLoCo``: how the outer axis synchronizes when it is not every step (pure settings).
+
+``init_mesh(outer, inner, outer_sync=hsdp.DiLoCo(...))``: every unit sharded on that mesh
+trains its outer replica alone (inner FSDP only) and every ``inner_steps`` optimizer steps
+averages each fragment's pseudo-gradient over ``outer`` and takes an outer optimizer step
+(``runtime/outer_sync.py``; docs/guide/across_datacenters.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True)
+class DiLoCo:
+    """DiLoCo (arXiv 2311.08105) and its streaming form's fragments (arXiv 2501.18512).
+
+    ``inner_steps`` (H): optimizer steps each outer replica takes alone between two
+    synchronizations of a fragment. ``fragments`` (F): the model's units are cut into F
+    consecutive fragments (F must divide the number of units); fragment f synchronizes
+    at steps ``(f + 1) * H // F`` + multiples of H, so the syncs are staggered by H / F.
+    ``outer_lr``, ``momentum``, ``nesterov``: the outer optimizer (SGD on the fp32 anchor
+    with the averaged pseudo-gradient ``anchor - parameters``). ``delay`` (streaming):
+    the fragment's all-reduce, issued after its period's last step, is applied ``delay``
+    steps later, while they compute (0: in the same step); the fragment's parameters are
+    then set to the new anchor (the local progress of those steps on it is dropped, as
+    torchft's ``fragment_update_alpha=0``). 0 <= delay < H. With H=1, F=1, outer_lr=1,
+    momentum=0 and plain SGD inside, training equals synchronous hsdp."""
+
+    inner_steps: int = 100
+    fragments: int = 1
+    outer_lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    delay: int = 0
+
+    def __post_init__(self) -> None:
+        if not _positive_int(self.inner_steps):
+            raise ValueError(f"hsdp.DiLoCo: inner_steps must be an int >= 1 (optimizer steps "
+                             f"between outer synchronizations), got {self.inner_steps!r}")
+        if not _positive_int(self.fragments):
+            raise ValueError(f"hsdp.DiLoCo: fragments must be an int >= 1 dividing the "
+                             f"model's units, got {self.fragments!r}")
+        lr = self.outer_lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+            raise ValueError(f"hsdp.DiLoCo: outer_lr must be a number > 0, got {lr!r}")
+        m = self.momentum
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1:
+            raise ValueError(f"hsdp.DiLoCo: momentum must be a number in [0, 1), got {m!r}")
+        d = self.delay
+        if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d < self.inner_steps:
+            raise ValueError(f"hsdp.DiLoCo: delay must be an int in [0, inner_steps="
+                             f"{self.inner_steps}) (steps between a fragment's all-reduce "
+                             f"and its outer step), got {d!r}")
+        if not isinstance(self.nesterov, bool):
+            raise TypeError(f"hsdp.DiLoCo: nesterov must be a bool, got {self.nesterov!r}")
+
+    def offset(self, fragment: int) -> int:
+        """The step (mod H) after which ``fragment`` synchronizes."""
+        return (fragment + 1) * self.inner_steps // self.fragments % self.inner_steps
+
+    def check_units(self, units: int) -> None:
+        """Raise unless the fragments divide ``units`` (the model's fully_shard units)."""
+        if units % self.fragments:
+            raise ValueError(
+                f"hsdp.DiLoCo: fragments={self.fragments} does not divide the model's "
+                f"{units} fully_shard units; choose fragments among the divisors of {units}")

@@ -1,0 +1,186 @@
+"""Multi-rank jobs of DiLoCo on the outer axis (``init_mesh(outer_sync=hsdp.DiLoCo(...))``):
+equivalence with synchronous hsdp, the outer traffic, checkpoints, bad settings."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import hsdp
+from hsdp.bench.convergence import MODEL, _batch
+from hsdp.checkpoint.outer_sync_state import load_outer_sync
+from hsdp.models import build_model, lm_loss
+from hsdp.sharding.comm import Collectives
+
+ROWS = 2  # per rank
+LR = 0.05
+
+
+class CountOuter(Collectives):
+    """Counts the collectives over the outer axis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outer = 0
+
+    def before(self, kind: str, axis: str, nbytes: int, group_size: int) -> None:
+        self.outer += axis == "outer"
+
+
+def _build(mesh: object, seed: int = 0, strategy: str = "hsdp", **kw: object) -> nn.Module:
+    torch.manual_seed(seed)
+    model = build_model(MODEL)
+    for block in model.blocks:  # units: each block, the root
+        hsdp.fully_shard(block, mesh=mesh, strategy=strategy, **kw)
+    return hsdp.fully_shard(model, mesh=mesh, strategy=strategy, **kw)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
+    """Loss per step, mean over the world (every rank its own rows of one batch)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in steps:
+        tokens = _batch(step, 0, world * ROWS)[rank * ROWS:(rank + 1) * ROWS]
+        loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in hsdp.full_state_dict(model).items()}
+
+
+def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)).item() for k in a)
+
+
+def _differs_over_outer(model: nn.Module, outer: int, inner: int) -> bool:
+    """Whether the outer replicas hold different parameters."""
+    flat = torch.cat([v.reshape(-1).float() for v in _state(model).values()])
+    every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, flat)
+    return any(not torch.equal(every[0], every[o * inner]) for o in range(outer))
+
+
+def equivalence_job(rank: int, world: int, steps: int = 6) -> dict[str, object]:
+    """H=1, outer_lr=1, momentum=0, plain SGD inside: the relative error to synchronous
+    hsdp after ``steps`` steps (F=1 and F=3: every fragment syncs every step), and the
+    outer collectives each issued."""
+    outer, inner = 4, world // 4
+    sync = _build(hsdp.init_mesh(outer, inner, "cpu"))
+    ref_opt = torch.optim.SGD(sync.parameters(), lr=LR)
+    _train(sync, ref_opt, range(steps))
+    ref = _state(sync)
+    out: dict[str, object] = {}
+    for name, fragments, quant in (("F1", 1, None), ("F3", 3, None), ("int8", 1, "int8:64")):
+        cfg = hsdp.DiLoCo(inner_steps=1, fragments=fragments, outer_lr=1.0, momentum=0.0)
+        model = _build(hsdp.init_mesh(outer, inner, "cpu", outer_sync=cfg), outer_reduce=quant)
+        counter = model._hsdp_unit.collectives = CountOuter()
+        _train(model, torch.optim.SGD(model.parameters(), lr=LR), range(steps))
+        groups = len(model._hsdp_unit.runtime.outer_sync.groups)
+        out[name] = {"rel": _rel(_state(model), ref),
+                     "outer_per_group_step": counter.outer / (groups * steps)}
+    return out
+
+
+def h10_job(rank: int, world: int, steps: int = 30) -> dict[str, object]:
+    """H=10 (F=1, F=3, F=1 with delay 2), AdamW inside, Nesterov outside, beside
+    synchronous hsdp with the same inner optimizer: the losses, the outer collectives,
+    whether the replicas differ in the middle of a period and agree right after the sync
+    step (F=1: step 30; with delay 2, step 32 and not before)."""
+    outer, inner = 4, world // 4
+    sync = _build(hsdp.init_mesh(outer, inner, "cpu"))
+    out: dict[str, object] = {"sync": _train(sync, torch.optim.AdamW(sync.parameters(),
+                                                                     lr=3e-3), range(steps))}
+    for name, fragments, delay in (("F1", 1, 0), ("F3", 3, 0), ("F1d2", 1, 2)):
+        cfg = hsdp.DiLoCo(inner_steps=10, fragments=fragments, outer_lr=0.7, momentum=0.9,
+                          delay=delay)
+        model = _build(hsdp.init_mesh(outer, inner, "cpu", outer_sync=cfg))
+        counter = model._hsdp_unit.collectives = CountOuter()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = _train(model, opt, range(steps - 5))
+        synced = not _differs_over_outer(model, outer, inner)  # after step 25: mid-period
+        losses += _train(model, opt, range(steps - 5, steps))
+        hsdp.synchronize(model)  # with delay, the last all-reduce may still be in flight
+        groups = len(model._hsdp_unit.runtime.outer_sync.groups)
+        out[name] = {"losses": losses, "outer_per_group": counter.outer / groups,
+                     "mid_period_differs": not synced,
+                     "synced_at_end": not _differs_over_outer(model, outer, inner)}
+        if delay:
+            _train(model, opt, range(steps, steps + delay))
+            out[name]["synced_after_delay"] = not _differs_over_outer(model, outer, inner)
+    return out
+
+
+K, H = 7, 3  # steps before the save (mid-period), and after; the period
+
+
+def resume_job(rank: int, world: int, root: str) -> dict[str, object]:
+    """Train K steps, save, train K more; a differently seeded model loads the checkpoint
+    and trains the same K steps: the same parameters, bit for bit? A control that loads
+    the checkpoint but starts its anchors afresh: does it differ?"""
+    # delay 1: fragment 0 (synced after steps 1, 4, 7) has its step-7 all-reduce pending
+    cfg = hsdp.DiLoCo(inner_steps=H, fragments=3, outer_lr=0.7, momentum=0.9, delay=1)
+    mesh = hsdp.init_mesh(4, world // 4, "cpu", outer_sync=cfg)
+    path = os.path.join(root, "diloco")
+    models = [_build(mesh, seed) for seed in (0, 1, 2)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in models]
+    _train(models[0], opts[0], range(K))
+    hsdp.save(path, models[0], opts[0])
+    _train(models[0], opts[0], range(K, 2 * K))
+    for m, opt in zip(models[1:], opts[1:]):
+        hsdp.load(path, m, opt)
+    load_outer_sync(models[2], None)  # the control: anchors from the loaded parameters
+    for m, opt in zip(models[1:], opts[1:]):
+        _train(m, opt, range(K, 2 * K))
+    a, b, c = (_state(m) for m in models)
+    return {"resumed_equal": all(torch.equal(a[k], b[k]) for k in a),
+            "control_differs": any(not torch.equal(a[k], c[k]) for k in a)}
+
+
+def _error(fn: object) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def errors_job(rank: int, world: int) -> dict[str, str]:
+    """Bad settings: each refused (the message), and nothing changed (the parameters, the
+    optimizer state)."""
+    out = {name: _error(fn) for name, fn in {
+        "H0": lambda: hsdp.DiLoCo(inner_steps=0),
+        "F0": lambda: hsdp.DiLoCo(fragments=0),
+        "lr": lambda: hsdp.DiLoCo(outer_lr=0.0),
+        "momentum": lambda: hsdp.DiLoCo(momentum=1.0),
+        "delay": lambda: hsdp.DiLoCo(inner_steps=4, delay=4),
+        "type": lambda: hsdp.init_mesh(4, world // 4, "cpu", outer_sync="diloco"),
+        "ft": lambda: hsdp.init_mesh(4, world // 4, "cpu", outer_sync=hsdp.DiLoCo(),
+                                     fault_tolerance=object()),
+    }.items()}
+    mesh = hsdp.init_mesh(4, world // 4, "cpu", outer_sync=hsdp.DiLoCo(10, fragments=2))
+    out["hfsdp"] = _error(lambda: _build(mesh, strategy="hfsdp"))
+    tokens = _batch(0, 0, ROWS)
+    model = _build(mesh)  # 3 units: 2 fragments do not divide them
+    before = _state(model)
+    out["fragments"] = _error(lambda: model(tokens))
+    out["fragments_unchanged"] = str(all(torch.equal(v, before[k])
+                                         for k, v in _state(model).items()))
+    model = _build(hsdp.init_mesh(4, world // 4, "cpu", outer_sync=hsdp.DiLoCo(10)))
+    lm_loss(model(tokens), tokens).backward()
+    head = [p for n, p in model.named_parameters() if n.startswith("blocks")]
+    opt = torch.optim.SGD(head, lr=1.0)
+    before = _state(model)
+    out["optimizer"] = _error(opt.step)
+    out["optimizer_unchanged"] = str(all(torch.equal(v, before[k])
+                                         for k, v in _state(model).items()))
+    return out

@@ -215,6 +215,20 @@ def all_or_nothing_job(rank: int, world: int, root: str) -> dict[str, object]:
     out["one_rank_unchanged"] = unchanged()
     hsdp.load(os.path.join(root, "one_group"), dst, dst_opt)
     out["good_load"] = all(_equal(a, b) for a, b in zip(_snapshot(dst, dst_opt), saved))
+
+    # An optimizer whose initial state hsdp does not build: get_state_dict refuses a fresh
+    # one; hsdp.save writes it without state, and hsdp.load restores exactly that.
+    rms = torch.optim.RMSprop(src.parameters(), lr=1e-3)
+    out["rms_get_state_dict"] = _outcome(hsdp.get_state_dict, src, rms)
+    hsdp.save(os.path.join(root, "rms_fresh"), src, rms)
+    _gpt_steps(src, rms, range(1), rank, world)
+    hsdp.save(os.path.join(root, "rms"), src, rms)
+    rms_saved = _snapshot(src, rms)
+    hsdp.load(os.path.join(root, "rms_fresh"), src, rms)
+    out["rms_fresh_loads_without_state"] = not rms.state
+    other = torch.optim.RMSprop(dst.parameters(), lr=1e-3)
+    hsdp.load(os.path.join(root, "rms"), dst, other)
+    out["rms_round_trip"] = all(_equal(a, b) for a, b in zip(_snapshot(dst, other), rms_saved))
     return out
 
 

@@ -5,6 +5,7 @@ trained against a single-process reference (and FSDP2 where it has the same call
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -154,6 +155,7 @@ def case_forward_method(rank: int, world: int, mesh, strategy: str) -> dict[str,
     register_fsdp_forward_method(model, "encode")
     x0 = torch.randn(world * ROWS_PER_RANK, 6)
     unregistered = _error(lambda: model.encode(x0))
+    outside = _error(lambda: model.head(torch.randn(2, 5)))  # a unit's forward on its own
     hsdp.register_forward_method(model, "encode")
     opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for m in (ref, model)]
     for step in range(STEPS):
@@ -165,11 +167,92 @@ def case_forward_method(rank: int, world: int, mesh, strategy: str) -> dict[str,
             opt.step()
             opt.zero_grad()
     y = model(x0)  # forward still works after
-    return {"unregistered": unregistered,
+    return {"unregistered": unregistered, "outside": outside,
             "ref": rel_err(hsdp.full_state_dict(model),
                            {k: v.detach() for k, v in ref.state_dict().items()}),
             "forward": rel_err({"y": y.detach()}, {"y": ref(x0).detach()}),
             "missing": _error(lambda: hsdp.register_forward_method(model, "decode"))}
+
+
+def case_all_reduce_hook(rank: int, world: int, mesh) -> dict[str, object]:
+    """FSDP2's ``set_all_reduce_hook`` (torchtitan's fault-tolerant HSDP sets it on every
+    FSDP module): the same hook (it halves the reduced gradient) on hsdp and FSDP2, on the
+    2x2 mesh (after the outer all-reduce) and a 1-D one (after the reduce-scatter), trains
+    to the same parameters; hsdp calls it on its outer stream (a worker thread on CPU), once
+    per unit and step. A stream, and strategy hfsdp, raise."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    from hsdp.module import HSDPModule
+
+    cfg = GPTConfig()
+    out: dict[str, object] = {}
+    for name, dp_mesh in (("2x2", mesh), ("one_dim", init_device_mesh("cpu", (world,)))):
+        threads: dict[str, list[str]] = {"hsdp": [], "fsdp2": []}
+        _, model = _pair(cfg)
+        fsdp2 = copy.deepcopy(model)
+        _shard(model, dp_mesh)
+        for blk in fsdp2.blocks:
+            fsdp2_shard(blk, mesh=dp_mesh)
+        fsdp2_shard(fsdp2, mesh=dp_mesh)
+        for kind, m, cls in (("hsdp", model, HSDPModule), ("fsdp2", fsdp2, FSDPModule)):
+            def halve(t: torch.Tensor, seen: list[str] = threads[kind]) -> None:
+                seen.append(threading.current_thread().name)
+                t.mul_(0.5)
+            for sub in m.modules():
+                if isinstance(sub, cls):
+                    sub.set_all_reduce_hook(halve)
+            if kind == "hsdp":
+                train(m, rank, world, cfg)
+            else:
+                train(m, rank, world, cfg, micro=lambda *_: nullcontext())
+        f2 = {k: v.full_tensor().detach() for k, v in fsdp2.state_dict().items()}
+        mine = hsdp.full_state_dict(model)
+        out[f"{name}/fsdp2"] = rel_err(mine, f2)
+        out[f"{name}/ref"] = rel_err(mine, _reference(cfg, world))  # the hook changed it
+        out[f"{name}/calls"] = (len(threads["hsdp"]), len(threads["fsdp2"]))
+        out[f"{name}/threads"] = sorted(set(threads["hsdp"]))
+    _, model = _pair(cfg)
+    _shard(model, mesh, strategy="hfsdp")
+    out["hfsdp"] = _error(lambda: model.set_all_reduce_hook(print))
+    out["stream"] = _error(lambda: model.set_all_reduce_hook(print, stream=object()))
+    return out
+
+
+def case_refusals(rank: int, world: int, mesh) -> dict[str, str]:
+    """FSDP2 habits that hsdp refuses, each with an error naming what to do: CPU offload
+    (its default ``OffloadPolicy()`` is accepted), and transformers' ``save_pretrained``
+    of the sharded model without a ``state_dict``; with ``hsdp.full_state_dict``'s it
+    writes the weights ("" where transformers is not installed)."""
+    import importlib.util
+    import os
+    import tempfile
+
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    cfg = GPTConfig()
+    out = {"cpu_offload": _error(lambda: hsdp.fully_shard(
+               _pair(cfg)[1], mesh=mesh, offload_policy=CPUOffloadPolicy())),
+           "no_offload": _error(lambda: hsdp.fully_shard(
+               _pair(cfg)[1], mesh=mesh, offload_policy=OffloadPolicy())),
+           "save_pretrained": "", "saved": ""}
+    if importlib.util.find_spec("transformers") is None:
+        return out
+    import transformers
+
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    for layer in llama.model.layers:
+        hsdp.fully_shard(layer, mesh=mesh)
+    hsdp.fully_shard(llama, mesh=mesh)
+    with tempfile.TemporaryDirectory() as d:
+        out["save_pretrained"] = _error(lambda: llama.save_pretrained(d))
+        full = hsdp.full_state_dict(llama, rank0_only=True)
+        if rank == 0:
+            llama.save_pretrained(d, state_dict=full)
+        out["saved"] = str(os.path.exists(os.path.join(d, "model.safetensors")) or rank > 0)
+    return out
 
 
 def fsdp2_api_job(rank: int, world: int, cases: list[tuple]) -> dict[tuple, dict]:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import OffloadPolicy
 
 from hsdp.checkpoint.dcp import finish_saves
 from hsdp.checkpoint.state_dicts import load_state_dict_hook, state_dict_hook
@@ -43,7 +44,8 @@ _CLIPS: weakref.WeakKeyDictionary[Unit, itertools.count] = weakref.WeakKeyDictio
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str = "hsdp",
                 mp_policy: MixedPrecision | None = None, overlap_outer: bool = True,
                 reshard_after_forward: bool | None = True,
-                outer_reduce: OuterReduce | str | None = None) -> nn.Module:
+                outer_reduce: OuterReduce | str | None = None,
+                offload_policy: OffloadPolicy | None = None) -> nn.Module:
     """Shard the parameters ``module`` owns (those not owned by an already sharded
     submodule) over ``mesh``. Call bottom-up: units first, the root last. ``module``
     becomes an ``HSDPModule`` (see ``module.py`` for the methods it gains).
@@ -60,12 +62,15 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
     after torch's ``parallelize_module`` on ``mesh["tp"]`` (hsdp shards each parameter's
     TP-local tensor; see ``sharding/tp_blocks.py``). ``outer_reduce=hsdp.OuterReduce(...)``
     compresses the outer gradient reduction to 8 bits with error feedback
-    (docs/guide/slow_outer_links.md); None: the exact reduction.
+    (docs/guide/slow_outer_links.md); None: the exact reduction. ``offload_policy``:
+    FSDP2's; only its default ``OffloadPolicy()`` (no offload) is accepted, CPU offload
+    raises.
 
     A module whose parameters are all on the meta device gets meta shards and buffers
     (no memory, no data): ``hsdp sim`` runs the schedule on such models.
     """
     strategy = Strategy.parse(strategy)
+    _check_offload_policy(offload_policy)
     reshard_after_forward = check_reshard_after_forward(reshard_after_forward)
     mp = as_mixed_precision(mp_policy)
     outer_reduce = as_outer_reduce(outer_reduce)
@@ -129,6 +134,18 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
     inner.register_state_dict_post_hook(state_dict_hook)
     inner.register_load_state_dict_pre_hook(load_state_dict_hook)
     return module
+
+
+def _check_offload_policy(policy: OffloadPolicy | None) -> None:
+    """FSDP2's ``offload_policy``: None or its no-offload default ``OffloadPolicy()``."""
+    if policy is None or type(policy) is OffloadPolicy:
+        return
+    raise NotImplementedError(
+        f"fully_shard: offload_policy={type(policy).__name__}(...) is not supported: hsdp "
+        f"keeps parameters, gradients and optimizer state on the device (no CPU offload "
+        f"yet). Drop offload_policy; to fit a larger model use more ranks per inner group, "
+        f"strategy='hfsdp' (optimizer state sharded over outer too) or activation "
+        f"checkpointing.")
 
 
 Tie = tuple[ParamGroup, int, Slot]

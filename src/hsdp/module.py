@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,7 +24,9 @@ def adopt(module: nn.Module) -> None:
     made before fully_shard) becomes a compiled forward, so that hsdp's hooks stay eager."""
     cls = type(module)
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"HSDP{cls.__name__}", (HSDPModule, cls), {})
+        extra = ({"save_pretrained": _save_pretrained(cls.save_pretrained)}
+                 if callable(getattr(cls, "save_pretrained", None)) else {})
+        _CLASSES[cls] = type(f"HSDP{cls.__name__}", (HSDPModule, cls), extra)
     module.__class__ = _CLASSES[cls]
     compiled = module.__dict__.get("_compiled_call_impl")
     if compiled is not None:
@@ -35,6 +38,23 @@ def adopt(module: nn.Module) -> None:
                 f"fully_shard, or use torch.compile(module)")
         module._compiled_call_impl = None
         module.forward = ctx(types.MethodType(cls.forward, module))
+
+
+def _save_pretrained(save: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``save_pretrained`` (transformers' and the like) for the sharded model: with a
+    ``state_dict`` given, the class's own; without, refused (it would read the model's
+    parameters, which are this rank's shards)."""
+    @functools.wraps(save)
+    def save_pretrained(self: nn.Module, *args: Any, state_dict: Any = None,
+                        **kwargs: Any) -> Any:
+        if state_dict is None:
+            raise RuntimeError(
+                f"hsdp: {type(self).__name__}.save_pretrained() without state_dict would save "
+                f"this rank's shards. Gather the weights, then save on one rank: full = "
+                f"hsdp.full_state_dict(model, rank0_only=True) on every rank, then on rank 0 "
+                f"model.save_pretrained(path, state_dict=full)")
+        return save(self, *args, state_dict=state_dict, **kwargs)
+    return save_pretrained
 
 
 def _dynamo_context(compiled: Any) -> Any:
@@ -140,6 +160,39 @@ class HSDPModule:
         for unit in units_below(self) if recurse else [self._hsdp_unit]:
             for g in unit.groups:
                 g.divide_factor = None if factor is None else float(factor)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None, *,
+                            stream: Any = None) -> None:
+        """As FSDP2's under HSDP: ``hook(reduce_output)`` runs on the outer stream right
+        after this unit's outer all-reduce, on its result (this rank's gradient shard in the
+        reduce dtype, before it becomes the gradient: writes into it are kept), on the
+        last microbatch of each step. On one outer rank (plain FSDP) the outer all-reduce
+        is kept, over that one rank, so the hook gets the reduce-scatter's result, as in
+        FSDP2. This unit only (not recursive, as FSDP2); None removes it. Refused: a
+        ``stream`` (hsdp runs the hook on its outer stream, as FSDP2 does under HSDP) and
+        strategy hfsdp (no all-reduce: its outer reduction is a reduce-scatter)."""
+        groups = self._hsdp_unit.groups
+        if stream is not None:
+            raise NotImplementedError(
+                "hsdp: set_all_reduce_hook(stream=...) is not supported: hsdp runs the hook "
+                "on its outer stream, after the outer all-reduce (as FSDP2 does under HSDP). "
+                "Drop stream=; for torchft replica groups use "
+                "hsdp.init_mesh(..., fault_tolerance=...)")
+        if hook is not None and any(g.shard_outer for g in groups):
+            raise ValueError(
+                "hsdp: set_all_reduce_hook needs strategy='hsdp': hfsdp reduce-scatters the "
+                "gradients over outer, there is no all-reduce for the hook to follow")
+        if hook is not None and any(g.comms.outer_sync is not None for g in groups):
+            raise ValueError(
+                "hsdp: set_all_reduce_hook is not supported with init_mesh(outer_sync=...): "
+                "DiLoCo has no per-step outer all-reduce for the hook to follow")
+        if hook is not None and any(g.compressed is not None for g in groups):
+            raise ValueError(
+                "hsdp: set_all_reduce_hook is not supported with outer_reduce: the compressed "
+                "outer reduction has no all-reduce output of the reduce dtype for the hook; "
+                "use outer_reduce=None with an all-reduce hook")
+        for g in groups:
+            g.set_all_reduce_hook(hook)
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """All-gather ``modules`` (fully_shard-ed) when this unit's forward starts, instead

@@ -45,6 +45,13 @@ def test_a_failed_load_changes_nothing_on_any_rank(jobs: dict[str, list[dict]], 
         assert r["good_load"], r
 
 
+def test_optimizers_without_a_built_initial_state(jobs: dict[str, list[dict]]) -> None:
+    for r in jobs["all_or_nothing"]:
+        assert r["rms_get_state_dict"].startswith("ValueError") and \
+            "cannot build RMSprop's initial state" in r["rms_get_state_dict"], r
+        assert r["rms_fresh_loads_without_state"] and r["rms_round_trip"], r
+
+
 @pytest.mark.parametrize("case,message", [
     ("foreign_shard", ".hsdp-checksums.1.json is from another checkpoint"),
     ("foreign_metadata", "is from another checkpoint"),

@@ -13,7 +13,8 @@ BF16_TOL = 2e-2
 CASES = [("meshes",), ("mp_policy",), ("reshard",),
          ("deferred_outer", "set_requires_all_reduce"),
          ("deferred_outer", "set_is_last_backward"),
-         ("forward_method", "hsdp"), ("forward_method", "hfsdp")]
+         ("forward_method", "hsdp"), ("forward_method", "hfsdp"), ("all_reduce_hook",),
+         ("refusals",)]
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,30 @@ def test_outer_reduction_deferred_to_the_last_backward(results, method):
 @pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
 def test_forward_method(results, strategy):
     r = same_on_every_rank(results[("forward_method", strategy)])
-    assert r["unregistered"], r  # torch's registration is a no-op on hsdp modules
+    # torch's registration is a no-op on hsdp modules: the errors name hsdp's
+    assert "hsdp.register_forward_method(module, 'name')" in r["unregistered"], r
+    assert "outside the forward of the model" in r["outside"], r
+    assert "hsdp.register_forward_method(module, 'name')" in r["outside"], r
     assert r["ref"] < TOL and r["forward"] < TOL, r
     assert r["missing"].startswith("ValueError: hsdp.register_forward_method"), r
+
+
+def test_all_reduce_hook_as_fsdp2(results):
+    r = same_on_every_rank(results[("all_reduce_hook",)])
+    for mesh in ("2x2", "one_dim"):
+        assert r[f"{mesh}/fsdp2"] < TOL and r[f"{mesh}/ref"] > 1e-3, r
+        assert r[f"{mesh}/calls"] == (4 * 3, 4 * 3), r  # (3 blocks + root) x 3 steps
+        assert r[f"{mesh}/threads"] == ["hsdp-outer"], r
+    assert r["hfsdp"].startswith("ValueError: hsdp: set_all_reduce_hook needs strategy="), r
+    assert r["stream"].startswith("NotImplementedError: hsdp: set_all_reduce_hook(stream="), r
+
+
+def test_cpu_offload_and_save_pretrained_refused_naming_what_to_use(results):
+    r = same_on_every_rank(results[("refusals",)])
+    assert r["cpu_offload"].startswith("NotImplementedError: fully_shard: offload_policy="
+                                       "CPUOffloadPolicy(...) is not supported"), r
+    assert r["no_offload"] == "", r
+    if r["saved"]:  # transformers is installed
+        assert "hsdp.full_state_dict(model, rank0_only=True)" in r["save_pretrained"], r
+        assert "save_pretrained(path, state_dict=full)" in r["save_pretrained"], r
+        assert r["saved"] == "True", r

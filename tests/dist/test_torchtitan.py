@@ -76,6 +76,11 @@ def test_checkpoint_manager_resumes_bit_for_bit_and_crosses_with_fsdp2(jobs_4):
         assert not bad, bad
 
 
+# What the CPU recipe of docs/guide/torchtitan.md passes as this test does.
+CPU_RECIPE = ["-m", "torchtitan.train", "--module", "titan_cpu_configs",
+              "--training.seq_len", "64", "--training.local_batch_size", "2"]
+
+
 def _trainer(out: Path, config: str, nproc: int, *args: str) -> dict[int, tuple[float, ...]]:
     """torchtitan's own ``torchtitan.train`` main on ``nproc`` gloo ranks with
     ``--module titan_cpu_configs --config CONFIG``; (loss, grad norm) per step."""
@@ -83,12 +88,10 @@ def _trainer(out: Path, config: str, nproc: int, *args: str) -> dict[int, tuple[
            "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(out / "hf"),
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", str(nproc), "-m", "torchtitan.train",
-           "--module", "titan_cpu_configs", "--config", config,
+           "--nproc_per_node", str(nproc), *CPU_RECIPE, "--config", config,
            "--hf_assets_path", str(out / "assets" / "tokenizer"),
            "--dataloader.dataset_path", str(out / "assets" / "data"),
-           "--debug.seed", "0", "--training.seq_len", "64", "--training.local_batch_size", "2",
-           "--metrics.log_freq", "1", "--metrics.disable_color_printing",
+           "--debug.seed", "0", "--metrics.log_freq", "1", "--metrics.disable_color_printing",
            "--checkpoint.enable", "--checkpoint.folder", "ckpt", *args]
     run = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -96,6 +99,17 @@ def _trainer(out: Path, config: str, nproc: int, *args: str) -> dict[int, tuple[
         r"step:\s*(\d+)\s+loss:\s*([-\d.]+)\s+grad_norm:\s*([-\d.]+)\s+memory:\s*[\d.]+GiB"
         r".*tps: [1-9]", run.stdout + run.stderr)}
     return steps
+
+
+def test_guide_gives_the_cpu_recipe_of_this_test():
+    """The guide's torchtitan command needs GPUs (on CPU torchtitan stops in its own
+    ``_cuda_setDevice``); the CPU recipe it gives is the one the trainer test below runs."""
+    guide = (ROOT / "docs" / "guide" / "torchtitan.md").read_text()
+    block = guide[guide.index("On\nCPU (gloo)"):].split("\n\n")[1]
+    words = block.replace("\\\n", " ").split()
+    assert "scripts/torchtitan_gpu.py assets" in guide and "PYTHONPATH=tests:src" in words
+    at = [words.index(w) for w in CPU_RECIPE[::2]]
+    assert [words[i + 1] for i in at] == CPU_RECIPE[1::2] and "_cuda_setDevice" in guide
 
 
 def test_torchtitan_trainer_main_with_hsdp_matches_its_fsdp2(tmp_path):

@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
+from hsdp.sharding.reductions import ENTRY_POINTS
+
 if TYPE_CHECKING:
     from hsdp.runtime.gather import Gathering
     from hsdp.runtime.schedule import Schedule
@@ -28,7 +30,7 @@ def outside_root(unit: Unit) -> str:
     return (f"hsdp: forward of {unit.label} outside the forward of the model it belongs to "
             f"({root.label}, the outermost fully_shard-ed module): hsdp gathers a unit's "
             f"parameters only inside that forward. Call the model itself (nothing has been "
-            f"changed; the model can still be used).")
+            f"changed; the model can still be used).{ENTRY_POINTS}")
 
 
 def cast(t: Any, dtype: torch.dtype) -> Any:

@@ -17,6 +17,7 @@ from hsdp.runtime.state import Phase
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.group import ParamGroup, Slot
 from hsdp.sharding.policy import MixedPrecision
+from hsdp.sharding.reductions import ENTRY_POINTS
 from hsdp.streams.contract import Tracer
 from hsdp.streams.stream_set import Streams
 
@@ -135,7 +136,7 @@ class Unit:
                     "hsdp: outside its unit's forward a parameter is this rank's shard (a "
                     "DTensor): it was probably used outside the forward of the unit that "
                     "owns it. Use it inside that forward, or fully_shard the module that uses "
-                    "it together with it (their common parent).")
+                    "it together with it (their common parent)." + ENTRY_POINTS)
 
 
 CUDA_GRAPH_CAPTURE = (

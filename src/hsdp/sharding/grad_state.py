@@ -38,6 +38,8 @@ class GradientState:
         self.compressed = compressed
         self.trainable_count = trainable_count
         self._all_in = all_in
+        # FSDP2's set_all_reduce_hook: called with the outer all-reduce's result (hsdp)
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         S, C = b.layout.shard_numel, b.layout.chunk_numel
         device = b.main.device
         self.accum = torch.empty(S, dtype=b.orig_dtype, device=device)
@@ -161,11 +163,15 @@ class GradientState:
     def has_outer_reduction(self) -> bool:
         """False for hsdp on one outer rank: ``accum`` is already the reduced gradient (an
         outer reduction would only cast it to the reduce dtype and back). Always True
-        with fault tolerance: replica groups may join at any step. False with DiLoCo
-        (``init_mesh(outer_sync=...)``): each outer replica trains alone between syncs."""
-        if self.b.comms.outer_sync is not None:
+        with fault tolerance (replica groups may join at any step) and with an all-reduce
+        hook (FSDP2 calls it after the reduce-scatter when there is no all-reduce). False
+        with DiLoCo (``init_mesh(outer_sync=...)``): each outer replica trains alone
+        between syncs."""
+        c = self.b.comms
+        if c.outer_sync is not None:
             return False
-        return self.b.shard_outer or self.b.comms.outer_size > 1 or self.b.comms.elastic is not None
+        return (self.b.shard_outer or c.outer_size > 1 or c.elastic is not None
+                or self.all_reduce_hook is not None)
 
     def outer_reduce(self, stream: SideStream, coll: Collectives, after: Sequence[Event],
                      divide: float | None) -> Event:
@@ -195,6 +201,8 @@ class GradientState:
                     self.grad_buf.copy_(out)
             else:
                 coll.all_reduce(src, self.b.comms.grad_outer, "outer", avg=avg)
+                if self.all_reduce_hook is not None:
+                    self.all_reduce_hook(src)
                 if src is not self.accum:
                     self.accum.copy_(src)
         return stream.submit(run, after, label(self.outer_reduction, self.b.label))

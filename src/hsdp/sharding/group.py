@@ -131,6 +131,7 @@ class ParamGroup:
         # None: gradients are means over the DP ranks; f: sums divided by f (FSDP2's
         # set_gradient_divide_factor; 1.0 gives plain sums).
         self.divide_factor: float | None = None
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None  # set_all_reduce_hook
         self.on_all_grads: Callable[[ParamGroup], None] | None = None
         self.param_requires_grad = [p.requires_grad for p in params]
         self.grads: GradientState | None = None  # made for the first trainable parameter
@@ -226,6 +227,14 @@ class ParamGroup:
         self.grads = GradientState(self.buffers, self.compressed,
                                    sum(self.param_requires_grad),
                                    lambda: me()._all_grads_in())
+        self.grads.all_reduce_hook = self.all_reduce_hook
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None) -> None:
+        """FSDP2's ``set_all_reduce_hook`` for this group: its gradient state runs ``hook``
+        on the outer all-reduce's result (kept here for gradient state made later)."""
+        self.all_reduce_hook = hook
+        if self.grads is not None:
+            self.grads.all_reduce_hook = hook
 
     def _all_grads_in(self) -> None:
         if self.on_all_grads is not None:

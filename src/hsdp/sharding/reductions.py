@@ -67,6 +67,14 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
                "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+# Where a shard met an op outside its unit's forward, a method other than forward may be
+# the cause (FSDP2 users register it with torch's function, which ignores hsdp modules).
+ENTRY_POINTS = (
+    " If this runs in a method other than forward (generate, encode), register it: "
+    "hsdp.register_forward_method(module, 'name') makes it gather and reshard as forward "
+    "does (torch's register_fsdp_forward_method does nothing on hsdp modules).")
+
+
 def _refuse(name: str) -> RuntimeError:
     return RuntimeError(
         f"hsdp: {name}() of a sharded parameter, gradient or optimizer state (or of a "
@@ -76,7 +84,8 @@ def _refuse(name: str) -> RuntimeError:
         f"elements. Elementwise ops and reductions over all elements (sum, mean, max, min, "
         f"prod, norm, all, any, count_nonzero) are supported; for anything else use "
         f"t.full_tensor() (under torch.no_grad()), which gathers the whole tensor on every "
-        f"rank, or use the parameter inside its unit's forward, where it is whole.")
+        f"rank, or use the parameter inside its unit's forward, where it is whole."
+        + ENTRY_POINTS)
 
 
 def _torch_fn(name: str):

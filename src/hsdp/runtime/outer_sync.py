@@ -19,6 +19,7 @@ collectives of those steps; the fragment's parameters are then set to the new an
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -45,11 +46,16 @@ class OuterSync:
         self.fragments = [[g for u in units[f * per:(f + 1) * per] for g in u.groups
                            if g.anchor is not None] for f in range(config.fragments)]
         self.groups = [g for fragment in self.fragments for g in fragment]
+        # optimizer -> its number of parameters when check_optimizer accepted it
+        self._checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise before the step unless ``optimizer`` holds every trainable parameter of
         the model: the outer step counts this optimizer's steps."""
-        held = {id(p) for pg in optimizer.param_groups for p in pg["params"]}
+        params = [p for pg in optimizer.param_groups for p in pg["params"]]
+        if self._checked.get(optimizer) == len(params):
+            return  # checked, and its parameters did not change since
+        held = {id(p) for p in params}
         missing = sum(p.requires_grad and id(p) not in held
                       for g in self.groups for p in g.sharded)
         if missing:
@@ -57,6 +63,7 @@ class OuterSync:
                 f"hsdp.DiLoCo: this optimizer does not hold {missing} trainable parameter(s) "
                 f"of the model; with init_mesh(outer_sync=DiLoCo(...)) one optimizer must step "
                 f"all of them (its steps are the inner steps), not one per parameter or part")
+        self._checked[optimizer] = len(params)
 
     def before_step(self) -> None:
         """Take the anchors still missing from the parameters (on compute, before the

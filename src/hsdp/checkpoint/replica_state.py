@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from hsdp.ft.errors import FaultToleranceError
+from hsdp.runtime.state import Phase
 from hsdp.sharding.pieces import Piece, piece_like
 from hsdp.topology.communicators import comm_groups
 
@@ -99,7 +100,7 @@ def fault_tolerance(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise FaultToleranceError("hsdp.fault_tolerance: the model's mesh has no fault "
                                   "tolerance; build it with hsdp.init_mesh(..., "
                                   "fault_tolerance=hsdp.FaultTolerance(...))")
-    if unit.runtime is not None and unit.runtime.phase != "idle":
+    if unit.runtime is not None and unit.runtime.step.phase in (Phase.FORWARD, Phase.BACKWARD):
         raise RuntimeError("hsdp.fault_tolerance: called during forward or backward")
     state = ReplicaState(model, optimizer, lr_scheduler)
     elastic.manager.register_state_dict_fn("hsdp", state.load_state_dict, state.state_dict)

@@ -36,6 +36,7 @@ from hsdp.checkpoint.state_dicts import name_of, optim_state_dict, optimizer_inp
 from hsdp.checkpoint.sync import CheckpointError, Meeting
 from hsdp.sharding.chunks import attach_chunks
 from hsdp.sharding.pieces import adopt_state
+from hsdp.streams.teardown import before_destroy
 from hsdp.topology.communicators import host_group
 
 
@@ -100,6 +101,9 @@ def _finish_at_exit() -> None:
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(1)
+
+
+before_destroy(finish_saves)  # destroy_process_group() finishes a save in flight first
 
 
 class CheckpointWriter(FileSystemWriter):

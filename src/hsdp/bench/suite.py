@@ -40,7 +40,8 @@ TP = "Tensor parallelism (emulated 16x8x8) on one H200"
 TORCHTITAN = "torchtitan's trainer on one H200"
 COMPRESSED = "Compressed outer reduction (emulated 16x8) on one H200"
 CONVERGENCE = "Compressed outer reduction: convergence (8 CPU ranks)"
-TABLES = (STEP, TWINS, SLOW_OUTER, COMPRESSED, CONVERGENCE, MICROBATCHES, SHARED_LINKS,
+DILOCO = "DiLoCo loss curves on CPU (8 ranks)"
+TABLES = (STEP, TWINS, SLOW_OUTER, COMPRESSED, CONVERGENCE, DILOCO, MICROBATCHES, SHARED_LINKS,
           CPU_OVERLAP, CHECKPOINT, FLOAT8, FLOAT8_LOSS, FAULT_TOLERANCE, TP, TORCHTITAN)
 
 # 5 recorded and 3 profiled steps per schedule: the simulator's calibration takes the
@@ -120,6 +121,11 @@ def plan() -> list[Run]:
         runs.append(Run(CONVERGENCE, "cpu", f"outer_reduce_convergence_{mesh}",
                         ("--meshes", mesh), 3600,
                         program=("scripts/outer_reduce_convergence.py",)))
+    runs.append(Run(DILOCO, "cpu", "diloco_convergence_4x2",
+                    ("--meshes", "4x2", "--layers", "3", "--seeds", "0,1", "--steps", "300",
+                     "--runs", "exact,DiLoCo H1 F1,DiLoCo H1 F4,DiLoCo H10 F1,DiLoCo H10 F4,"
+                     "DiLoCo H50 F1,DiLoCo H50 F4"), 3600,
+                    program=("scripts/outer_reduce_convergence.py",)))
     runs.append(_step(MICROBATCHES, "emu16x8_s1024_mb4", "--emulate", "--mesh", "16x8",
                       "--seq", "1024", "--microbatches", "4", "--steps", "4", "--warmup", "1",
                       "--schedules", "overlap,serial"))

@@ -36,13 +36,13 @@ class PipelineStage(_TorchStage):
         super().__init__(submodule, *args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
-                                   last_backward: bool = False) -> Any:
+                                   last_backward: bool = False, **kwargs: Any) -> Any:
         """The stage's backward of one microbatch; the outer reduction only on the last."""
         if backward_type != "full":
             raise NotImplementedError(_SPLIT_BACKWARD)
         with microbatch(self.submod, is_last=last_backward):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
-                                                      last_backward=last_backward)
+                                                      last_backward=last_backward, **kwargs)
 
     def _post_metadata_inference_cleanup(self) -> None:
         """torch >= 2.13 infers shapes with a real forward and backward of the first

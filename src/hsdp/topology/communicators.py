@@ -172,17 +172,24 @@ def create_groups(mesh: DeviceMesh, nccl: dict[str, NcclConfig],
     if not uses_nccl and any(not c.is_default() for c in nccl.values()):
         warnings.warn(f"hsdp: NCCL settings {sorted(nccl)} have no effect on backend "
                       f"{backend!r}", stacklevel=3)
+    # A mesh over part of the world (one pipeline stage's ranks): only its ranks make its
+    # groups, each only those it belongs to (the other stages make theirs meanwhile).
+    local = mesh.mesh.numel() != dist.get_world_size()
     mine: dict[str, dist.ProcessGroup] = {}
     # Same creation order on every rank.
     for name in (*COMMUNICATORS, "host_inner", "host_outer", *(("host_tp",) if tp > 1 else ())):
         members = {"outer": by_inner, "host_outer": by_inner, "host_tp": by_tp}.get(name, ranks)
         for group_ranks in members:
-            pg = new_communicator(group_ranks, mesh.device_type, nccl.get(name), timeout)
+            if local and me not in group_ranks:
+                continue
+            pg = new_communicator(group_ranks, mesh.device_type, nccl.get(name), timeout,
+                                  local=local)
             if me in group_ranks:
                 mine[name] = pg
     # Bookkeeping values live on the host: a gloo group, whatever the data backend.
-    control = dist.new_group(timeout=timeout,
-                             backend=None if backend == "fake" else "gloo")
+    control = dist.new_group(sorted(grid.flatten().tolist()) if local else None,
+                             timeout=timeout, backend=None if backend == "fake" else "gloo",
+                             use_local_synchronization=local)
     # Shard index = rank inside the group (new_group orders members by global rank).
     return CommGroups(outer, inner, dist.get_rank(mine["outer"]), dist.get_rank(mine["inner_ag"]),
                       mine["inner_ag"], mine["inner_rs"], mine["outer"], mine["host_inner"],
@@ -191,15 +198,16 @@ def create_groups(mesh: DeviceMesh, nccl: dict[str, NcclConfig],
 
 
 def new_communicator(ranks: list[int], device_type: str, cfg: NcclConfig | None = None,
-                     timeout: timedelta | None = None) -> dist.ProcessGroup:
+                     timeout: timedelta | None = None, local: bool = False) -> dist.ProcessGroup:
     """A process group over ``ranks`` with ``cfg``'s settings where they apply (NCCL on
     CUDA) and ``timeout`` (default: the default group's). Every rank of the world must call
-    it, in the same order."""
+    it, in the same order; with ``local``, only the members of ``ranks``."""
     timeout = timeout or default_timeout()
     uses_nccl = device_type == "cuda" and "nccl" in str(dist.get_backend())
     opts = _nccl_options(cfg, timeout) if uses_nccl else None
-    return (dist.new_group(ranks, timeout=timeout, backend="nccl", pg_options=opts) if opts
-            else dist.new_group(ranks, timeout=timeout))
+    return (dist.new_group(ranks, timeout=timeout, backend="nccl", pg_options=opts,
+                           use_local_synchronization=local) if opts
+            else dist.new_group(ranks, timeout=timeout, use_local_synchronization=local))
 
 
 def _nccl_options(cfg: NcclConfig | None, timeout: timedelta):

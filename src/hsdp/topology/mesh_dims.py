@@ -64,6 +64,7 @@ def check_mesh(mesh: DeviceMesh) -> None:
                          f"{TORCHTITAN_DIM_NAMES[0]}, a 3-D one with {TP_DIM_NAMES}, or a "
                          f"1-D mesh (plain FSDP), got {names or None}; build it with "
                          f"hsdp.init_mesh(outer, inner) or hsdp.init_mesh(outer, inner, tp=tp)")
-    if mesh.mesh.numel() != dist.get_world_size():
-        raise ValueError(f"the mesh has {mesh.mesh.numel()} ranks but the world has "
-                         f"{dist.get_world_size()}; hsdp's mesh must cover every rank")
+    if dist.get_rank() not in mesh.mesh.flatten().tolist():
+        raise ValueError(f"rank {dist.get_rank()} is not in the mesh (ranks "
+                         f"{mesh.mesh.flatten().tolist()}); give each rank the mesh of its "
+                         f"own data-parallel ranks (with pipeline parallelism: its stage's)")

@@ -73,6 +73,24 @@ def _ref_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, world: in
     opt.zero_grad()
 
 
+def _load_and_step(dst: nn.Module, kind: str, path: str, name: str,
+                   ref_at_k: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                   rank: int, world: int) -> dict[str, float]:
+    """torch's ``get_state_dict`` + ``dcp.load`` + ``set_state_dict`` of the checkpoint at
+    ``path`` into a fresh ``dst`` and its SGD, then one more step: each one's error against
+    the one-process reference at step K and K + 1."""
+    dst_opt = _sgd(dst)
+    msd, osd = get_state_dict(dst, dst_opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(dst, dst_opt, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    out = {f"{name}/loaded": _rel_err(_full(dst, kind), ref_at_k)}
+    _steps(dst, dst_opt, range(K, K + 1), rank, world)
+    out[f"{name}/step"] = _rel_err(_full(dst, kind), want)
+    return out
+
+
 def _raises_everywhere(fn) -> str:
     try:
         fn()
@@ -106,16 +124,8 @@ def torch_sd_job(rank: int, world: int, root: str) -> dict[str, object]:
         _steps(src, opt, range(K), rank, world)
         msd, osd = get_state_dict(src, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-        dst = _build(dst_kind, 1)
-        dst_opt = _sgd(dst)
-        msd, osd = get_state_dict(dst, dst_opt)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(dst, dst_opt, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-        out[f"{name}/loaded"] = _rel_err(_full(dst, dst_kind), ref_at_k)
-        _steps(dst, dst_opt, range(K, K + 1), rank, world)
-        out[f"{name}/step"] = _rel_err(_full(dst, dst_kind), want)
+        out.update(_load_and_step(_build(dst_kind, 1), dst_kind, path, name, ref_at_k, want,
+                                  rank, world))
         if src_kind == "hsdp" and dst_kind == "fsdp2":  # the file converts to torch.save
             if rank == 0:
                 dcp_to_torch_save(path, path + ".pt")
@@ -217,14 +227,6 @@ def async_save_job(rank: int, world: int, root: str) -> dict[str, float]:
             if executor == "process":
                 stager.close()
             out[f"{name}/went on"] = _rel_err(_full(model, kind), want)
-            dst = _build(kind, 1)
-            dst_opt = _sgd(dst)
-            msd, osd = get_state_dict(dst, dst_opt)
-            state = {"model": msd, "optim": osd}
-            dcp.load(state, checkpoint_id=path)
-            set_state_dict(dst, dst_opt, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
-            out[f"{name}/loaded"] = _rel_err(_full(dst, kind), ref_at_k)
-            _steps(dst, dst_opt, range(K, K + 1), rank, world)
-            out[f"{name}/step"] = _rel_err(_full(dst, kind), want)
+            out.update(_load_and_step(_build(kind, 1), kind, path, name, ref_at_k, want,
+                                      rank, world))
     return out

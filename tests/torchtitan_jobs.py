@@ -8,6 +8,7 @@ updates)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -88,9 +89,10 @@ def _loss(model: nn.Module, seqs: torch.Tensor, global_tokens: int) -> torch.Ten
 
 
 def _train(model: nn.Module, rows: slice | int | range, world: int, microbatches: int,
-           after_step: Callable[[nn.Module], None] | None = None, steps: int = STEPS) -> None:
+           after_step: Callable[[nn.Module], None] | None = None, steps: int = STEPS,
+           max_norm: float = MAX_NORM) -> None:
     """``steps`` SGD steps on ``rows`` of each batch (a range: each row group in a forward
-    of its own, as the ranks run them)."""
+    of its own, as the ranks run them), gradients clipped to ``max_norm``."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = _batches(world, microbatches)
     global_tokens = world * ROWS * SEQ * microbatches
@@ -99,7 +101,7 @@ def _train(model: nn.Module, rows: slice | int | range, world: int, microbatches
             for r in rows if isinstance(rows, range) else [rows]:
                 seqs = data[step, mb, r].reshape(-1, SEQ + 1)
                 _loss(model, seqs, global_tokens).backward()
-        titan_dist.clip_grad_norm_(list(model.parameters()), MAX_NORM, foreach=True)
+        titan_dist.clip_grad_norm_(list(model.parameters()), max_norm, foreach=True)
         opt.step()
         if after_step is not None:
             after_step(model)
@@ -181,7 +183,34 @@ def parity_job(rank: int, world: int) -> dict[str, float]:
             out[f"{name} vs ref"] = _rel(got, want)
             out[f"{name} vs fsdp2"] = _rel(got, fsdp2_params)
             hsdp.synchronize(model)
-    return out
+    return {**out, **_diloco_entries(rank, world, dims)}
+
+
+DILOCO_H1 = "diloco:inner_steps=1,outer_lr=1,momentum=0"
+
+
+def _diloco_entries(rank: int, world: int, dims: ParallelDims) -> dict[str, float | str]:
+    """DiLoCo through ``HSDP_OUTER_SYNC``: at H=1, outer_lr=1, momentum=0 each replica's
+    SGD-momentum update (momentum is linear in the gradients) averages to the synchronous
+    one, if each replica's gradient is its own mean on torchtitan's scale (the loss is
+    divided by every DP rank's tokens): against one process, unclipped (clipping is per
+    replica under DiLoCo). Also the schedule the model runs."""
+    ref = _reference()
+    _train(ref, slice(None), world, 1, max_norm=float("inf"))
+    os.environ["HSDP_OUTER_SYNC"] = DILOCO_H1
+    try:
+        model = _parallelize(hsdp_titan.parallelize_llama, _meta_model(), dims, False,
+                             "default")
+    finally:
+        del os.environ["HSDP_OUTER_SYNC"]
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    _train(model, rank, world, 1, max_norm=float("inf"))
+    hsdp.synchronize(model)
+    return {"hsdp+diloco H=1 vs unclipped ref": _rel(_full_params(model), _full_params(ref)),
+            "hsdp+diloco schedule": repr(model._hsdp_unit.runtime.outer_sync.config)}
 
 
 def _float8_train(model: nn.Module, rows: int | range, world: int,

@@ -17,7 +17,10 @@ pytest.importorskip("torchtitan.train", reason="torchtitan is not installed: pip
                     "--no-deps per the hsdp[torchtitan] extra (docs/guide/torchtitan.md)")
 
 from dist_utils import run_jobs, run_ranks  # noqa: E402
+
+from hsdp.topology.outer_sync import parse_outer_sync  # noqa: E402
 from torchtitan_jobs import (  # noqa: E402
+    DILOCO_H1,
     _meta_model,
     checkpoint_job,
     float8_parity_job,
@@ -39,7 +42,10 @@ def jobs_4(tmp_path_factory) -> dict[str, list[dict]]:
 
 def test_llama3_debugmodel_matches_one_process_and_fsdp2(jobs_4):
     per_rank = jobs_4["parity"]
-    assert len(per_rank[0]) == 17
+    assert len(per_rank[0]) == 19
+    # HSDP_OUTER_SYNC's DiLoCo took effect (H=1: synchronous, its own key below)
+    for r in per_rank:
+        assert r.pop("hsdp+diloco schedule") == repr(parse_outer_sync(DILOCO_H1)), r
     # int8 outer reduction (HSDP_OUTER_REDUCE's): close, and not exact
     compressed = {k for k in per_rank[0] if "+int8" in k and "init" not in k}
     bad = {k: e for r in per_rank for k, e in r.items()
@@ -200,6 +206,27 @@ def test_outer_reduce_from_the_environment(monkeypatch):
     monkeypatch.setenv("HSDP_OUTER_REDUCE", "int4")
     with pytest.raises(ValueError, match="HSDP_OUTER_REDUCE: hsdp.OuterReduce: unknown dtype"):
         options_from_env()
+
+
+def test_outer_sync_from_the_environment(monkeypatch):
+    """``HSDP_OUTER_SYNC`` picks DiLoCo with any of its fields; a bad value is refused
+    naming the variable and what it expects."""
+    import hsdp
+    from hsdp.integrations.torchtitan import options_from_env
+
+    assert options_from_env()[3] is None
+    monkeypatch.setenv("HSDP_OUTER_SYNC", "diloco")
+    assert options_from_env()[3] == hsdp.DiLoCo()
+    monkeypatch.setenv("HSDP_OUTER_SYNC", "diloco:inner_steps=50,fragments=4,outer_lr=0.5,"
+                                          "nesterov=false,delay=2")
+    assert options_from_env()[3] == hsdp.DiLoCo(50, 4, outer_lr=0.5, nesterov=False, delay=2)
+    for bad, match in (("local_sgd", "expected none, diloco or"),
+                       ("diloco:steps=5", "FIELD one of inner_steps, fragments"),
+                       ("diloco:inner_steps=x", "inner_steps='x': expected int"),
+                       ("diloco:inner_steps=0", "inner_steps must be an int >= 1")):
+        monkeypatch.setenv("HSDP_OUTER_SYNC", bad)
+        with pytest.raises(ValueError, match="HSDP_OUTER_SYNC: .*" + match):
+            options_from_env()
 
 
 def test_cuda_graphs_are_refused_and_off_in_hsdps_configs(monkeypatch):

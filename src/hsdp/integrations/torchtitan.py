@@ -10,9 +10,12 @@ here, with the model spec renamed ``hsdp_llama3`` and its ``parallelize_fn`` rep
 ``dp_replicate`` is hsdp's outer axis, ``dp_shard`` its inner one. The environment
 variables ``HSDP_STRATEGY`` (``hsdp`` | ``hfsdp``) and ``HSDP_OVERLAP_OUTER`` (1 | 0) pick
 the strategy; ``HSDP_OUTER_REDUCE`` (``none`` | ``int8`` | ``fp8_e4m3``, ``:BLOCK`` optional)
-the compressed outer reduction (docs/guide/slow_outer_links.md). Gradients are sums over
-the DP ranks (``set_gradient_divide_factor(1.0)``, as torchtitan sets on FSDP2: it
-divides the loss by the global token count itself).
+the compressed outer reduction (docs/guide/slow_outer_links.md); ``HSDP_OUTER_SYNC``
+(``none`` | ``diloco`` | ``diloco:inner_steps=50,fragments=4,...``) DiLoCo on the outer
+axis (docs/guide/across_datacenters.md). Gradients are sums over the DP ranks
+(``set_gradient_divide_factor(1.0)``, as torchtitan sets on FSDP2: it divides the loss by
+the global token count itself); with DiLoCo, sums over the replica's ranks times the
+number of replicas (each replica's gradient is its own mean, on torchtitan's scale).
 torchao float8 linears (torchtitan's float8 converter, or ``torchtitan_float8``'s with
 float8 all-gather) train under hsdp; other torchao modules (MX, NVFP4) are refused.
 """
@@ -41,13 +44,14 @@ from torchtitan.protocols.module import Module as TitanModule
 import hsdp
 from hsdp.checkpoint.state_dicts import load_state_dict_hook
 from hsdp.sharding.policy import Strategy, parse_outer_reduce
+from hsdp.topology.outer_sync import parse_outer_sync
 
 MODEL_NAME = "hsdp_llama3"
 
 
-def options_from_env() -> tuple[Strategy, bool, hsdp.OuterReduce | None]:
-    """(strategy, overlap_outer, outer_reduce) from ``HSDP_STRATEGY``,
-    ``HSDP_OVERLAP_OUTER`` and ``HSDP_OUTER_REDUCE``."""
+def options_from_env() -> tuple[Strategy, bool, hsdp.OuterReduce | None, hsdp.DiLoCo | None]:
+    """(strategy, overlap_outer, outer_reduce, outer_sync) from ``HSDP_STRATEGY``,
+    ``HSDP_OVERLAP_OUTER``, ``HSDP_OUTER_REDUCE`` and ``HSDP_OUTER_SYNC``."""
     try:
         strategy = Strategy.parse(os.environ.get("HSDP_STRATEGY", "hsdp"))
     except ValueError as e:
@@ -59,7 +63,11 @@ def options_from_env() -> tuple[Strategy, bool, hsdp.OuterReduce | None]:
         outer_reduce = parse_outer_reduce(os.environ.get("HSDP_OUTER_REDUCE", "none"))
     except ValueError as e:
         raise ValueError(f"hsdp: HSDP_OUTER_REDUCE: {e}") from None
-    return strategy, overlap == "1", outer_reduce
+    try:
+        outer_sync = parse_outer_sync(os.environ.get("HSDP_OUTER_SYNC", "none"))
+    except ValueError as e:
+        raise ValueError(f"hsdp: HSDP_OUTER_SYNC: {e}") from None
+    return strategy, overlap == "1", outer_reduce, outer_sync
 
 
 def _check_supported(model: nn.Module, parallel_dims: ParallelDims, training: TrainingConfig,
@@ -112,22 +120,27 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
                       ac_config: ActivationCheckpointingConfig | None, dump_folder: str,
                       strategy: Strategy | str | None = None,
                       overlap_outer: bool | None = None,
-                      outer_reduce: hsdp.OuterReduce | str | None = None) -> nn.Module:
+                      outer_reduce: hsdp.OuterReduce | str | None = None,
+                      outer_sync: hsdp.DiLoCo | str | None = None) -> nn.Module:
     """torchtitan's ``parallelize_llama`` with hsdp in place of ``apply_fsdp_to_decoder``:
     torchtitan's own TP plan (the model's ``parallelize`` on its "tp" mesh, when
     ``tensor_parallel_degree > 1``), activation checkpointing and per-block compile as
     torchtitan applies them, then one
     hsdp unit per block (and one for the embedding unless it is tied to the output), the
     norm and output head in the root's. ``strategy`` / ``overlap_outer`` /
-    ``outer_reduce``: default from the environment (``options_from_env``)."""
+    ``outer_reduce`` / ``outer_sync`` (``init_mesh``'s): default from the environment
+    (``options_from_env``)."""
     _check_supported(model, parallel_dims, training, parallelism)
     if any(_is_float8_linear(m) for m in model.modules()):
         from hsdp.integrations.torchtitan_float8 import wrap_float8_all_gather_weights
 
         wrap_float8_all_gather_weights(model)
-    env_strategy, env_overlap, env_outer_reduce = options_from_env()
+    env_strategy, env_overlap, env_outer_reduce, env_outer_sync = options_from_env()
     strategy = Strategy.parse(strategy or env_strategy)
     outer_reduce = outer_reduce or env_outer_reduce
+    if isinstance(outer_sync, str):
+        outer_sync = parse_outer_sync(outer_sync)
+    outer_sync = outer_sync or env_outer_sync
     overlap_outer = env_overlap if overlap_outer is None else overlap_outer
     if parallel_dims.tp_enabled:
         model.parallelize(parallel_dims)
@@ -137,7 +150,8 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
         apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
 
     mesh = hsdp.init_mesh(parallel_dims.dp_replicate, parallel_dims.dp_shard,
-                          parallel_dims.world_mesh.device_type, tp=parallel_dims.tp)
+                          parallel_dims.world_mesh.device_type, tp=parallel_dims.tp,
+                          outer_sync=outer_sync)
     mp = hsdp.MixedPrecision(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
                              reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
                              cast_forward_inputs=False)
@@ -151,7 +165,10 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
         shard(block, reshard_after_forward=reshard)
     # torchtitan's [norm, lm_head] unit: resharded only under "always"
     shard(model, reshard_after_forward=policy == "always")
-    model.set_gradient_divide_factor(1.0)
+    # torchtitan divides the loss by the tokens of every DP rank; a DiLoCo replica sums
+    # over its own ranks only
+    model.set_gradient_divide_factor(1.0 if outer_sync is None
+                                     else 1.0 / parallel_dims.dp_replicate)
     _adopt_meta_init(model)
     _load_merged_qkv(model)
     return model

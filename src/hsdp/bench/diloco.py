@@ -6,9 +6,11 @@ collective delayed by its modelled time on ``hsdp.sim.fabric``, as ``bench step
 int8 outer reduction, DiLoCo (``init_mesh(outer_sync=...)``) at several H, F and delays,
 and the same model with no communication at all (the delays off). Each row trains one
 model (trainee of ``hsdp.bench.trainee``; AdamW) for ``--warmup`` steps, then times
-whole periods back to back (synchronous rows: ``--steps`` steps; DiLoCo: H steps, the
-streams drained only at the end, as training runs them): the step time is the mean over
-them; outer bytes per step are what this rank's outer collectives moved in them.
+``--repeats`` blocks of steps back to back (synchronous rows: ``--steps`` steps; DiLoCo:
+a whole period of H steps), the streams drained only at the end of each, as training runs
+them: the step time is a block's mean, the fastest block's (other load on the machine
+only ever slows a block down); outer bytes per step are what this rank's outer
+collectives moved in them.
 
 Beside each row, ``hsdp sim``'s prediction of the same setup (``hsdp.sim.engine``: the
 runtime on the virtual clock; a DiLoCo period timed by ``period_steps``): its compute
@@ -28,7 +30,7 @@ import torch
 
 import hsdp
 from hsdp.bench.emulate import fake_mesh
-from hsdp.bench.trainee import build, synthetic_batches
+from hsdp.bench.trainee import Trainee, build, synthetic_batches
 from hsdp.models import LlamaConfig, ModelConfig, lm_loss, preset
 from hsdp.report.table import print_table
 from hsdp.sim.costs import CostModel
@@ -74,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated among the rows")
     p.add_argument("--steps", type=int, default=5, help="timed steps of a synchronous row")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="timed blocks per row (whole "
+                   "DiLoCo periods); the fastest counts: a shared CPU only ever slows one")
     p.add_argument("--mbs", type=int, default=1)
     p.add_argument("--sim-only", action="store_true", help="predict, do not measure")
     p.add_argument("--model", default=None, help="an hsdp.models preset (default: the CPU "
@@ -118,6 +122,14 @@ def measure(model: ModelConfig, outer: int, inner: int, row: str, fabric: Fabric
         t.step(batches, delays)
     steps = args.steps if sync is None else sync.inner_steps
     outer_before = _outer_bytes(t.collective_bytes)
+    samples = [_timed_steps(t, batches, steps, delays) for _ in range(args.repeats)]
+    nbytes = _outer_bytes(t.collective_bytes) - outer_before
+    return {"t_step_ms": min(samples), "samples_ms": samples, "steps": steps,
+            "outer_bytes_per_step": nbytes / (steps * args.repeats)}
+
+
+def _timed_steps(t: Trainee, batches: list[torch.Tensor], steps: int, delays: bool) -> float:
+    """Mean step time (ms) of ``steps`` steps back to back, drained at the end."""
     with t.comm(delays):
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -126,9 +138,7 @@ def measure(model: ModelConfig, outer: int, inner: int, row: str, fabric: Fabric
                     lm_loss(t.model(tokens), tokens).backward()
             t.update()
         t.drain()
-        elapsed = time.perf_counter() - t0
-    return {"t_step_ms": elapsed * 1e3 / steps, "steps": steps,
-            "outer_bytes_per_step": (_outer_bytes(t.collective_bytes) - outer_before) / steps}
+        return (time.perf_counter() - t0) * 1e3 / steps
 
 
 def _outer_bytes(nbytes: dict[str, int]) -> int:

@@ -16,6 +16,7 @@ from hsdp.runtime.step_agreement import Verdict, agree, missing, post_note, read
 from hsdp.sharding.group import ParamGroup
 from hsdp.streams.contract import Event
 from hsdp.streams.op_table import OUTER_REDUCTIONS, OpKind
+from hsdp.topology.liveness import gone_message
 
 
 class Recovery:
@@ -49,10 +50,12 @@ class Recovery:
         kind, rank, forwards = note.split()
         if kind == "failed":
             step.gave_up = True
+            gone = gone_message()
             raise RuntimeError(
                 f"hsdp: rank {rank} gave up step {log.step} (its forward or backward "
-                f"raised), so this rank stops waiting for it. Handle this like that rank's "
-                f"error: the next forward abandons the step on every rank and starts a new one.")
+                f"raised), so this rank stops waiting for it. {gone + ' ' if gone else ''}"
+                f"Handle this like that rank's error: the next forward abandons the step on "
+                f"every rank and starts a new one.")
         if int(forwards) < log.forwards:
             step.gave_up = True
             raise RuntimeError(

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from hsdp.streams.contract import Event
 from hsdp.streams.op_table import OPS, OpKind
 from hsdp.topology.communicators import COMMUNICATORS
+from hsdp.topology.liveness import gone_message
 
 SLOW_S = 1.0  # an agreement waiting this long leaves a note for blocked peers
 _FIELDS = ("step", "forwards", "microbatches", *(f"{c} collectives" for c in COMMUNICATORS),
@@ -163,9 +164,11 @@ def agree(log: StepLog, failed: str, used: list[bool], group: dist.ProcessGroup,
     try:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     except RuntimeError as exc:  # gloo: a peer did not join in time
+        gone = gone_message()
         raise RuntimeError(
             f"hsdp: step {log.step}: the other ranks did not reach the end of this step "
-            f"within the timeout ({timeout}): a rank died or is stuck, or the ranks run "
+            f"within the timeout ({timeout}): {gone + ' ' if gone else ''}"
+            f"a rank died or is stuck, or the ranks run "
             f"different step structures (numbers of microbatches, units, forward/backward "
             f"passes). hsdp's communicators cannot be used any more: restart the job."
         ) from exc

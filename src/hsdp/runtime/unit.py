@@ -20,6 +20,7 @@ from hsdp.sharding.policy import MixedPrecision
 from hsdp.sharding.reductions import ENTRY_POINTS
 from hsdp.streams.contract import Tracer
 from hsdp.streams.stream_set import Streams
+from hsdp.topology.liveness import note_gone
 
 
 class Unit:
@@ -127,10 +128,12 @@ class Unit:
     def _forward_failed_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
         # Also runs after a successful forward, when _post_forward_hook has set IDLE.
         rt = self.runtime
+        exc = sys.exc_info()[1]
+        if rt is not None and rt.root is self and exc is not None:
+            note_gone(exc)  # a collective that lost its peer: name the ranks that are gone
         if (rt is not None and rt.root is self and rt.step.phase is Phase.FORWARD
                 and not in_backward()):
             rt.step.phase = Phase.FAILED
-            exc = sys.exc_info()[1]
             if exc is not None and "mixed torch.Tensor and DTensor" in str(exc):
                 exc.add_note(
                     "hsdp: outside its unit's forward a parameter is this rank's shard (a "

@@ -18,6 +18,7 @@ from hsdp.sharding.tp_blocks import grad_local
 from hsdp.sharding.write_guard import direct
 from hsdp.streams.contract import Event, SideStream
 from hsdp.streams.op_table import OpKind, label
+from hsdp.topology.liveness import note_gone
 
 
 def _allocate(t: torch.Tensor) -> None:
@@ -88,7 +89,11 @@ class GradientState:
                 f"unit that uses it.")
         self.received.add(idx)
         if len(self.received) == self.trainable_count:
-            self._all_in()
+            try:
+                self._all_in()
+            except Exception as exc:  # a collective that lost its peer: name who is gone
+                note_gone(exc)
+                raise
 
     def keep_local(self, flat: torch.Tensor) -> None:
         """A microbatch without gradient sync: keep ``copy_in``'s result (which includes

@@ -24,7 +24,7 @@ import torch
 
 from hsdp.runtime.context import RuntimeContext
 from hsdp.runtime.state import Phase
-from hsdp.runtime.step_agreement import Issued, StepLog, agree
+from hsdp.runtime.step_agreement import Agreement, Issued, StepLog
 from hsdp.streams.capture import capture_refusal
 from hsdp.streams.contract import Event
 
@@ -43,6 +43,8 @@ class Graphs:
         self.used: list[bool] = []  # its parameters' gradient flags on this rank
         self.steps = 0  # optimizer steps since the model was first captured
         self._last_step_done: Event | None = None  # the watchdog's event
+        self._pending: Agreement | None = None  # the last step's agreement, not read yet
+        self._due = self._fresh = True  # a check is due; read its verdict at once
 
     def enter(self, region: str) -> bool:
         """At the start of ``region`` ("forward", "optimizer step", "entry"): is it being
@@ -95,31 +97,58 @@ class Graphs:
 
     def keep_captured(self) -> None:
         """A captured step's finalize: keep its structure and gradient flags for the
-        agreement outside the graph."""
+        agreement outside the graph; the next check reads its verdict at once."""
         log = self.ctx.log
         self.captured = StepLog(forwards=log.forwards, microbatches=log.microbatches,
                                 ops=[Issued(op.desc, None) for op in log.ops])
         self.used = [u for g in self.ctx.trainable for u in g.grads.used]
+        self._due = self._fresh = True
+
+    def step_done(self) -> None:
+        """An optimizer step of this model ended: the next one checks again (nested
+        optimizers, e.g. torchtitan's container, step the model once)."""
+        self._due = True
 
     def check_replayed(self) -> None:
-        """Before an eager optimizer step of a captured model: the watchdog (the previous
-        step's device work finished within the timeout), the gradients still set, and the
-        step agreement on the captured structure, on every rank. Then the gradients of
-        parameters some other rank used are exposed here too."""
+        """Before an eager optimizer step of a captured model (once per step): the
+        watchdog (the previous step's device work finished within the timeout), the
+        gradients still set, and the step agreement on the captured structure, on every
+        rank. The agreement of a step is read at the next one (its collective has long
+        finished by then, so the host never waits for it), except the first after a
+        capture. Then the gradients of parameters some other rank used are exposed here."""
         ctx = self.ctx
-        if not ctx.graphed or self.captured is None:
+        if not ctx.graphed or self.captured is None or not self._due:
             return
+        self._due = False
         self._watch()
         cleared = [g.label for g in ctx.trainable if not g.grads.grads_exposed()]
         self.captured.step = self.steps
         self.steps += 1
-        verdict = agree(self.captured, "origin" if cleared else "", self.used,
-                        ctx.comms.control, ctx.comms.timeout)
+        previous, self._pending = self._pending, Agreement(
+            self.captured, "origin" if cleared else "", self.used, ctx.comms.control,
+            ctx.comms.timeout)
+        if self._fresh or cleared:  # read this step's at once
+            self._fresh = False
+            if previous is not None:
+                self._read(previous)
+            previous, self._pending = self._pending, None
         if cleared:
             raise capture_refusal(f"a step in which {CLEARED} ({', '.join(cleared[:3])})",
                                   CLEAR_INSTEAD)
+        if previous is not None:
+            self._read(previous)
+
+    def _read(self, agreement: Agreement) -> None:
+        """Raise on every rank if a rank failed or captured another step; expose the
+        gradients that some other rank gave a parameter."""
+        ctx = self.ctx
+        try:
+            verdict = agreement.verdict()
+        except RuntimeError as exc:
+            ctx.broken = str(exc)
+            raise
         if not verdict.ok:
-            ctx.broken = verdict.message(self.captured.step) + (
+            ctx.broken = verdict.message(agreement.step) + (
                 " The ranks captured different steps, so their graphs' collectives do not "
                 "match: restart the job.")
             raise RuntimeError(ctx.broken)

@@ -121,6 +121,7 @@ class OptimizerSteps:
                 self.gathering.refresh_outer_shards()
         if not self._in_grad_hooks:
             self.graphs.end_region(self._capturing)
+        self.graphs.step_done()
 
     def run_grad_hooks(self, reduced: list[ParamGroup]) -> None:
         """The users' post-accumulate-grad hooks, as FSDP2 runs them: once a step's

@@ -17,7 +17,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import hsdp
 import hsdp.runtime.recovery
 from hsdp.runtime.state import Phase
-from hsdp.streams.capture import CaptureError
+from hsdp.streams.capture import CaptureError, CaptureScope
 
 
 @pytest.fixture
@@ -145,3 +145,18 @@ def test_cleared_gradients_after_a_replay_are_refused_at_the_step(world_1, monke
     opt.zero_grad(set_to_none=True)
     with pytest.raises(CaptureError, match=r"set_to_none=True.*set_to_none=False"):
         opt.step()
+
+
+def test_capture_scope_tells_a_new_capture_from_the_one_under_way():
+    """Events are marked with the capture they were recorded in: a capture on another
+    stream, or one whose joined side streams left it, is a new one; eager is None."""
+    scope = CaptureScope()
+    assert scope.current is None and not scope.sync(False, 1, True)
+    assert scope.sync(True, 1, True) and scope.current == 1
+    assert scope.sync(True, 1, True) and scope.current == 1  # the same capture
+    scope.sync(True, 2, True)
+    assert scope.current == 2  # another origin stream
+    scope.sync(True, 2, False)
+    assert scope.current == 3  # the side streams that joined have left it
+    scope.sync(False, 2, True)
+    assert scope.current is None

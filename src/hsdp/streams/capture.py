@@ -20,8 +20,6 @@ capture is under way, so that:
 
 from __future__ import annotations
 
-import torch
-
 
 class CaptureError(RuntimeError):
     """Something hsdp cannot record into a CUDA graph; the message names it."""
@@ -31,11 +29,6 @@ def capture_refusal(what: str, instead: str) -> CaptureError:
     """The error for ``what``, which cannot run inside a CUDA graph capture."""
     return CaptureError(
         f"hsdp: {what} cannot be captured in a CUDA graph; {instead} (docs/guide/cuda_graphs.md)")
-
-
-def current_stream_capturing() -> bool:
-    """Is the current CUDA stream capturing (False without CUDA)?"""
-    return torch.cuda.is_available() and torch._C._cuda_isCurrentStreamCapturing()
 
 
 class CaptureScope:

@@ -160,3 +160,31 @@ def test_capture_scope_tells_a_new_capture_from_the_one_under_way():
     assert scope.current == 3  # the side streams that joined have left it
     scope.sync(False, 2, True)
     assert scope.current is None
+
+
+class _Container(torch.optim.Optimizer):
+    """torchtitan's OptimizersContainer: an optimizer whose step steps the ones it holds
+    (its own pre- and post-step hooks run around theirs)."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+        super().__init__([p for g in inner.param_groups for p in g["params"]], {})
+
+    def step(self, closure=None):
+        self.inner.step()
+
+
+def test_nested_optimizers_check_a_replayed_step_once(world_1, monkeypatch):
+    """The agreement on what a graph ran runs once per optimizer step, also when an
+    optimizer steps another (each check waits for the device's previous step: twice per
+    step made the host wait for the step it had just issued)."""
+    net = _net(world_1)
+    opt = _Container(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    _step(net, opt, torch.randn(6, 8))
+    for _ in range(3):
+        with monkeypatch.context() as m:
+            m.setattr(net._hsdp_unit.runtime.ctx.streams.compute, "capturing", lambda: True)
+            net(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    assert net._hsdp_unit.runtime.graphs.steps == 3

@@ -70,6 +70,7 @@ class Recovery:
         state dict, clip, synchronize) call this; every rank reaches one of them."""
         if self.ctx.broken is not None:
             raise RuntimeError(self.ctx.broken)
+        self.ctx.streams.compute.capturing()  # an entry point: has a capture ended?
         if self.ctx.step.phase is Phase.IDLE or in_backward():
             return
         self.note("failed")
@@ -81,6 +82,12 @@ class Recovery:
         issued and this one did not, drain every stream, and reset to a clean state (no
         gradients; the next forward starts a new step)."""
         ctx = self.ctx
+        if any(getattr(op.event, "epoch", None) is not None for op in ctx.log.ops):
+            ctx.broken = (
+                "hsdp: a step being captured in a CUDA graph failed: its collectives were "
+                "recorded, not run, on this rank, while other ranks may have replayed "
+                "theirs, so it cannot be abandoned consistently. Restart the job.")
+            raise RuntimeError(ctx.broken)
         ctx.streams.compute.poll = None  # every rank is here now: waits will complete
         last: dict[str, Event] = {}
         for op in ctx.log.ops:

@@ -111,8 +111,6 @@ class Unit:
     # dynamo neither traces them nor breaks the block's graph on them.
     @torch.compiler.disable
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict):
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(CUDA_GRAPH_CAPTURE)
         if self.runtime is None:
             if self.enclosing is not None:
                 raise RuntimeError(outside_root(self))
@@ -140,14 +138,6 @@ class Unit:
                     "DTensor): it was probably used outside the forward of the unit that "
                     "owns it. Use it inside that forward, or fully_shard the module that uses "
                     "it together with it (their common parent)." + ENTRY_POINTS)
-
-
-CUDA_GRAPH_CAPTURE = (
-    "hsdp: an hsdp model cannot run inside a CUDA graph capture (torch.cuda.graph, "
-    "torch.compile mode='reduce-overhead' of the whole step, torchtitan's CUDA graphs of "
-    "forward + backward): its runtime waits on the host for the collectives of its own "
-    "streams and communicators. Run it eagerly (torchtitan: --training.disable_cuda_graphs; "
-    "hsdp's torchtitan configs set it)")
 
 
 def _refuse_meta_run(module: nn.Module, args: tuple, kwargs: dict) -> None:

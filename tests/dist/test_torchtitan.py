@@ -229,15 +229,18 @@ def test_outer_sync_from_the_environment(monkeypatch):
             options_from_env()
 
 
-def test_cuda_graphs_are_refused_and_off_in_hsdps_configs(monkeypatch):
+def test_cuda_graphs_stay_on_in_hsdps_configs(monkeypatch):
     """torchtitan captures forward + backward in a CUDA graph on CUDA unless
-    ``training.disable_cuda_graphs``; hsdp runs eagerly: its configs turn the capture off,
-    and ``parallelize_llama`` refuses it (nothing sharded) when it is on and CUDA is there."""
-    from torchtitan.config import TrainingConfig
+    ``training.disable_cuda_graphs``; hsdp can be captured (docs/guide/cuda_graphs.md), so
+    its configs keep torchtitan's default and ``parallelize_llama`` accepts it."""
+    from torchtitan.config import ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
 
     from hsdp.integrations import torchtitan as hsdp_titan
 
-    assert hsdp_titan.llama3_debugmodel().training.disable_cuda_graphs
+    assert not hsdp_titan.llama3_debugmodel().training.disable_cuda_graphs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    _refused_before_sharding(_meta_model(), TrainingConfig(disable_cuda_graphs=False),
-                             r"CUDA graphs \(set --training.disable_cuda_graphs")
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=4,
+                        spmd_backend="partial_dtensor")
+    hsdp_titan._check_supported(_meta_model(), dims, TrainingConfig(disable_cuda_graphs=False),
+                                ParallelismConfig(spmd_backend="partial_dtensor"))

@@ -88,10 +88,6 @@ def _check_supported(model: nn.Module, parallel_dims: ParallelDims, training: Tr
         "expert_parallel_degree > 1": parallel_dims.ep_enabled,
         "training.enable_cpu_offload": training.enable_cpu_offload,
         "parallelism.enable_fsdp_symm_mem": parallelism.enable_fsdp_symm_mem,
-        # torchtitan captures forward + backward in a CUDA graph unless told not to; it
-        # does so on CUDA only (elsewhere it runs them eagerly)
-        "CUDA graphs (set --training.disable_cuda_graphs)":
-            not training.disable_cuda_graphs and torch.cuda.is_available(),
     }
     bad = [k for k, on in refused.items() if on]
     if bad:
@@ -252,7 +248,6 @@ def with_hsdp(config_fn: Callable) -> Callable:
         cfg.model_spec = dataclasses.replace(cfg.model_spec, name=MODEL_NAME,
                                              parallelize_fn=parallelize_llama)
         cfg.parallelism.spmd_backend = "partial_dtensor"
-        cfg.training.disable_cuda_graphs = True  # hsdp runs eagerly (runtime/unit.py)
         if isinstance(cfg.loss, ChunkedLossWrapper.Config):
             cfg.loss = cfg.loss.loss_fn
         return cfg

@@ -92,7 +92,7 @@ def _debugmodel():
     return cfg
 
 
-def _fsdp2_on_gloo(model, **kw):
+def fsdp2_on_gloo(model, **kw):
     """torchtitan's FSDP2 ``parallelize_llama``; gloo has no PREMUL_SUM."""
     model = fsdp2_parallelize_llama(model, **kw)
     for m in model.modules():
@@ -103,7 +103,7 @@ def _fsdp2_on_gloo(model, **kw):
 
 def fsdp2_debugmodel():
     cfg = _debugmodel()
-    cfg.model_spec = dataclasses.replace(cfg.model_spec, parallelize_fn=_fsdp2_on_gloo)
+    cfg.model_spec = dataclasses.replace(cfg.model_spec, parallelize_fn=fsdp2_on_gloo)
     return cfg
 
 

@@ -15,8 +15,9 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from titan_cpu_configs import fsdp2_on_gloo
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.optimizer import (
@@ -31,7 +32,6 @@ from torchtitan.distributed import utils as titan_dist
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3 import model_registry
-from torchtitan.models.llama3 import parallelize_llama as fsdp2_parallelize_llama
 from torchtitan.protocols.module import Module as TitanModule
 
 import hsdp
@@ -121,10 +121,7 @@ def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def _fsdp2_on(model: nn.Module, dims: ParallelDims, init: list[torch.Tensor],
               ac: bool = False) -> nn.Module:
     """torchtitan's FSDP2 path on the meta-built ``model``, its parameters ``init``."""
-    model = _parallelize(fsdp2_parallelize_llama, model, dims, ac, "default")
-    for m in model.modules():  # gloo has no PREMUL_SUM
-        if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)
+    model = _parallelize(fsdp2_on_gloo, model, dims, ac, "default")
     model.to_empty(device="cpu")
     with torch.no_grad():  # buffers by torchtitan's init, parameters the reference's
         model.init_weights(buffer_device=None)
@@ -133,15 +130,22 @@ def _fsdp2_on(model: nn.Module, dims: ParallelDims, init: list[torch.Tensor],
     return model
 
 
+def titan_args(ac: bool, reshard: str, training: dict | None = None,
+               **parallelism) -> dict:
+    """The configs torchtitan's trainer passes a ``parallelize_fn`` (fp32; ``training`` and
+    ``parallelism``: further fields of its training and parallelism configs)."""
+    return dict(training=TrainingConfig(mixed_precision_param="float32",
+                                        mixed_precision_reduce="float32", **(training or {})),
+                parallelism=ParallelismConfig(spmd_backend="partial_dtensor",
+                                              fsdp_reshard_after_forward=reshard,
+                                              **parallelism),
+                compile_config=CompileConfig(), ac_config=SelectiveAC.Config() if ac else None,
+                dump_folder="")
+
+
 def _parallelize(fn, model: nn.Module, dims: ParallelDims, ac: bool, reshard: str,
                  **kw) -> nn.Module:
-    return fn(model, parallel_dims=dims,
-              training=TrainingConfig(mixed_precision_param="float32",
-                                      mixed_precision_reduce="float32"),
-              parallelism=ParallelismConfig(spmd_backend="partial_dtensor",
-                                            fsdp_reshard_after_forward=reshard),
-              compile_config=CompileConfig(), ac_config=SelectiveAC.Config() if ac else None,
-              dump_folder="", **kw)
+    return fn(model, parallel_dims=dims, **titan_args(ac, reshard), **kw)
 
 
 def parity_job(rank: int, world: int) -> dict[str, float]:
@@ -303,37 +307,55 @@ SAVE_AT = 5
 
 def _titan_run(model: nn.Module, rank: int, world: int, folder: str,
                resume: bool, async_mode: str = "disabled") -> tuple[nn.Module, list[float]]:
-    """torchtitan's training loop pieces on ``model``: its optimizer container, LR
-    schedulers, ``clip_grad_norm_`` and ``CheckpointManager`` (DCP) saving at step
-    ``SAVE_AT`` into ``folder`` (``async_mode``: its ``--checkpoint.async_mode``), or, with
-    ``resume``, loading from there and running the steps after it. Returns the model and
-    this rank's loss per step run."""
-    opt = _OPTIMIZER.build(model_parts=[model])
+    """``titan_loop`` on ``model``, this rank's rows of each step's batch (one
+    microbatch). Returns the model and this rank's loss per step run."""
+    data = _batches(world, 1)
+
+    def step_fn(step: int) -> float:
+        loss = _loss(model, data[step - 1, 0, rank], world * ROWS * SEQ)
+        loss.backward()
+        return loss.item()
+
+    return model, titan_loop([model], step_fn, folder, resume, async_mode)
+
+
+def titan_loop(parts: list[nn.Module], step_fn: Callable[[int], float], folder: str | None,
+               resume: bool, async_mode: str = "disabled", pp_mesh: DeviceMesh | None = None,
+               norms: list[float] | None = None, max_norm: float = MAX_NORM) -> list[float]:
+    """torchtitan's training loop pieces on the model ``parts``: its optimizer container,
+    LR schedulers, ``clip_grad_norm_`` (over the pipeline ranks of ``pp_mesh``) and, with
+    a ``folder``, ``CheckpointManager`` (DCP) saving at step ``SAVE_AT`` into it
+    (``async_mode``: its ``--checkpoint.async_mode``), or, with ``resume``, loading from
+    there and running the steps after it. ``step_fn(step)`` runs one step's forwards and
+    backwards and returns this rank's loss; the losses are returned, the gradient norms
+    appended to ``norms``."""
+    opt = _OPTIMIZER.build(model_parts=parts)
     lr = _LR.build(optimizers=opt, training_steps=STEPS)
     state = _TrainState()
-    ckpt = CheckpointManager.Config(
+    ckpt = None if folder is None else CheckpointManager.Config(
         enable=True, interval=SAVE_AT, last_save_model_only=False, keep_latest_k=0,
         exclude_from_loading=["dataloader"], async_mode=async_mode,
-    ).build(dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=lr,
+    ).build(dataloader=None, model_parts=parts, optimizers=opt, lr_schedulers=lr,
             states={"train_state": state}, sd_adapter=None, base_folder=folder)
     if resume:
         assert ckpt.load(step=SAVE_AT) and state.step == SAVE_AT
-    data = _batches(world, 1)
     losses = []
     for step in range(state.step + 1, STEPS + 1):
-        loss = _loss(model, data[step - 1, 0, rank], world * ROWS * SEQ)
-        loss.backward()
-        titan_dist.clip_grad_norm_(list(model.parameters()), MAX_NORM, foreach=True)
+        losses.append(step_fn(step))
+        norm = titan_dist.clip_grad_norm_([p for m in parts for p in m.parameters()],
+                                          max_norm, foreach=True, pp_mesh=pp_mesh)
+        if norms is not None:
+            norms.append(norm.item())
         opt.step()
         lr.step()
         opt.zero_grad()
         state.step = step
-        losses.append(loss.item())
-        if not resume:
+        if ckpt is not None and not resume:
             ckpt.save(curr_step=step)
-    ckpt.maybe_wait_for_saving()
-    ckpt.close()
-    return model, losses
+    if ckpt is not None:
+        ckpt.maybe_wait_for_saving()
+        ckpt.close()
+    return losses
 
 
 def _hsdp_model(dims: ParallelDims, strategy: str, ac: bool = True) -> nn.Module:

@@ -27,6 +27,7 @@ from torchtitan_jobs import (  # noqa: E402
     parity_job,
     tp_parity_job,
 )
+from torchtitan_pp_jobs import pp_job, reference  # noqa: E402
 
 TESTS = str(Path(__file__).resolve().parents[1])  # the job and config modules
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,6 +70,25 @@ def test_tensor_parallel_degree_2_matches_one_process_and_fsdp2_tp():
     for r in per_rank:
         sharded = {k: r.pop(k) for k in list(r) if k.endswith("tp-sharded")}
         assert sharded == dict.fromkeys(sharded, 32) and len(sharded) == 3, sharded
+        bad = {k: e for k, e in r.items() if not e < 1e-5}
+        assert not bad, bad
+
+
+def test_pipeline_parallel_degree_2_matches_one_process_and_fsdp2_pp(tmp_path):
+    """pipeline_parallel_degree 2 x (outer 2 x inner 2) on 8 gloo ranks through torchtitan's
+    ``pipeline_llm`` split and its schedules, hsdp's ``pipeline_llama`` as the model spec's
+    ``pipelining_fn`` (torchtitan_pp_jobs.py): 1F1B (hsdp with AC, hfsdp) and
+    Interleaved1F1B train 10 steps, clipped over both stages (torchtitan's
+    ``clip_grad_norm_`` with the pp mesh; every step's norm above the limit), equal to one
+    process and to torchtitan's FSDP2 + PP; a CheckpointManager resume is bit for bit; the
+    pp 2 checkpoint resumes at pp 1 (outer 2 x inner 4) and trains on equal to pp 2."""
+    init, want = reference()
+    per_rank = run_ranks(pp_job, 8, str(tmp_path), init, want)
+    assert len(per_rank[0]) == 12
+    for r in per_rank:
+        assert r.pop("resume equal"), r
+        norms = {k: r.pop(k) for k in list(r) if k.endswith("max grad norm")}
+        assert all(n > 0.5 for n in norms.values()), norms
         bad = {k: e for k, e in r.items() if not e < 1e-5}
         assert not bad, bad
 
@@ -177,6 +197,26 @@ def _refused_before_sharding(model, training, match: str) -> None:
             model, parallel_dims=dims, training=training,
             parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
             compile_config=CompileConfig(), ac_config=None, dump_folder="")
+    assert not any(hasattr(m, "_hsdp_unit") for m in model.modules())
+
+
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV"])
+def test_split_backward_pipeline_schedules_are_refused_before_splitting(schedule):
+    """Zero-bubble schedules split each backward into input and weight parts, which hsdp
+    cannot reduce from its hooks: ``pipeline_llama`` names the schedule before it splits
+    or shards anything; ``parallelize_llama`` under PP without its stage mesh says to use
+    ``pipeline_llama``."""
+    from torchtitan.config import ParallelismConfig
+
+    from hsdp.integrations import torchtitan as hsdp_titan
+    from hsdp.integrations.torchtitan_pipeline import pipeline_llama
+
+    model = _meta_model()
+    parallelism = ParallelismConfig(pipeline_parallel_degree=2,
+                                    pipeline_parallel_schedule=schedule)
+    with pytest.raises(ValueError, match=f"pipeline schedule '{schedule}' .*input and weight"):
+        pipeline_llama(model, parallel_dims=None, parallelism=parallelism,
+                       parallelize_fn=hsdp_titan.parallelize_llama)
     assert not any(hasattr(m, "_hsdp_unit") for m in model.modules())
 
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
@@ -43,6 +44,7 @@ from torchtitan.protocols.module import Module as TitanModule
 
 import hsdp
 from hsdp.checkpoint.state_dicts import load_state_dict_hook
+from hsdp.integrations.torchtitan_pipeline import check_pipeline, pipeline_llama
 from hsdp.sharding.policy import Strategy, parse_outer_reduce
 from hsdp.topology.outer_sync import parse_outer_sync
 
@@ -71,9 +73,16 @@ def options_from_env() -> tuple[Strategy, bool, hsdp.OuterReduce | None, hsdp.Di
 
 
 def _check_supported(model: nn.Module, parallel_dims: ParallelDims, training: TrainingConfig,
-                     parallelism: ParallelismConfig) -> None:
+                     parallelism: ParallelismConfig, mesh: DeviceMesh | None) -> None:
     """Refuse (before anything changes) what hsdp cannot do under torchtitan, naming what
     to use instead."""
+    if parallel_dims.pp_enabled:
+        check_pipeline(parallelism)
+        if mesh is None:
+            raise ValueError("hsdp's parallelize_llama under pipeline parallelism needs its "
+                             "stage's mesh: use hsdp.integrations.torchtitan_pipeline."
+                             "pipeline_llama as the model spec's pipelining_fn (with_hsdp's "
+                             "configs do)")
     converted = sorted({type(m).__name__ for m in model.modules()
                         if _is_torchao(m) and not _is_float8_linear(m)})
     if converted:
@@ -83,7 +92,6 @@ def _check_supported(model: nn.Module, parallel_dims: ParallelDims, training: Tr
                          f"hsdp.integrations.torchtitan_float8.Float8LinearConverter or "
                          f"torchtitan's own llama3 module (FSDP2)")
     refused = {
-        "pipeline_parallel_degree > 1": parallel_dims.pp_enabled,
         "context_parallel_degree > 1": parallel_dims.cp_enabled,
         "expert_parallel_degree > 1": parallel_dims.ep_enabled,
         "training.enable_cpu_offload": training.enable_cpu_offload,
@@ -117,7 +125,8 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
                       strategy: Strategy | str | None = None,
                       overlap_outer: bool | None = None,
                       outer_reduce: hsdp.OuterReduce | str | None = None,
-                      outer_sync: hsdp.DiLoCo | str | None = None) -> nn.Module:
+                      outer_sync: hsdp.DiLoCo | str | None = None,
+                      mesh: DeviceMesh | None = None) -> nn.Module:
     """torchtitan's ``parallelize_llama`` with hsdp in place of ``apply_fsdp_to_decoder``:
     torchtitan's own TP plan (the model's ``parallelize`` on its "tp" mesh, when
     ``tensor_parallel_degree > 1``), activation checkpointing and per-block compile as
@@ -125,8 +134,9 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
     hsdp unit per block (and one for the embedding unless it is tied to the output), the
     norm and output head in the root's. ``strategy`` / ``overlap_outer`` /
     ``outer_reduce`` / ``outer_sync`` (``init_mesh``'s): default from the environment
-    (``options_from_env``)."""
-    _check_supported(model, parallel_dims, training, parallelism)
+    (``options_from_env``). ``mesh``: the stage's mesh under pipeline parallelism
+    (``pipeline_llama`` passes it), else ``hsdp.init_mesh``'s over the world."""
+    _check_supported(model, parallel_dims, training, parallelism, mesh)
     if any(_is_float8_linear(m) for m in model.modules()):
         from hsdp.integrations.torchtitan_float8 import wrap_float8_all_gather_weights
 
@@ -137,6 +147,10 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
     if isinstance(outer_sync, str):
         outer_sync = parse_outer_sync(outer_sync)
     outer_sync = outer_sync or env_outer_sync
+    if outer_sync is not None and mesh is not None:
+        raise NotImplementedError(
+            "hsdp: DiLoCo (HSDP_OUTER_SYNC / outer_sync) with pipeline_parallel_degree > 1 is "
+            "not supported: train DiLoCo without pipeline parallelism")
     overlap_outer = env_overlap if overlap_outer is None else overlap_outer
     if parallel_dims.tp_enabled:
         model.parallelize(parallel_dims)
@@ -145,16 +159,17 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
     if compile_config.enable and "model" in compile_config.components:
         apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
 
-    mesh = hsdp.init_mesh(parallel_dims.dp_replicate, parallel_dims.dp_shard,
-                          parallel_dims.world_mesh.device_type, tp=parallel_dims.tp,
-                          outer_sync=outer_sync)
+    if mesh is None:
+        mesh = hsdp.init_mesh(parallel_dims.dp_replicate, parallel_dims.dp_shard,
+                              parallel_dims.world_mesh.device_type, tp=parallel_dims.tp,
+                              outer_sync=outer_sync)
     mp = hsdp.MixedPrecision(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
                              reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
                              cast_forward_inputs=False)
     shard = functools.partial(hsdp.fully_shard, mesh=mesh, strategy=strategy, mp_policy=mp,
                               overlap_outer=overlap_outer, outer_reduce=outer_reduce)
     policy = parallelism.fsdp_reshard_after_forward
-    reshard = get_fsdp_reshard_after_forward_policy(policy, pp_enabled=False)
+    reshard = get_fsdp_reshard_after_forward_policy(policy, pp_enabled=parallel_dims.pp_enabled)
     if model.tok_embeddings is not None and not model.enable_weight_tying:
         shard(model.tok_embeddings, reshard_after_forward=reshard)
     for block in model.layers.values():
@@ -246,7 +261,8 @@ def with_hsdp(config_fn: Callable) -> Callable:
     def config():
         cfg = config_fn()
         cfg.model_spec = dataclasses.replace(cfg.model_spec, name=MODEL_NAME,
-                                             parallelize_fn=parallelize_llama)
+                                             parallelize_fn=parallelize_llama,
+                                             pipelining_fn=pipeline_llama)
         cfg.parallelism.spmd_backend = "partial_dtensor"
         if isinstance(cfg.loss, ChunkedLossWrapper.Config):
             cfg.loss = cfg.loss.loss_fn

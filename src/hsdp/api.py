@@ -279,31 +279,40 @@ def precompute_float8_scales(model: nn.Module) -> None:
     _root_unit(model).root_runtime().refresh_float8_scales()
 
 
-Spread = tuple[bool, bool]  # (sharded over outer, sharded over tp)
+# (the unit mesh's shape and dims, sharded over outer, sharded over tp / ep): the same keys
+# on every rank
+Spread = tuple[tuple[int, ...], tuple[str, ...], bool, bool]
 
 
-def _sharded_grads(model: nn.Module) -> dict[Spread, list[torch.Tensor]]:
-    """The local pieces of the gradients by how they are spread, each element once
-    (``parameters()`` yields a shared parameter once; an empty piece's placeholder not at
-    all, whatever in-place ops wrote into it)."""
-    out: dict[Spread, list[torch.Tensor]] = {(o, t): [] for o in (False, True)
-                                             for t in (False, True)}
+def _sharded_grads(model: nn.Module
+                   ) -> dict[Spread, tuple[tuple[dist.ProcessGroup, ...], list[torch.Tensor]]]:
+    """The local pieces of the gradients by how they are spread, with the host groups over
+    which they are, each element once (``parameters()`` yields a shared parameter once; an
+    empty piece's placeholder not at all, whatever in-place ops wrote into it). Every
+    parameter's spread is listed, with a gradient or not, so every rank has the same keys."""
+    out: dict[Spread, tuple[tuple[dist.ProcessGroup, ...], list[torch.Tensor]]] = {}
     for p in model.parameters():
         managed = owner(p)
-        if managed is None or p.grad is None:
+        if managed is None:
+            continue
+        g = managed[0]
+        split = block_of(p._spec) is not None
+        key = (tuple(g.comms.mesh.mesh.shape), tuple(g.comms.mesh.mesh_dim_names),
+               g.shard_outer, split)
+        _, grads = out.setdefault(key, (g.comms.piece_groups(g.shard_outer, split), []))
+        if p.grad is None:
             continue
         local = p.grad._local_tensor
         held = getattr(p.grad, "_hsdp_range", (0, local.numel()))[1]
-        out[managed[0].shard_outer, block_of(p._spec) is not None].append(
-            local.reshape(-1)[:held])
+        grads.append(local.reshape(-1)[:held])
     return out
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float,
                     norm_type: float = 2.0) -> torch.Tensor:
-    """Clip gradients in place by their total norm over all shards (DP and TP), counting
-    every gradient element once (not once per outer or tp replica). Returns the total
-    norm."""
+    """Clip gradients in place by their total norm over all shards (DP, TP and EP),
+    counting every gradient element once (not once per outer or tp replica). Returns the
+    total norm."""
     unit = _root_unit(model)
     rt = unit.runtime
     if rt is not None:
@@ -325,22 +334,17 @@ def clip_grad_norm_(model: nn.Module, max_norm: float,
 
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
 
-    def over(part: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        dist.all_reduce(part, op=op, group=group)
-        return part
-
-    def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.maximum(a, b) if inf else a + b
-
     def reduce_norm() -> torch.Tensor:
-        # Each part over the dims it is sharded on (outer, then tp), all over inner.
-        total = add(over(local(spread[True, False]), comms.host_outer),
-                    local(spread[False, False]))
-        if comms.host_tp is not None:
-            tp_part = add(over(local(spread[True, True]), comms.host_outer),
-                          local(spread[False, True]))
-            total = add(total, over(tp_part, comms.host_tp))
-        return over(total, comms.host_inner)
+        # Each part over the groups it is spread on (inner, outer, tp / ep), then added:
+        # every element counted once, on every rank.
+        total = torch.zeros((), device=unit.device)
+        for key in sorted(spread, key=repr):
+            groups, grads = spread[key]
+            part = local(grads)
+            for group in groups:
+                dist.all_reduce(part, op=op, group=group)
+            total = torch.maximum(total, part) if inf else total + part
+        return total
 
     step = max(rt.log.step - 1, 0) if rt is not None else 0  # the step that made the grads
     key = f"hsdp/{unit.label}/clip/{next(_CLIPS.setdefault(unit, itertools.count()))}"
@@ -352,7 +356,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float,
         raise
     total = total if inf else total.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    grads = [g for gs in spread.values() for g in gs]
+    grads = [g for _, gs in spread.values() for g in gs]
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return total

@@ -19,9 +19,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as fsdp2_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils.checkpoint import checkpoint
 
 import hsdp
 
@@ -105,8 +106,14 @@ class Block(nn.Module):
         self.mix = nn.Linear(DIM, DIM)
         self.router = nn.Linear(DIM, EXPERTS, bias=False)
         self.experts = Experts()
+        self.checkpointed = False  # activation checkpointing of the whole block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + torch.tanh(self.mix(x))
         return h + self.experts(h, torch.softmax(self.router(h), dim=-1))
 
@@ -145,29 +152,31 @@ def distribute_experts(model: MoE, ep_mesh: DeviceMesh) -> None:
                                                              run_check=False)))
 
 
-def hsdp_model(mesh: DeviceMesh, ep: int, strategy: str = "hsdp", **kw) -> MoE:
+def hsdp_model(mesh: DeviceMesh, ep: int, strategy: str = "hsdp", ac: bool = False,
+               **kw) -> MoE:
     """The reference's weights, experts on the expert mesh, hsdp units per block with the
     experts nested."""
     model = reference()
     emesh = hsdp.expert_mesh(mesh, ep)
     distribute_experts(model, emesh["ep"])
     for block in model.blocks:
+        block.checkpointed = ac
         hsdp.fully_shard(block.experts, mesh=emesh, strategy=strategy, **kw)
         hsdp.fully_shard(block, mesh=mesh, strategy=strategy, **kw)
     return hsdp.fully_shard(model, mesh=mesh, strategy=strategy, **kw)
 
 
-def fsdp2_model(mesh: DeviceMesh, ep: int) -> MoE:
+def fsdp2_model(mesh: DeviceMesh, ep: int, **kw) -> MoE:
     """FSDP2 HSDP on the same meshes: the experts on the expert mesh's (outer, inner) of
     this rank's ep index, their mean over all DP ranks by a divide factor."""
     model = reference()
     emesh = hsdp.expert_mesh(mesh, ep)
     distribute_experts(model, emesh["ep"])
     for block in model.blocks:
-        fsdp2_shard(block.experts, mesh=emesh["outer", "inner"])
+        fsdp2_shard(block.experts, mesh=emesh["outer", "inner"], **kw)
         block.experts.set_gradient_divide_factor(float(mesh.size()))
-        fsdp2_shard(block, mesh=mesh)
-    fsdp2_shard(model, mesh=mesh)
+        fsdp2_shard(block, mesh=mesh, **kw)
+    fsdp2_shard(model, mesh=mesh, **kw)
     for m in model.modules():  # gloo has no PREMUL_SUM
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
@@ -183,7 +192,7 @@ def train(model: nn.Module, rows: slice, clip, microbatches: int = 1,
         x, y = _batch(step)
         x, y = x[rows], y[rows]
         for mb, (xm, ym) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
-            loss = F.mse_loss(model(xm), ym) / microbatches
+            loss = F.mse_loss(model(xm).float(), ym) / microbatches
             if hasattr(model, "_hsdp_unit"):
                 with hsdp.microbatch(model, is_last=mb == microbatches - 1):
                     loss.backward()
@@ -244,14 +253,23 @@ def parity_job(rank: int, world: int, path: str) -> dict[str, float | bool | lis
     out["fsdp2 norms"] = train(fsdp2, rows, _per_mesh_clip)
     fsdp2_params = full_params(fsdp2)
     out["fsdp2 vs ref"] = rel(fsdp2_params, want)
-    for strategy, mb, clip in (("hsdp", 1, _hsdp_clip), ("hfsdp", 2, _per_mesh_clip)):
-        model = hsdp_model(mesh, 2, strategy)
-        name = f"{strategy} mb={mb} {clip.__name__}"
+    for strategy, mb, clip, ac in (("hsdp", 1, _hsdp_clip, False),
+                                   ("hfsdp", 2, _per_mesh_clip, True)):
+        model = hsdp_model(mesh, 2, strategy, ac)
+        name = f"{strategy} mb={mb} ac={ac} {clip.__name__}"
         out[f"{name} norms"] = train(model, rows, clip, mb)
         got = full_params(model)
         out[f"{name} vs ref"] = rel(got, want)
         out[f"{name} vs fsdp2"] = rel(got, fsdp2_params)
         hsdp.synchronize(model)
+    # bf16 parameters for compute, fp32 reductions: against FSDP2 with the same policy
+    fsdp2 = fsdp2_model(mesh, 2, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    train(fsdp2, rows, _per_mesh_clip)
+    model = hsdp_model(mesh, 2, mp_policy=hsdp.MixedPrecision(torch.bfloat16, torch.float32))
+    train(model, rows, _hsdp_clip)
+    out["bf16 hsdp vs fsdp2"] = rel(full_params(model), full_params(fsdp2))
+    out["bf16 fsdp2 vs ref"] = rel(full_params(fsdp2), want)
+    hsdp.synchronize(model)
     out["ref norms"] = ref_norms
     out.update(_checkpoint(mesh, rows, path))
     out["errors"] = _errors(mesh)

@@ -18,9 +18,11 @@ pytest.importorskip("torchtitan.train", reason="torchtitan is not installed: pip
 
 from dist_utils import run_jobs, run_ranks  # noqa: E402
 from torchtitan_jobs import (  # noqa: E402
+    MOE,
     _meta_model,
     checkpoint_job,
     float8_parity_job,
+    moe_job,
     parity_job,
     tp_parity_job,
 )
@@ -157,15 +159,16 @@ def test_float8_converters_match_one_process_and_fsdp2(jobs_4):
         assert not bad, bad
 
 
-def _refused_before_sharding(model, training, match: str) -> None:
-    """hsdp's ``parallelize_llama`` on a 2x2 mesh raises ``match`` with nothing sharded."""
+def _refused_before_sharding(model, training, match: str, tp: int = 1, ep: int = 1) -> None:
+    """hsdp's ``parallelize_llama`` on a 2x2 (x tp) mesh raises ``match`` with nothing
+    sharded."""
     from torchtitan.config import CompileConfig, ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
     from hsdp.integrations import torchtitan as hsdp_titan
 
-    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=4,
-                        spmd_backend="partial_dtensor")
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=tp, pp=1, ep=ep,
+                        world_size=4 * tp, spmd_backend="partial_dtensor")
     with pytest.raises(ValueError, match=match):
         hsdp_titan.parallelize_llama(
             model, parallel_dims=dims, training=training,
@@ -185,6 +188,30 @@ def test_mx_converted_model_is_refused_before_sharding():
     ffn.w1.__class__ = type("NVFP4Linear", (type(ffn.w1),),
                             {"__module__": "torchao.prototype.mx_formats"})
     _refused_before_sharding(model, TrainingConfig(), "float8 linears only, not NVFP4Linear")
+
+
+def test_deepseek_v3_expert_parallel_matches_one_process_and_fsdp2(tmp_path):
+    """``expert_parallel_degree`` 2 on (dp_replicate, dp_shard) = (2, 4): each MoE block's
+    experts in an hsdp unit on the (2, 2, 2) expert mesh, nested in the block's (2 such
+    units), start equal to one process and after 10 steps (torchtitan's load balancing on)
+    equal it and torchtitan's FSDP2 path, hsdp and hfsdp with activation checkpointing; a
+    resume from step 5 through ``CheckpointManager`` equals the uninterrupted run bit for
+    bit, the expert biases included."""
+    for r in run_ranks(moe_job, 8, str(tmp_path)):
+        assert r.pop("hsdp resume equal"), r
+        assert r.pop("hsdp ac=False biases moved") and r.pop("hfsdp ac=True biases moved")
+        units = {k: r.pop(k) for k in list(r) if k.endswith("expert units")}
+        assert units == dict.fromkeys(units, 2) and len(units) == 2, units
+        bad = {k: e for k, e in r.items() if not e < 1e-5}
+        assert len(r) == 7 and not bad, r
+
+
+def test_expert_with_tensor_parallel_is_refused_before_sharding():
+    from torchtitan.config import TrainingConfig
+
+    _refused_before_sharding(_meta_model(arch=MOE), TrainingConfig(),
+                             "expert_parallel_degree > 1 with tensor_parallel_degree > 1",
+                             tp=2, ep=2)
 
 
 def test_outer_reduce_from_the_environment(monkeypatch):

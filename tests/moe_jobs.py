@@ -239,10 +239,11 @@ def _per_mesh_clip(model: nn.Module) -> torch.Tensor:
 
 
 def parity_job(rank: int, world: int, path: str) -> dict[str, float | bool | list]:
-    """Relative parameter error after ``STEPS`` steps on the (2, world/2) mesh with ep 2:
-    hsdp (both strategies, microbatches, its clip and torch's) against one process and
-    against FSDP2; the gradient norms against one process's; a DCP checkpoint of the ep 2
-    model loaded on ep 4 (equal) and on ep 2 resumed (bit for bit)."""
+    """Relative parameter error after ``STEPS`` steps on the (2, world/2) mesh with ep 2
+    (and 4): hsdp (both strategies, microbatches, activation checkpointing, its clip and
+    torchtitan's) against one process and against FSDP2 (ep 2); the gradient norms against
+    one process's; a DCP checkpoint of the ep 2 model loaded on ep 4 (equal) and on ep 2
+    resumed (bit for bit)."""
     mesh = hsdp.init_mesh(2, world // 2, "cpu")
     rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
     ref = reference()
@@ -253,10 +254,12 @@ def parity_job(rank: int, world: int, path: str) -> dict[str, float | bool | lis
     out["fsdp2 norms"] = train(fsdp2, rows, _per_mesh_clip)
     fsdp2_params = full_params(fsdp2)
     out["fsdp2 vs ref"] = rel(fsdp2_params, want)
-    for strategy, mb, clip, ac in (("hsdp", 1, _hsdp_clip, False),
-                                   ("hfsdp", 2, _per_mesh_clip, True)):
-        model = hsdp_model(mesh, 2, strategy, ac)
-        name = f"{strategy} mb={mb} ac={ac} {clip.__name__}"
+    # ep 4: one rank per expert inner group (the experts replicated over outer only)
+    for strategy, ep, mb, clip, ac in (("hsdp", 2, 1, _hsdp_clip, False),
+                                       ("hfsdp", 2, 2, _per_mesh_clip, True),
+                                       ("hsdp", 4, 1, _hsdp_clip, False)):
+        model = hsdp_model(mesh, ep, strategy, ac)
+        name = f"{strategy} ep={ep} mb={mb} ac={ac} {clip.__name__}"
         out[f"{name} norms"] = train(model, rows, clip, mb)
         got = full_params(model)
         out[f"{name} vs ref"] = rel(got, want)

@@ -121,15 +121,26 @@ def test_torchtitan_trainer_main_with_hsdp_matches_its_fsdp2(tmp_path):
     logs the losses and gradient norms of its FSDP2 run (to the 5 decimals it prints),
     with its metrics (memory, tokens/s, MFU). Both start from one seed checkpoint: hsdp's
     ``init_weights`` draws other random values than torchtitan's."""
+    _trainer_equals_fsdp2(tmp_path, "debugmodel")
+
+
+def test_torchtitan_trainer_main_with_hsdp_expert_parallel_matches_its_fsdp2(tmp_path):
+    """The same with DeepSeek-V3 (3 blocks, 2 MoE) and ``expert_parallel_degree`` 2."""
+    _trainer_equals_fsdp2(tmp_path, "moe_debugmodel", "--parallelism.expert_parallel_degree",
+                          "2", "--training.disable_cuda_graphs")
+
+
+def _trainer_equals_fsdp2(tmp_path: Path, model: str, *args: str) -> None:
+    """``hsdp_<model>`` and ``fsdp2_<model>`` 4 steps on 2x2 ranks from one seed checkpoint."""
     subprocess.run([sys.executable, str(ROOT / "scripts" / "torchtitan_gpu.py"), "assets",
                     str(tmp_path / "assets")], check=True)
-    _trainer(tmp_path, "hsdp_debugmodel", 1, "--checkpoint.create_seed_checkpoint",
+    _trainer(tmp_path, f"hsdp_{model}", 1, "--checkpoint.create_seed_checkpoint",
              "--dump_folder", "seed")
     mesh = ["--checkpoint.initial_load_path", str(tmp_path / "seed" / "ckpt" / "step-0"),
             "--training.steps", "4", "--parallelism.data_parallel_replicate_degree", "2",
-            "--parallelism.data_parallel_shard_degree", "2"]
-    got = _trainer(tmp_path, "hsdp_debugmodel", 4, *mesh, "--dump_folder", "hsdp")
-    want = _trainer(tmp_path, "fsdp2_debugmodel", 4, *mesh, "--dump_folder", "fsdp2")
+            "--parallelism.data_parallel_shard_degree", "2", *args]
+    got = _trainer(tmp_path, f"hsdp_{model}", 4, *mesh, "--dump_folder", "hsdp")
+    want = _trainer(tmp_path, f"fsdp2_{model}", 4, *mesh, "--dump_folder", "fsdp2")
     assert sorted(got) == sorted(want) == [1, 2, 3, 4]
     # Values a float ulp apart can print one unit apart in the 5th decimal when they sit
     # on a rounding boundary (seen once: 8.18448 vs 8.18447), so one printed unit is allowed.

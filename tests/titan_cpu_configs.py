@@ -1,7 +1,9 @@
 """A torchtitan config module for tests/dist/test_torchtitan.py's trainer test: torchtitan's own
 ``torchtitan.train`` main runs ``--module titan_cpu_configs --config {hsdp,fsdp2}_debugmodel``
 on CPU gloo ranks. The configs are torchtitan's ``llama3_debugmodel`` with SDPA attention
-(flex has no CPU backward), fp32, and AdamW at eps=0.1 (torchtitan_jobs.py says why).
+(flex has no CPU backward), fp32, and AdamW at eps=0.1 (torchtitan_jobs.py says why);
+``hsdp_moe_debugmodel`` is ``deepseek_v3_debugmodel`` (its first 3 blocks: 2 MoE) alike,
+for ``--parallelism.expert_parallel_degree``.
 
 torchtitan 0.3.0 has no CPU device: it takes ``cuda`` wherever no accelerator is found, and
 its memory monitor needs a CUDA-like device module. Importing this module (torchtitan's
@@ -12,6 +14,7 @@ host memory (peak RSS) standing in for device memory; and it needs a torch newer
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import platform
 import resource
@@ -26,6 +29,8 @@ import torchtitan.tools.utils as titan_utils
 from torch.distributed.fsdp import FSDPModule
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
 from torchtitan.models.llama3 import parallelize_llama as fsdp2_parallelize_llama
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
@@ -76,8 +81,8 @@ if not hasattr(dist, "set_timeout"):
     dist.set_timeout = dist.distributed_c10d._set_pg_timeout
 
 
-def _debugmodel():
-    cfg = llama3_debugmodel()
+def _debugmodel(config_fn=llama3_debugmodel):
+    cfg = config_fn()
     for layer in cfg.model_spec.model.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     cfg.training.dtype = "float32"
@@ -92,9 +97,9 @@ def _debugmodel():
     return cfg
 
 
-def fsdp2_on_gloo(model, **kw):
-    """torchtitan's FSDP2 ``parallelize_llama``; gloo has no PREMUL_SUM."""
-    model = fsdp2_parallelize_llama(model, **kw)
+def fsdp2_on_gloo(model, parallelize_fn=fsdp2_parallelize_llama, **kw):
+    """torchtitan's FSDP2 ``parallelize_fn``; gloo has no PREMUL_SUM."""
+    model = parallelize_fn(model, **kw)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
@@ -107,4 +112,19 @@ def fsdp2_debugmodel():
     return cfg
 
 
+def _deepseek_v3_3_blocks():
+    cfg = deepseek_v3_debugmodel()
+    cfg.model_spec.model.layers = cfg.model_spec.model.layers[:3]
+    return cfg
+
+
+def fsdp2_moe_debugmodel():
+    cfg = _debugmodel(_deepseek_v3_3_blocks)
+    cfg.model_spec = dataclasses.replace(
+        cfg.model_spec, parallelize_fn=functools.partial(fsdp2_on_gloo,
+                                                         parallelize_fn=parallelize_deepseekv3))
+    return cfg
+
+
 hsdp_debugmodel = with_hsdp(_debugmodel)
+hsdp_moe_debugmodel = with_hsdp(functools.partial(_debugmodel, _deepseek_v3_3_blocks))

@@ -8,8 +8,10 @@ updates)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -24,14 +26,16 @@ from torchtitan.components.optimizer import (
     LRSchedulersContainer,
     OptimizersContainer,
     ParamGroupConfig,
+    register_moe_load_balancing_hook,
 )
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import parallel_dims as titan_dims_module
 from torchtitan.distributed import utils as titan_dist
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
+from torchtitan.models import deepseek_v3, llama3
 from torchtitan.models.common.attention import ScaledDotProductAttention
-from torchtitan.models.llama3 import model_registry
+from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
 from torchtitan.protocols.module import Module as TitanModule
 
 import hsdp
@@ -42,26 +46,49 @@ FLOAT8_STEPS = 5
 TP_STEPS = 3  # as the 8-rank TP tests of tests/dist/test_tp.py
 
 
-def _model_config(converters: list | None = None):
+@dataclass(frozen=True)
+class Arch:
+    """A torchtitan model family's ``debugmodel`` as these jobs build it: its registry, its
+    FSDP2 ``parallelize_fn``, the parallelism its sharding specs are set for, and how many
+    of its layers are kept (None: all)."""
+
+    registry: Callable
+    fsdp2: Callable
+    parallelism: dict = field(default_factory=dict)
+    layers: int | None = None
+
+
+LLAMA = Arch(llama3.model_registry, fsdp2_on_gloo)
+# DeepSeek-V3's debugmodel, 1 dense block and 2 MoE blocks (8 experts, top 3), experts
+# split over expert_parallel_degree 2
+MOE = Arch(deepseek_v3.model_registry,
+           functools.partial(fsdp2_on_gloo, parallelize_fn=parallelize_deepseekv3),
+           {"expert_parallel_degree": 2, "spmd_backend": "partial_dtensor"}, layers=3)
+
+
+def _model_config(converters: list | None = None, arch: Arch = LLAMA):
     """``debugmodel`` with SDPA attention and, as torchtitan's trainer sets them
-    (``update_from_config``), its tensor-parallel sharding specs: ``parallelize`` applies
-    them on a tp mesh and ignores them without one."""
-    cfg = model_registry("debugmodel", converters=converters).model
+    (``update_from_config``), its tensor-parallel (and expert-parallel) sharding specs:
+    ``parallelize`` applies them on a tp (ep) mesh and ignores them without one."""
+    cfg = arch.registry("debugmodel", converters=converters).model
+    if arch.layers is not None:
+        cfg.layers = cfg.layers[:arch.layers]
     for layer in cfg.layers:  # flex attention has no CPU backward
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    cfg.update_from_config(config=SimpleNamespace(parallelism=ParallelismConfig()))
+    cfg.update_from_config(config=SimpleNamespace(
+        parallelism=ParallelismConfig(**arch.parallelism)))
     return cfg
 
 
-def _meta_model(converters: list | None = None) -> nn.Module:
+def _meta_model(converters: list | None = None, arch: Arch = LLAMA) -> nn.Module:
     with torch.device("meta"):
-        return _model_config(converters).build()
+        return _model_config(converters, arch).build()
 
 
-def _reference(converters: list | None = None) -> nn.Module:
+def _reference(converters: list | None = None, arch: Arch = LLAMA) -> nn.Module:
     """One process, initialized as hsdp's ``init_weights`` does: each module's own
     initializers in ``modules()`` order under seed 0."""
-    model = _meta_model(converters)
+    model = _meta_model(converters, arch)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     with torch.no_grad():
@@ -90,10 +117,14 @@ def _loss(model: nn.Module, seqs: torch.Tensor, global_tokens: int) -> torch.Ten
 
 def _train(model: nn.Module, rows: slice | int | range, world: int, microbatches: int,
            after_step: Callable[[nn.Module], None] | None = None, steps: int = STEPS,
-           max_norm: float = MAX_NORM) -> None:
+           max_norm: float = MAX_NORM, dims: ParallelDims | None = None) -> None:
     """``steps`` SGD steps on ``rows`` of each batch (a range: each row group in a forward
-    of its own, as the ranks run them), gradients clipped to ``max_norm``."""
+    of its own, as the ranks run them), gradients clipped to ``max_norm``; with ``dims``,
+    torchtitan's MoE load balancing (expert biases updated from the token counts before
+    each step, outside the optimizer)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if dims is not None:
+        register_moe_load_balancing_hook(opt, [model], dims)
     data = _batches(world, microbatches)
     global_tokens = world * ROWS * SEQ * microbatches
     for step in range(steps):
@@ -101,11 +132,22 @@ def _train(model: nn.Module, rows: slice | int | range, world: int, microbatches
             for r in rows if isinstance(rows, range) else [rows]:
                 seqs = data[step, mb, r].reshape(-1, SEQ + 1)
                 _loss(model, seqs, global_tokens).backward()
-        titan_dist.clip_grad_norm_(list(model.parameters()), max_norm, foreach=True)
+        _clip([model], max_norm)
         opt.step()
         if after_step is not None:
             after_step(model)
         opt.zero_grad()
+
+
+def _clip(parts: list[nn.Module], max_norm: float,
+          pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+    """torchtitan's ``clip_grad_norm_``, told of pipeline and expert parallelism as its
+    trainer does."""
+    params = [p for m in parts for p in m.parameters()]
+    ep = any(isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
+             for p in params)
+    return titan_dist.clip_grad_norm_(params, max_norm, foreach=True, pp_mesh=pp_mesh,
+                                      ep_enabled=ep)
 
 
 @torch.no_grad()
@@ -119,9 +161,9 @@ def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def _fsdp2_on(model: nn.Module, dims: ParallelDims, init: list[torch.Tensor],
-              ac: bool = False) -> nn.Module:
+              ac: bool = False, arch: Arch = LLAMA) -> nn.Module:
     """torchtitan's FSDP2 path on the meta-built ``model``, its parameters ``init``."""
-    model = _parallelize(fsdp2_on_gloo, model, dims, ac, "default")
+    model = _parallelize(arch.fsdp2, model, dims, ac, "default")
     model.to_empty(device="cpu")
     with torch.no_grad():  # buffers by torchtitan's init, parameters the reference's
         model.init_weights(buffer_device=None)
@@ -305,10 +347,12 @@ _LR = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="
 SAVE_AT = 5
 
 
-def _titan_run(model: nn.Module, rank: int, world: int, folder: str,
-               resume: bool, async_mode: str = "disabled") -> tuple[nn.Module, list[float]]:
+def _titan_run(model: nn.Module, rank: int, world: int, folder: str, resume: bool,
+               async_mode: str = "disabled", dims: ParallelDims | None = None
+               ) -> tuple[nn.Module, list[float]]:
     """``titan_loop`` on ``model``, this rank's rows of each step's batch (one
-    microbatch). Returns the model and this rank's loss per step run."""
+    microbatch). Returns the model and this rank's loss per step run. With ``dims``,
+    torchtitan's MoE load balancing."""
     data = _batches(world, 1)
 
     def step_fn(step: int) -> float:
@@ -316,20 +360,23 @@ def _titan_run(model: nn.Module, rank: int, world: int, folder: str,
         loss.backward()
         return loss.item()
 
-    return model, titan_loop([model], step_fn, folder, resume, async_mode)
+    return model, titan_loop([model], step_fn, folder, resume, async_mode, dims=dims)
 
 
 def titan_loop(parts: list[nn.Module], step_fn: Callable[[int], float], folder: str | None,
                resume: bool, async_mode: str = "disabled", pp_mesh: DeviceMesh | None = None,
-               norms: list[float] | None = None, max_norm: float = MAX_NORM) -> list[float]:
+               norms: list[float] | None = None, max_norm: float = MAX_NORM,
+               dims: ParallelDims | None = None) -> list[float]:
     """torchtitan's training loop pieces on the model ``parts``: its optimizer container,
     LR schedulers, ``clip_grad_norm_`` (over the pipeline ranks of ``pp_mesh``) and, with
     a ``folder``, ``CheckpointManager`` (DCP) saving at step ``SAVE_AT`` into it
     (``async_mode``: its ``--checkpoint.async_mode``), or, with ``resume``, loading from
     there and running the steps after it. ``step_fn(step)`` runs one step's forwards and
     backwards and returns this rank's loss; the losses are returned, the gradient norms
-    appended to ``norms``."""
+    appended to ``norms``. With ``dims``, torchtitan's MoE load balancing."""
     opt = _OPTIMIZER.build(model_parts=parts)
+    if dims is not None:
+        register_moe_load_balancing_hook(opt, parts, dims)
     lr = _LR.build(optimizers=opt, training_steps=STEPS)
     state = _TrainState()
     ckpt = None if folder is None else CheckpointManager.Config(
@@ -342,8 +389,7 @@ def titan_loop(parts: list[nn.Module], step_fn: Callable[[int], float], folder: 
     losses = []
     for step in range(state.step + 1, STEPS + 1):
         losses.append(step_fn(step))
-        norm = titan_dist.clip_grad_norm_([p for m in parts for p in m.parameters()],
-                                          max_norm, foreach=True, pp_mesh=pp_mesh)
+        norm = _clip(parts, max_norm, pp_mesh)
         if norms is not None:
             norms.append(norm.item())
         opt.step()
@@ -358,8 +404,10 @@ def titan_loop(parts: list[nn.Module], step_fn: Callable[[int], float], folder: 
     return losses
 
 
-def _hsdp_model(dims: ParallelDims, strategy: str, ac: bool = True) -> nn.Module:
-    model = _parallelize(hsdp_titan.parallelize_llama, _meta_model(), dims, ac, "default",
+def _hsdp_model(dims: ParallelDims, strategy: str, ac: bool = True,
+                arch: Arch = LLAMA) -> nn.Module:
+    model = _parallelize(hsdp_titan.parallelize_llama, _meta_model(arch=arch), dims, ac,
+                         "default",
                          strategy=strategy, overlap_outer=strategy == "hsdp")
     model.to_empty(device="cpu")
     torch.manual_seed(0)
@@ -368,9 +416,10 @@ def _hsdp_model(dims: ParallelDims, strategy: str, ac: bool = True) -> nn.Module
     return model
 
 
-def _fsdp2_model(dims: ParallelDims) -> nn.Module:
+def _fsdp2_model(dims: ParallelDims, arch: Arch = LLAMA) -> nn.Module:
     """torchtitan's FSDP2 path, with the parameters hsdp's ``init_weights`` gives."""
-    return _fsdp2_on(_meta_model(), dims, list(_reference().parameters()), ac=True)
+    return _fsdp2_on(_meta_model(arch=arch), dims,
+                     list(_reference(arch=arch).parameters()), ac=True, arch=arch)
 
 
 def checkpoint_job(rank: int, world: int, root: str) -> dict[str, float | bool]:
@@ -455,4 +504,50 @@ def tp_parity_job(rank: int, world: int) -> dict[str, float | int]:
         out[f"{strategy} ac={ac} vs ref"] = _rel(got, want)
         out[f"{strategy} ac={ac} vs fsdp2+tp"] = _rel(got, fsdp2_params)
         hsdp.synchronize(model)
+    return out
+
+
+def moe_job(rank: int, world: int, root: str) -> dict[str, float | bool | int]:
+    """``expert_parallel_degree`` 2 on (dp_replicate, dp_shard) = (2, world / 2): DeepSeek-V3's
+    debugmodel (``MOE``) with torchtitan's expert parallelism and load balancing; hsdp
+    (expert units on the (2, world / 4, 2) expert mesh, nested in the blocks') against one
+    process and torchtitan's FSDP2 path after ``STEPS`` steps (relative error), and a
+    resume from step ``SAVE_AT`` through torchtitan's ``CheckpointManager`` against the
+    uninterrupted run (bit for bit, expert biases included)."""
+    titan_dims_module.device_type = "cpu"
+    titan_dist.set_spmd_backend("partial_dtensor")  # as its trainer sets it from the config
+    dims = ParallelDims(dp_replicate=2, dp_shard=world // 2, cp=1, tp=1, pp=1, ep=2,
+                        world_size=world, spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    ref = _reference(arch=MOE)
+    _train(ref, slice(None), world, 1, dims=dims)
+    want = _full_params(ref)
+    fsdp2 = _fsdp2_on(_meta_model(arch=MOE), dims, list(_reference(arch=MOE).parameters()),
+                      arch=MOE)
+    _train(fsdp2, rank, world, 1, dims=dims)
+    fsdp2_params = _full_params(fsdp2)
+    out: dict[str, float | bool | int] = {"fsdp2 vs ref": _rel(fsdp2_params, want)}
+    for strategy, ac in (("hsdp", False), ("hfsdp", True)):
+        model = _hsdp_model(dims, strategy, ac, arch=MOE)
+        out[f"{strategy} ac={ac} expert units"] = sum(
+            1 for m in model.modules() if getattr(m, "_hsdp_unit", None) is not None
+            and "ep" in m._hsdp_unit.mesh.mesh_dim_names)
+        out[f"{strategy} ac={ac} init vs ref"] = _rel(_full_params(model),
+                                                      _full_params(_reference(arch=MOE)))
+        _train(model, rank, world, 1, dims=dims)
+        out[f"{strategy} ac={ac} biases moved"] = all(
+            b.abs().sum() > 0 for n, b in model.named_buffers() if n.endswith("expert_bias_E"))
+        got = _full_params(model)
+        out[f"{strategy} ac={ac} vs ref"] = _rel(got, want)
+        out[f"{strategy} ac={ac} vs fsdp2"] = _rel(got, fsdp2_params)
+        hsdp.synchronize(model)
+    model, losses = _titan_run(_hsdp_model(dims, "hsdp", arch=MOE), rank, world,
+                               f"{root}/moe", resume=False, dims=dims)
+    full = _full_params(model) + [b.clone() for b in model.buffers()]
+    hsdp.synchronize(model)
+    model, resumed = _titan_run(_hsdp_model(dims, "hsdp", arch=MOE), rank, world,
+                                f"{root}/moe", resume=True, dims=dims)
+    out["hsdp resume equal"] = resumed == losses[SAVE_AT:] and all(
+        torch.equal(a, b) for a, b in zip(_full_params(model) + list(model.buffers()), full))
+    hsdp.synchronize(model)
     return out

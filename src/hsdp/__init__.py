@@ -21,6 +21,7 @@ from hsdp.runtime.optim import attach_optimizer
 from hsdp.sharding.policy import MixedPrecision, OuterReduce, Strategy
 from hsdp.topology.communicators import NcclConfig
 from hsdp.topology.mesh import init_mesh
+from hsdp.topology.mesh_dims import expert_mesh
 from hsdp.topology.outer_sync import DiLoCo
 
 __version__ = "0.1.0"
@@ -37,6 +38,7 @@ __all__ = [
     "RecoveryTransport",
     "attach_optimizer",
     "clip_grad_norm_",
+    "expert_mesh",
     "fault_tolerance",
     "full_state_dict",
     "fully_shard",

@@ -1,4 +1,4 @@
-"""``clip_grad_norm_``: the total gradient norm over every shard (DP, TP and, given the
+"""``clip_grad_norm_``: the total gradient norm over every shard (DP, TP, EP and, given the
 pipeline's group, every stage), then the clip."""
 
 from __future__ import annotations
@@ -22,23 +22,32 @@ from hsdp.topology.communicators import comm_groups
 
 _CLIPS: weakref.WeakKeyDictionary[Unit, itertools.count] = weakref.WeakKeyDictionary()
 
-Spread = tuple[bool, bool]  # (sharded over outer, sharded over tp)
+# (the unit mesh's shape and dims, sharded over outer, sharded over tp / ep): the same keys
+# on every rank
+Spread = tuple[tuple[int, ...], tuple[str, ...], bool, bool]
 
 
-def _sharded_grads(model: nn.Module) -> dict[Spread, list[torch.Tensor]]:
-    """The local pieces of the gradients by how they are spread, each element once
-    (``parameters()`` yields a shared parameter once; an empty piece's placeholder not at
-    all, whatever in-place ops wrote into it)."""
-    out: dict[Spread, list[torch.Tensor]] = {(o, t): [] for o in (False, True)
-                                             for t in (False, True)}
+def _sharded_grads(model: nn.Module
+                   ) -> dict[Spread, tuple[tuple[dist.ProcessGroup, ...], list[torch.Tensor]]]:
+    """The local pieces of the gradients by how they are spread, with the host groups over
+    which they are, each element once (``parameters()`` yields a shared parameter once; an
+    empty piece's placeholder not at all, whatever in-place ops wrote into it). Every
+    parameter's spread is listed, with a gradient or not, so every rank has the same keys."""
+    out: dict[Spread, tuple[tuple[dist.ProcessGroup, ...], list[torch.Tensor]]] = {}
     for p in model.parameters():
         managed = owner(p)
-        if managed is None or p.grad is None:
+        if managed is None:
+            continue
+        g = managed[0]
+        split = block_of(p._spec) is not None
+        key = (tuple(g.comms.mesh.mesh.shape), tuple(g.comms.mesh.mesh_dim_names),
+               g.shard_outer, split)
+        _, grads = out.setdefault(key, (g.comms.piece_groups(g.shard_outer, split), []))
+        if p.grad is None:
             continue
         local = p.grad._local_tensor
         held = getattr(p.grad, "_hsdp_range", (0, local.numel()))[1]
-        out[managed[0].shard_outer, block_of(p._spec) is not None].append(
-            local.reshape(-1)[:held])
+        grads.append(local.reshape(-1)[:held])
     return out
 
 
@@ -61,6 +70,11 @@ class _Norm:
         dist.all_reduce(part, op=self.op, group=group)
         return part
 
+    def over_all(self, part: torch.Tensor, groups: Sequence[dist.ProcessGroup]) -> torch.Tensor:
+        for group in groups:
+            self.over(part, group)
+        return part
+
     def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.maximum(a, b) if self.inf else a + b
 
@@ -78,17 +92,14 @@ def _stage_part(model: nn.Module, norm: _Norm) -> tuple[torch.Tensor, list[torch
     spread = _sharded_grads(model)
     comms = comm_groups(unit.mesh)
 
-    def local(key: Spread) -> torch.Tensor:
-        return norm.local(spread[key], unit.device)
-
     def reduce_norm() -> torch.Tensor:
-        # Each part over the dims it is sharded on (outer, then tp), all over inner.
-        total = norm.add(norm.over(local((True, False)), comms.host_outer), local((False, False)))
-        if comms.host_tp is not None:
-            tp_part = norm.add(norm.over(local((True, True)), comms.host_outer),
-                               local((False, True)))
-            total = norm.add(total, norm.over(tp_part, comms.host_tp))
-        return norm.over(total, comms.host_inner)
+        # Each part over the groups it is spread on (inner, outer, tp / ep), then added:
+        # every element counted once, on every rank.
+        total = torch.zeros((), device=unit.device)
+        for key in sorted(spread, key=repr):
+            groups, grads = spread[key]
+            total = norm.add(total, norm.over_all(norm.local(grads, unit.device), groups))
+        return total
 
     step = max(rt.log.step - 1, 0) if rt is not None else 0  # the step that made the grads
     key = f"hsdp/{unit.label}/clip/{next(_CLIPS.setdefault(unit, itertools.count()))}"
@@ -98,14 +109,14 @@ def _stage_part(model: nn.Module, norm: _Norm) -> tuple[torch.Tensor, list[torch
         if rt is not None:
             rt.broken = str(exc)
         raise
-    return total, [g for gs in spread.values() for g in gs]
+    return total, [g for _, gs in spread.values() for g in gs]
 
 
 def clip_grad_norm_(model: nn.Module | Sequence[nn.Module], max_norm: float,
                     norm_type: float = 2.0, *,
                     pp_group: dist.ProcessGroup | DeviceMesh | None = None) -> torch.Tensor:
-    """Clip gradients in place by their total norm over all shards (DP and TP), counting
-    every gradient element once (not once per outer or tp replica). Returns the total
+    """Clip gradients in place by their total norm over all shards (DP, TP and EP),
+    counting every gradient element once (not once per outer or tp replica). Returns the total
     norm. With pipeline parallelism pass this rank's stage roots (several with an
     interleaved schedule) and ``pp_group``, the group (or 1-D mesh) of its pipeline ranks:
     the norm is then over every stage, as torchtitan's ``clip_grad_norm_(pp_mesh=...)``.

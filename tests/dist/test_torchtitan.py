@@ -21,9 +21,11 @@ from dist_utils import run_jobs, run_ranks  # noqa: E402
 from hsdp.topology.outer_sync import parse_outer_sync  # noqa: E402
 from torchtitan_jobs import (  # noqa: E402
     DILOCO_H1,
+    MOE,
     _meta_model,
     checkpoint_job,
     float8_parity_job,
+    moe_job,
     parity_job,
     tp_parity_job,
 )
@@ -145,15 +147,26 @@ def test_torchtitan_trainer_main_with_hsdp_matches_its_fsdp2(tmp_path):
     logs the losses and gradient norms of its FSDP2 run (to the 5 decimals it prints),
     with its metrics (memory, tokens/s, MFU). Both start from one seed checkpoint: hsdp's
     ``init_weights`` draws other random values than torchtitan's."""
+    _trainer_equals_fsdp2(tmp_path, "debugmodel")
+
+
+def test_torchtitan_trainer_main_with_hsdp_expert_parallel_matches_its_fsdp2(tmp_path):
+    """The same with DeepSeek-V3 (3 blocks, 2 MoE) and ``expert_parallel_degree`` 2."""
+    _trainer_equals_fsdp2(tmp_path, "moe_debugmodel", "--parallelism.expert_parallel_degree",
+                          "2", "--training.disable_cuda_graphs")
+
+
+def _trainer_equals_fsdp2(tmp_path: Path, model: str, *args: str) -> None:
+    """``hsdp_<model>`` and ``fsdp2_<model>`` 4 steps on 2x2 ranks from one seed checkpoint."""
     subprocess.run([sys.executable, str(ROOT / "scripts" / "torchtitan_gpu.py"), "assets",
                     str(tmp_path / "assets")], check=True)
-    _trainer(tmp_path, "hsdp_debugmodel", 1, "--checkpoint.create_seed_checkpoint",
+    _trainer(tmp_path, f"hsdp_{model}", 1, "--checkpoint.create_seed_checkpoint",
              "--dump_folder", "seed")
     mesh = ["--checkpoint.initial_load_path", str(tmp_path / "seed" / "ckpt" / "step-0"),
             "--training.steps", "4", "--parallelism.data_parallel_replicate_degree", "2",
-            "--parallelism.data_parallel_shard_degree", "2"]
-    got = _trainer(tmp_path, "hsdp_debugmodel", 4, *mesh, "--dump_folder", "hsdp")
-    want = _trainer(tmp_path, "fsdp2_debugmodel", 4, *mesh, "--dump_folder", "fsdp2")
+            "--parallelism.data_parallel_shard_degree", "2", *args]
+    got = _trainer(tmp_path, f"hsdp_{model}", 4, *mesh, "--dump_folder", "hsdp")
+    want = _trainer(tmp_path, f"fsdp2_{model}", 4, *mesh, "--dump_folder", "fsdp2")
     assert sorted(got) == sorted(want) == [1, 2, 3, 4]
     # Values a float ulp apart can print one unit apart in the 5th decimal when they sit
     # on a rounding boundary (seen once: 8.18448 vs 8.18447), so one printed unit is allowed.
@@ -183,15 +196,16 @@ def test_float8_converters_match_one_process_and_fsdp2(jobs_4):
         assert not bad, bad
 
 
-def _refused_before_sharding(model, training, match: str) -> None:
-    """hsdp's ``parallelize_llama`` on a 2x2 mesh raises ``match`` with nothing sharded."""
+def _refused_before_sharding(model, training, match: str, tp: int = 1, ep: int = 1) -> None:
+    """hsdp's ``parallelize_llama`` on a 2x2 (x tp) mesh raises ``match`` with nothing
+    sharded."""
     from torchtitan.config import CompileConfig, ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
     from hsdp.integrations import torchtitan as hsdp_titan
 
-    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=4,
-                        spmd_backend="partial_dtensor")
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=tp, pp=1, ep=ep,
+                        world_size=4 * tp, spmd_backend="partial_dtensor")
     with pytest.raises(ValueError, match=match):
         hsdp_titan.parallelize_llama(
             model, parallel_dims=dims, training=training,
@@ -231,6 +245,30 @@ def test_mx_converted_model_is_refused_before_sharding():
     ffn.w1.__class__ = type("NVFP4Linear", (type(ffn.w1),),
                             {"__module__": "torchao.prototype.mx_formats"})
     _refused_before_sharding(model, TrainingConfig(), "float8 linears only, not NVFP4Linear")
+
+
+def test_deepseek_v3_expert_parallel_matches_one_process_and_fsdp2(tmp_path):
+    """``expert_parallel_degree`` 2 on (dp_replicate, dp_shard) = (2, 4): each MoE block's
+    experts in an hsdp unit on the (2, 2, 2) expert mesh, nested in the block's (2 such
+    units), start equal to one process and after 10 steps (torchtitan's load balancing on)
+    equal it and torchtitan's FSDP2 path, hsdp and hfsdp with activation checkpointing; a
+    resume from step 5 through ``CheckpointManager`` equals the uninterrupted run bit for
+    bit, the expert biases included."""
+    for r in run_ranks(moe_job, 8, str(tmp_path)):
+        assert r.pop("hsdp resume equal"), r
+        assert r.pop("hsdp ac=False biases moved") and r.pop("hfsdp ac=True biases moved")
+        units = {k: r.pop(k) for k in list(r) if k.endswith("expert units")}
+        assert units == dict.fromkeys(units, 2) and len(units) == 2, units
+        bad = {k: e for k, e in r.items() if not e < 1e-5}
+        assert len(r) == 7 and not bad, r
+
+
+def test_expert_with_tensor_parallel_is_refused_before_sharding():
+    from torchtitan.config import TrainingConfig
+
+    _refused_before_sharding(_meta_model(arch=MOE), TrainingConfig(),
+                             "expert_parallel_degree > 1 with tensor_parallel_degree > 1",
+                             tp=2, ep=2)
 
 
 def test_outer_reduce_from_the_environment(monkeypatch):

@@ -5,9 +5,13 @@ that torchtitan's trainer runs unchanged::
     torchrun --nproc_per_node 8 -m torchtitan.train \\
         --module hsdp.integrations.torchtitan --config llama3_debugmodel
 
-Every ``llama3_*`` config of ``torchtitan.models.llama3.config_registry`` is available
-here, with the model spec renamed ``hsdp_llama3`` and its ``parallelize_fn`` replaced.
-``dp_replicate`` is hsdp's outer axis, ``dp_shard`` its inner one. The environment
+Every ``llama3_*`` config of ``torchtitan.models.llama3.config_registry`` and every
+``deepseek_v3_*`` one (mixture-of-experts) is available here, with the model spec renamed
+``hsdp_<model>`` and its ``parallelize_fn`` replaced. ``dp_replicate`` is hsdp's outer
+axis, ``dp_shard`` its inner one. With ``expert_parallel_degree`` ep > 1 torchtitan splits
+the experts over ep (its token dispatch) and hsdp shards each block's experts on the
+expert mesh ``hsdp.expert_mesh(mesh, ep)`` (torchtitan's ``dp_replicate, efsdp, ep``),
+nested in the block's unit. The environment
 variables ``HSDP_STRATEGY`` (``hsdp`` | ``hfsdp``) and ``HSDP_OVERLAP_OUTER`` (1 | 0) pick
 the strategy; ``HSDP_OUTER_REDUCE`` (``none`` | ``int8`` | ``fp8_e4m3``, ``:BLOCK`` optional)
 the compressed outer reduction (docs/guide/slow_outer_links.md); ``HSDP_OUTER_SYNC``
@@ -39,6 +43,7 @@ from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
 from torchtitan.models.common.attention import FusedQKVLinear
+from torchtitan.models.deepseek_v3 import config_registry as _deepseek_v3_configs
 from torchtitan.models.llama3 import config_registry as _llama3_configs
 from torchtitan.protocols.module import Module as TitanModule
 
@@ -47,8 +52,6 @@ from hsdp.checkpoint.state_dicts import load_state_dict_hook
 from hsdp.integrations.torchtitan_pipeline import check_pipeline, pipeline_llama
 from hsdp.sharding.policy import Strategy, parse_outer_reduce
 from hsdp.topology.outer_sync import parse_outer_sync
-
-MODEL_NAME = "hsdp_llama3"
 
 
 def options_from_env() -> tuple[Strategy, bool, hsdp.OuterReduce | None, hsdp.DiLoCo | None]:
@@ -93,7 +96,12 @@ def _check_supported(model: nn.Module, parallel_dims: ParallelDims, training: Tr
                          f"torchtitan's own llama3 module (FSDP2)")
     refused = {
         "context_parallel_degree > 1": parallel_dims.cp_enabled,
-        "expert_parallel_degree > 1": parallel_dims.ep_enabled,
+        # torchtitan's experts then split over tp inside the ep mesh (its etp)
+        "expert_parallel_degree > 1 with tensor_parallel_degree > 1":
+            parallel_dims.ep_enabled and parallel_dims.tp_enabled,
+        # pipeline_llama splits Llama3's decoder; a MoE model's stages are not built yet
+        "expert_parallel_degree > 1 with pipeline_parallel_degree > 1":
+            parallel_dims.ep_enabled and parallel_dims.pp_enabled,
         "training.enable_cpu_offload": training.enable_cpu_offload,
         "parallelism.enable_fsdp_symm_mem": parallelism.enable_fsdp_symm_mem,
     }
@@ -128,14 +136,15 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
                       outer_sync: hsdp.DiLoCo | str | None = None,
                       mesh: DeviceMesh | None = None) -> nn.Module:
     """torchtitan's ``parallelize_llama`` with hsdp in place of ``apply_fsdp_to_decoder``:
-    torchtitan's own TP plan (the model's ``parallelize`` on its "tp" mesh, when
-    ``tensor_parallel_degree > 1``), activation checkpointing and per-block compile as
-    torchtitan applies them, then one
+    torchtitan's own TP plan or expert parallelism (the model's ``parallelize`` on its "tp"
+    / "ep" meshes, when ``tensor_parallel_degree`` / ``expert_parallel_degree > 1``),
+    activation checkpointing and per-block compile as torchtitan applies them, then one
     hsdp unit per block (and one for the embedding unless it is tied to the output), the
-    norm and output head in the root's. ``strategy`` / ``overlap_outer`` /
-    ``outer_reduce`` / ``outer_sync`` (``init_mesh``'s): default from the environment
-    (``options_from_env``). ``mesh``: the stage's mesh under pipeline parallelism
-    (``pipeline_llama`` passes it), else ``hsdp.init_mesh``'s over the world."""
+    norm and output head in the root's; with expert parallelism each MoE block's experts
+    in a unit of their own on the expert mesh, inside the block's. ``strategy`` /
+    ``overlap_outer`` / ``outer_reduce`` / ``outer_sync`` (``init_mesh``'s): default from
+    the environment (``options_from_env``). ``mesh``: the stage's mesh under pipeline
+    parallelism (``pipeline_llama`` passes it), else ``hsdp.init_mesh``'s over the world."""
     _check_supported(model, parallel_dims, training, parallelism, mesh)
     if any(_is_float8_linear(m) for m in model.modules()):
         from hsdp.integrations.torchtitan_float8 import wrap_float8_all_gather_weights
@@ -152,7 +161,7 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
             "hsdp: DiLoCo (HSDP_OUTER_SYNC / outer_sync) with pipeline_parallel_degree > 1 is "
             "not supported: train DiLoCo without pipeline parallelism")
     overlap_outer = env_overlap if overlap_outer is None else overlap_outer
-    if parallel_dims.tp_enabled:
+    if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
         model.parallelize(parallel_dims)
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
@@ -172,7 +181,12 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
     reshard = get_fsdp_reshard_after_forward_policy(policy, pp_enabled=parallel_dims.pp_enabled)
     if model.tok_embeddings is not None and not model.enable_weight_tying:
         shard(model.tok_embeddings, reshard_after_forward=reshard)
+    experts_mesh = (hsdp.expert_mesh(mesh, parallel_dims.ep) if parallel_dims.ep_enabled
+                    else None)
     for block in model.layers.values():
+        if experts_mesh is not None and getattr(block, "moe_enabled", False):
+            shard(block.moe.routed_experts.inner_experts, mesh=experts_mesh,
+                  reshard_after_forward=reshard)
         shard(block, reshard_after_forward=reshard)
     # torchtitan's [norm, lm_head] unit: resharded only under "always"
     shard(model, reshard_after_forward=policy == "always")
@@ -260,7 +274,8 @@ def with_hsdp(config_fn: Callable) -> Callable:
     @functools.wraps(config_fn)
     def config():
         cfg = config_fn()
-        cfg.model_spec = dataclasses.replace(cfg.model_spec, name=MODEL_NAME,
+        cfg.model_spec = dataclasses.replace(cfg.model_spec,
+                                             name=f"hsdp_{cfg.model_spec.name}",
                                              parallelize_fn=parallelize_llama,
                                              pipelining_fn=pipeline_llama)
         cfg.parallelism.spmd_backend = "partial_dtensor"
@@ -270,8 +285,10 @@ def with_hsdp(config_fn: Callable) -> Callable:
     return config
 
 
-_CONFIGS = {name: with_hsdp(fn) for name, fn in vars(_llama3_configs).items()
-            if name.startswith("llama3_") and callable(fn)}
+_CONFIGS = {name: with_hsdp(fn)
+            for prefix, module in (("llama3_", _llama3_configs),
+                                   ("deepseek_v3_", _deepseek_v3_configs))
+            for name, fn in vars(module).items() if name.startswith(prefix) and callable(fn)}
 
 
 def __getattr__(name: str) -> Callable:

@@ -273,16 +273,25 @@ class ParamGroup:
             f"it, where hsdp would lose that gradient. Use it inside that unit's forward, or "
             f"fully_shard the module that uses it together with it (their common parent).")
 
+    @property
+    def divisor(self) -> float | None:
+        """What the gradient sums are divided by: the divide factor (None: the collectives
+        average). On an expert mesh the mean is over outer x inner x ep ranks, which no
+        collective's average gives: an explicit division by that count."""
+        if self.divide_factor is None and self.comms.ep_size > 1:
+            return float(self.comms.mean_ranks)
+        return self.divide_factor
+
     def reduce_scatter(self, stream: SideStream, coll: Collectives, rs_in: torch.Tensor,
                        first: bool, after: Sequence[Event], outer_next: bool = False) -> Event:
-        """The gradient state's inner reduce-scatter, divided by this group's factor."""
-        return self.grads.reduce_scatter(stream, coll, rs_in, first, after, self.divide_factor,
+        """The gradient state's inner reduce-scatter, divided by this group's divisor."""
+        return self.grads.reduce_scatter(stream, coll, rs_in, first, after, self.divisor,
                                          outer_next)
 
     def outer_reduce(self, stream: SideStream, coll: Collectives,
                      after: Sequence[Event]) -> Event:
-        """The gradient state's outer reduction, divided by this group's factor."""
-        return self.grads.outer_reduce(stream, coll, after, self.divide_factor)
+        """The gradient state's outer reduction, divided by this group's divisor."""
+        return self.grads.outer_reduce(stream, coll, after, self.divisor)
 
     def load_flat(self, flat: torch.Tensor) -> None:
         """Take this rank's shards (and float8 scales) from ``flat``, the whole group in the

@@ -10,6 +10,10 @@ Shard dim, as ``torch.chunk`` cuts it) at the flat range hsdp's piece gives. Wha
 refuses: a DTensor on any other mesh, a placement it cannot flatten (``_StridedShard``,
 ``Partial``), a DTensor parameter on a mesh without a "tp" dim. TP parameters may be on
 the meta device: ``hsdp.materialize`` initializes them whole and keeps each rank's block.
+
+Expert parallelism is the same to hsdp: on an expert mesh ("outer", "inner", "ep") the
+experts are DTensors on ``mesh["ep"]`` (``Shard(0)``: each ep rank holds its experts), and
+everything here applies with "ep" for "tp".
 """
 
 from __future__ import annotations
@@ -41,25 +45,33 @@ def check_params(params: Sequence[torch.Tensor], names: Sequence[str],
                  mesh: DeviceMesh) -> None:
     """Raise, before fully_shard changes anything, for a parameter hsdp cannot shard on
     ``mesh``. The same model on every rank gives the same verdict on every rank."""
-    has_tp = mesh.mesh_dim_names is not None and "tp" in mesh.mesh_dim_names
+    split = mesh.mesh_dim_names[TP_DIM] if mesh.ndim > TP_DIM else None  # "tp" | "ep"
     for p, name in zip(params, names):
+        if split == "ep" and not (isinstance(p, DTensor) and type(p.placements[0]) is Shard):
+            raise ValueError(
+                f"hsdp.fully_shard: parameter {name} is not sharded over expert parallelism "
+                f"(a DTensor on mesh['ep'] with a Shard placement) but its unit's mesh is an "
+                f"expert mesh; its gradient would differ between ep ranks. Shard only the "
+                f"experts on hsdp.expert_mesh(...); leave the rest to the enclosing unit")
         if not isinstance(p, DTensor):
             continue
         dims = p.device_mesh.mesh_dim_names
-        if not has_tp:
+        if split is None:
             raise ValueError(
                 f"hsdp.fully_shard: parameter {name} is a DTensor on mesh dims {dims} but "
-                f"hsdp's mesh has no 'tp' dim; for tensor parallelism build the mesh with "
-                f"hsdp.init_mesh(outer, inner, tp=tp) and give mesh['tp'] to "
-                f"parallelize_module")
+                f"hsdp's mesh has no 'tp' dim (nor 'ep'); for tensor parallelism build the mesh "
+                f"with hsdp.init_mesh(outer, inner, tp=tp) and give mesh['tp'] to "
+                f"parallelize_module; for experts sharded over expert parallelism use "
+                f"hsdp.expert_mesh(mesh, ep) and DTensors on its mesh['ep']")
         coord = mesh.get_coordinate()
         tp_ranks = mesh.mesh[coord[0], coord[1]].tolist()
-        if dims != ("tp",) or p.device_mesh.mesh.tolist() != tp_ranks:
+        if dims != (split,) or p.device_mesh.mesh.tolist() != tp_ranks:
             raise ValueError(
                 f"hsdp.fully_shard: parameter {name} is a DTensor on mesh dims {dims} with "
-                f"ranks {p.device_mesh.mesh.tolist()}; hsdp shards tensor-parallel "
-                f"parameters on mesh['tp'] of its own mesh (ranks {tp_ranks} here) only: "
-                f"pass mesh['tp'] of the mesh given to fully_shard to parallelize_module")
+                f"ranks {p.device_mesh.mesh.tolist()}; hsdp shards such parameters on "
+                f"mesh['{split}'] of its own mesh (ranks {tp_ranks} here) only: pass "
+                f"mesh['{split}'] of the mesh given to fully_shard to parallelize_module (or "
+                f"build the experts on it)")
         (pl,) = p.placements
         if not (type(pl) is Shard or pl.is_replicate()):
             raise ValueError(

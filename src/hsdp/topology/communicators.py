@@ -54,7 +54,9 @@ class NcclConfig:
 @dataclass(frozen=True)
 class CommGroups:
     """This rank's view of the mesh: sizes, coordinates and the three communicators
-    (over this rank's tp index: ``host_tp``, over its tp group, is None without TP)."""
+    (over this rank's tp index: ``host_tp``, over its tp group, is None without TP). On an
+    expert mesh ("outer", "inner", "ep") the third dim is expert parallelism: ``tp_size``
+    and ``host_tp`` are its size and group."""
 
     outer_size: int
     inner_size: int
@@ -84,6 +86,17 @@ class CommGroups:
     def world(self) -> int:
         """The data-parallel ranks (outer x inner) of one tp index."""
         return self.outer_size * self.inner_size
+
+    @property
+    def ep_size(self) -> int:
+        """The expert-parallel size of an expert mesh ("outer", "inner", "ep"), else 1."""
+        return self.tp_size if self.mesh.mesh_dim_names[-1] == "ep" else 1
+
+    @property
+    def mean_ranks(self) -> int:
+        """How many data-parallel ranks a gradient is the mean over: outer x inner, times
+        ep on an expert mesh (each ep rank feeds its tokens to every rank's experts)."""
+        return self.world * self.ep_size
 
     def piece_groups(self, shard_outer: bool,
                      tp_sharded: bool = False) -> tuple[dist.ProcessGroup, ...]:

@@ -6,7 +6,8 @@ that torchtitan's trainer runs unchanged::
         --module hsdp.integrations.torchtitan --config llama3_debugmodel
 
 Every ``llama3_*`` config of ``torchtitan.models.llama3.config_registry`` is available
-here, with the model spec renamed ``hsdp_llama3`` and its ``parallelize_fn`` replaced.
+here, with the model spec renamed ``hsdp_llama3``, its ``parallelize_fn`` replaced and, for
+``pipeline_parallel_degree > 1``, its ``pipelining_fn`` (``torchtitan_pipeline.py``).
 ``dp_replicate`` is hsdp's outer axis, ``dp_shard`` its inner one. The environment
 variables ``HSDP_STRATEGY`` (``hsdp`` | ``hfsdp``) and ``HSDP_OVERLAP_OUTER`` (1 | 0) pick
 the strategy; ``HSDP_OUTER_REDUCE`` (``none`` | ``int8`` | ``fp8_e4m3``, ``:BLOCK`` optional)

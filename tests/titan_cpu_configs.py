@@ -85,6 +85,8 @@ def _microbatch_lists(step):
     which newer torch schedules take: the lists concatenated again."""
     @functools.wraps(step)
     def wrapped(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, **kwargs):
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return step(self, *args, **kwargs)  # torch 2.13's own call
         if arg_mbs:
             args = tuple(torch.cat(a) for a in zip(*arg_mbs))
         for key in (kwarg_mbs or [{}])[0]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 import platform
 import resource
@@ -27,6 +28,7 @@ import torchtitan.distributed.parallel_dims as titan_dims
 import torchtitan.distributed.utils as titan_dist
 import torchtitan.tools.utils as titan_utils
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
@@ -79,6 +81,30 @@ titan_dims.device_type = "cpu"
 # name newer than torch 2.13 (which has it as _set_pg_timeout).
 if not hasattr(dist, "set_timeout"):
     dist.set_timeout = dist.distributed_c10d._set_pg_timeout
+
+
+def _microbatch_lists(step):
+    """torch 2.13's ``step`` (whole batch, split by the schedule) taking the microbatch
+    lists torchtitan 0.3.0's trainer passes (``arg_mbs``, ``kwarg_mbs``, ``target_mbs``),
+    which newer torch schedules take: the lists concatenated again."""
+    @functools.wraps(step)
+    def wrapped(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, **kwargs):
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return step(self, *args, **kwargs)  # torch 2.13's own call
+        if arg_mbs:
+            args = tuple(torch.cat(a) for a in zip(*arg_mbs))
+        for key in (kwarg_mbs or [{}])[0]:
+            values = [kw[key] for kw in kwarg_mbs]
+            if values[0] is not None:
+                kwargs[key] = torch.cat(values)
+        target = None if target_mbs is None else torch.cat(target_mbs)
+        return step(self, *args, target=target, **kwargs)
+    return wrapped
+
+
+for _schedule in (PipelineScheduleSingle, PipelineScheduleMulti):
+    if "arg_mbs" not in inspect.signature(_schedule.step).parameters:
+        _schedule.step = _microbatch_lists(_schedule.step)
 
 
 def _debugmodel(config_fn=llama3_debugmodel):

@@ -7,7 +7,8 @@ that torchtitan's trainer runs unchanged::
 
 Every ``llama3_*`` config of ``torchtitan.models.llama3.config_registry`` and every
 ``deepseek_v3_*`` one (mixture-of-experts) is available here, with the model spec renamed
-``hsdp_<model>`` and its ``parallelize_fn`` replaced. ``dp_replicate`` is hsdp's outer
+``hsdp_<model>``, its ``parallelize_fn`` replaced and, for ``pipeline_parallel_degree > 1``,
+its ``pipelining_fn`` (``torchtitan_pipeline.py``). ``dp_replicate`` is hsdp's outer
 axis, ``dp_shard`` its inner one. With ``expert_parallel_degree`` ep > 1 torchtitan splits
 the experts over ep (its token dispatch) and hsdp shards each block's experts on the
 expert mesh ``hsdp.expert_mesh(mesh, ep)`` (torchtitan's ``dp_replicate, efsdp, ep``),

@@ -62,6 +62,36 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(curves: dict[str, list[float]], png: str, window: int) -> None:
+    """Each (mesh, run)'s loss, mean over its seeds, as a moving average of ``window``
+    steps; one panel per mesh."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs: dict[str, dict[str, list[list[float]]]] = {}
+    for key, losses in curves.items():
+        mesh, _, run = key.split("/")
+        runs.setdefault(mesh, {}).setdefault(run, []).append(losses)
+    fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4.5), squeeze=False)
+    for ax, (mesh, by_run) in zip(axes[0], runs.items()):
+        for run, seeds in by_run.items():
+            steps = min(map(len, seeds))
+            mean = [sum(s[i] for s in seeds) / len(seeds) for i in range(steps)]
+            smooth = [sum(mean[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1))
+                      for i in range(steps)]
+            ax.plot(range(1, steps + 1), smooth, label=f"{run} ({len(seeds)} seeds)",
+                    lw=2.2 if run == "exact" else 1.2, color="black" if run == "exact" else None)
+        lowest = min(line.get_ydata().min() for line in ax.get_lines())
+        ax.set_ylim(lowest - 0.05, lowest + 0.8)  # the end of the runs, where they differ
+        ax.set(title=f"{mesh}: loss (mean over seeds, moving average of {window} steps)",
+               xlabel="step", ylabel="loss")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=500)
@@ -72,9 +102,13 @@ def main() -> None:
     ap.add_argument("--tail", type=int, default=20, help="final loss: mean of the last N")
     ap.add_argument("--out", "--json", dest="out", default="outer_reduce_convergence.json")
     ap.add_argument("--table", action="store_true", help="only print --out's table")
+    ap.add_argument("--png", default=None, help="with --table: also plot --out's curves here")
     args = ap.parse_args()
     if args.table:
-        print(table(summarize(json.loads(Path(args.out).read_text())["curves"], args.tail)))
+        curves = json.loads(Path(args.out).read_text())["curves"]
+        print(table(summarize(curves, args.tail)))
+        if args.png:
+            plot(curves, args.png, args.tail)
         return
     meshes = []
     for m in args.meshes.split(","):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # torchtitan's own trainer (torchtitan.train, through scripts/torchtitan_gpu.py train: two
-# stand-ins for torch 2.11) with hsdp and with torchtitan's FSDP2 (with its default CUDA
-# graphs of forward + backward, and without: "fsdp2eager") on the Llama3 debugmodel and 1B
+# stand-ins for torch 2.11) with hsdp and with torchtitan's FSDP2, each with torchtitan's
+# default CUDA graphs of forward + backward and without ("hsdpeager", "fsdp2eager"; the
+# BACKENDS run in turn, REPEATS times: A B C D A B C D ...) on the Llama3 debugmodel and 1B
 # flavors: bf16 parameters (fp32 reduction), SDPA attention, the same initial weights (one
 # seed checkpoint per flavor: hsdp's init_weights draws other random values than
 # torchtitan's) and the same synthetic data, STEPS steps each. Writes per run the trainer
@@ -12,7 +13,7 @@
 # docstring_parser, typeguard, datasets, dill, multiprocess) --no-deps into $OUT/site.
 # NGPU ranks on one host: 1 GPU gives a 1x1 mesh (no communication: it compares the two
 # runtimes, not their sharding), 2 GPUs a 1x2 mesh (MESHES="1x2 2x1" for both: longer).
-# Each run is capped at 110 s (9 runs on one GPU: about 8 minutes with the install).
+# Each run is capped at 110 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/torchtitan_gpu}
@@ -38,12 +39,13 @@ for mesh in $MESHES; do
       --nproc_per_node 1 scripts/torchtitan_gpu.py train --module torchtitan_gpu \
       --config "fsdp2_$flavor" "${common[@]}" --checkpoint.create_seed_checkpoint \
       --dump_folder "$seed" > "$seed.log" 2>&1
-    # fsdp2: torchtitan's default, forward + backward captured in a CUDA graph; fsdp2eager:
-    # without (as hsdp runs: it cannot be captured)
-    for backend in ${BACKENDS:-fsdp2 fsdp2eager hsdp}; do
-      name="${backend}_${flavor}_${mesh}"
+    # fsdp2, hsdp: torchtitan's default, forward + backward captured in a CUDA graph;
+    # fsdp2eager, hsdpeager: without
+    for rep in $(seq "${REPEATS:-1}"); do
+    for backend in ${BACKENDS:-fsdp2 fsdp2eager hsdp hsdpeager}; do
+      name="${backend}_${flavor}_${mesh}"; [ "${REPEATS:-1}" = 1 ] || name="${name}_r$rep"
       nproc=$(( ${mesh%x*} * ${mesh#*x} ))
-      eager=(); [ "$backend" = fsdp2eager ] && eager=(--training.disable_cuda_graphs)
+      eager=(); [ "${backend%eager}" != "$backend" ] && eager=(--training.disable_cuda_graphs)
       timeout 110 $PY -m torch.distributed.run --standalone --nproc_per_node "$nproc" \
         scripts/torchtitan_gpu.py train --module torchtitan_gpu \
         --config "${backend%eager}_${flavor}" "${eager[@]}" \
@@ -56,6 +58,7 @@ for mesh in $MESHES; do
         > "$OUT/$name.log" 2>&1 || echo "$name failed (see $name.log)"
       $PY scripts/torchtitan_gpu.py summarize "$OUT/$name.log" > "$OUT/$name.json"
       echo "$name: $(tail -c 300 "$OUT/$name.json")"
+    done
     done
   done
 done

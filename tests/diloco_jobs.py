@@ -10,12 +10,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import hsdp
-from hsdp.bench.convergence import MODEL, _batch
+from hsdp.bench.convergence import MODEL, ROWS_PER_RANK, _batch, train_steps
 from hsdp.checkpoint.outer_sync_state import load_outer_sync
 from hsdp.models import build_model, lm_loss
 from hsdp.sharding.comm import Collectives
 
-ROWS = 2  # per rank
 LR = 0.05
 
 
@@ -36,22 +35,6 @@ def _build(mesh: object, seed: int = 0, strategy: str = "hsdp", **kw: object) ->
     for block in model.blocks:  # units: each block, the root
         hsdp.fully_shard(block, mesh=mesh, strategy=strategy, **kw)
     return hsdp.fully_shard(model, mesh=mesh, strategy=strategy, **kw)
-
-
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
-    """Loss per step, mean over the world (every rank its own rows of one batch)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for step in steps:
-        tokens = _batch(step, 0, world * ROWS)[rank * ROWS:(rank + 1) * ROWS]
-        loss = lm_loss(model(tokens), tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -77,14 +60,14 @@ def equivalence_job(rank: int, world: int, steps: int = 6) -> dict[str, object]:
     outer, inner = 4, world // 4
     sync = _build(hsdp.init_mesh(outer, inner, "cpu"))
     ref_opt = torch.optim.SGD(sync.parameters(), lr=LR)
-    _train(sync, ref_opt, range(steps))
+    train_steps(sync, ref_opt, range(steps))
     ref = _state(sync)
     out: dict[str, object] = {}
     for name, fragments, quant in (("F1", 1, None), ("F3", 3, None), ("int8", 1, "int8:64")):
         cfg = hsdp.DiLoCo(inner_steps=1, fragments=fragments, outer_lr=1.0, momentum=0.0)
         model = _build(hsdp.init_mesh(outer, inner, "cpu", outer_sync=cfg), outer_reduce=quant)
         counter = model._hsdp_unit.collectives = CountOuter()
-        _train(model, torch.optim.SGD(model.parameters(), lr=LR), range(steps))
+        train_steps(model, torch.optim.SGD(model.parameters(), lr=LR), range(steps))
         groups = len(model._hsdp_unit.runtime.outer_sync.groups)
         out[name] = {"rel": _rel(_state(model), ref),
                      "outer_per_group_step": counter.outer / (groups * steps)}
@@ -98,7 +81,7 @@ def h10_job(rank: int, world: int, steps: int = 30) -> dict[str, object]:
     step (F=1: step 30; with delay 2, step 32 and not before)."""
     outer, inner = 4, world // 4
     sync = _build(hsdp.init_mesh(outer, inner, "cpu"))
-    out: dict[str, object] = {"sync": _train(sync, torch.optim.AdamW(sync.parameters(),
+    out: dict[str, object] = {"sync": train_steps(sync, torch.optim.AdamW(sync.parameters(),
                                                                      lr=3e-3), range(steps))}
     for name, fragments, delay in (("F1", 1, 0), ("F3", 3, 0), ("F1d2", 1, 2)):
         cfg = hsdp.DiLoCo(inner_steps=10, fragments=fragments, outer_lr=0.7, momentum=0.9,
@@ -106,18 +89,72 @@ def h10_job(rank: int, world: int, steps: int = 30) -> dict[str, object]:
         model = _build(hsdp.init_mesh(outer, inner, "cpu", outer_sync=cfg))
         counter = model._hsdp_unit.collectives = CountOuter()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        losses = _train(model, opt, range(steps - 5))
+        losses = train_steps(model, opt, range(steps - 5))
         synced = not _differs_over_outer(model, outer, inner)  # after step 25: mid-period
-        losses += _train(model, opt, range(steps - 5, steps))
+        losses += train_steps(model, opt, range(steps - 5, steps))
         hsdp.synchronize(model)  # with delay, the last all-reduce may still be in flight
         groups = len(model._hsdp_unit.runtime.outer_sync.groups)
         out[name] = {"losses": losses, "outer_per_group": counter.outer / groups,
                      "mid_period_differs": not synced,
                      "synced_at_end": not _differs_over_outer(model, outer, inner)}
         if delay:
-            _train(model, opt, range(steps, steps + delay))
+            train_steps(model, opt, range(steps, steps + delay))
             out[name]["synced_after_delay"] = not _differs_over_outer(model, outer, inner)
     return out
+
+
+CLIP = 0.5  # below every replica's gradient norm in compose_job's steps
+
+
+def compose_job(rank: int, world: int, steps: int = 4) -> dict[str, float]:
+    """DiLoCo at H=1, outer_lr=1, momentum=0 with plain SGD composed with what a training
+    loop adds: fp8 pseudo-gradients (to synchronous hsdp: close, not exact), 2 microbatches
+    and bf16 parameters (to synchronous hsdp with the same), ``hsdp.clip_grad_norm_``
+    (each replica clips its own gradient: to one process averaging the replicas' clipped
+    SGD updates). The relative parameter errors, and the smallest replica norm clipped."""
+    outer, inner = 4, world // 4
+    bf16 = hsdp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    cfg = hsdp.DiLoCo(inner_steps=1, outer_lr=1.0, momentum=0.0)
+    out: dict[str, float] = {}
+    for name, kw, micro in (("fp8", {}, 1), ("mb2", {}, 2), ("bf16", {"mp_policy": bf16}, 1)):
+        runs = []
+        for outer_sync in (None, cfg):
+            quant = "fp8_e4m3:64" if name == "fp8" and outer_sync else None
+            model = _build(hsdp.init_mesh(outer, inner, "cpu", outer_sync=outer_sync),
+                           outer_reduce=quant, **kw)
+            train_steps(model, torch.optim.SGD(model.parameters(), lr=LR), range(steps),
+                        microbatches=micro)
+            runs.append(_state(model))
+        out[name] = _rel(runs[1], runs[0])
+    model = _build(hsdp.init_mesh(outer, inner, "cpu", outer_sync=cfg))
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=LR), range(steps),
+                max_norm=CLIP)
+    want, out["min_norm"] = _replicas_clipped_sgd(outer, inner, steps)
+    out["clip"] = _rel(_state(model), want)
+    return out
+
+
+def _replicas_clipped_sgd(outer: int, inner: int, steps: int
+                          ) -> tuple[dict[str, torch.Tensor], float]:
+    """One process: each step, every replica's gradient (mean over its ranks' rows),
+    clipped to ``CLIP``, its SGD updates averaged. The parameters and the smallest norm."""
+    torch.manual_seed(0)
+    model = build_model(MODEL)
+    params, rows, norms = list(model.parameters()), ROWS_PER_RANK, []
+    for step in range(steps):
+        batch = _batch(step, 0, outer * inner * rows)
+        updates = []
+        for o in range(outer):
+            model.zero_grad()
+            for r in range(o * inner, (o + 1) * inner):
+                tokens = batch[r * rows:(r + 1) * rows]
+                (lm_loss(model(tokens), tokens) / inner).backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(params, CLIP).item())
+            updates.append([p.grad.clone() for p in params])
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                p.sub_(torch.stack([u[i] for u in updates]).mean(0), alpha=LR)
+    return {k: v.detach() for k, v in model.state_dict().items()}, min(norms)
 
 
 K, H = 7, 3  # steps before the save (mid-period), and after; the period
@@ -133,14 +170,14 @@ def resume_job(rank: int, world: int, root: str) -> dict[str, object]:
     path = os.path.join(root, "diloco")
     models = [_build(mesh, seed) for seed in (0, 1, 2)]
     opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in models]
-    _train(models[0], opts[0], range(K))
+    train_steps(models[0], opts[0], range(K))
     hsdp.save(path, models[0], opts[0])
-    _train(models[0], opts[0], range(K, 2 * K))
+    train_steps(models[0], opts[0], range(K, 2 * K))
     for m, opt in zip(models[1:], opts[1:]):
         hsdp.load(path, m, opt)
     load_outer_sync(models[2], None)  # the control: anchors from the loaded parameters
     for m, opt in zip(models[1:], opts[1:]):
-        _train(m, opt, range(K, 2 * K))
+        train_steps(m, opt, range(K, 2 * K))
     a, b, c = (_state(m) for m in models)
     return {"resumed_equal": all(torch.equal(a[k], b[k]) for k in a),
             "control_differs": any(not torch.equal(a[k], c[k]) for k in a)}
@@ -169,7 +206,7 @@ def errors_job(rank: int, world: int) -> dict[str, str]:
     }.items()}
     mesh = hsdp.init_mesh(4, world // 4, "cpu", outer_sync=hsdp.DiLoCo(10, fragments=2))
     out["hfsdp"] = _error(lambda: _build(mesh, strategy="hfsdp"))
-    tokens = _batch(0, 0, ROWS)
+    tokens = _batch(0, 0, ROWS_PER_RANK)
     model = _build(mesh)  # 3 units: 2 fragments do not divide them
     before = _state(model)
     out["fragments"] = _error(lambda: model(tokens))

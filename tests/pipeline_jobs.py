@@ -17,6 +17,7 @@ from hsdp.sharding.comm import Collectives
 
 PP, OUTER, INNER = 2, 2, 2
 WIDTH, BLOCKS, MICROBATCHES, ROWS, STEPS, LR = 8, 4, 4, 2, 2, 0.1
+MAX_NORM = 0.2  # below every step's gradient norm: the clip scales every step
 SCHEDULES = {"gpipe": (ScheduleGPipe, 1), "1f1b": (Schedule1F1B, 1),
              "interleaved": (ScheduleInterleaved1F1B, 2)}  # class, stages per rank
 
@@ -45,6 +46,7 @@ def _reference() -> list[torch.Tensor]:
     for step in range(STEPS):
         x, y = _batch(step)
         _loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()
     return [p.detach().clone() for p in model.parameters()]
@@ -87,9 +89,10 @@ class _OuterReductions:
         Collectives.before = self._before
 
 
-def _train(mesh, schedule: str, strategy: str) -> tuple[float, int, int]:
-    """Largest relative parameter error of this rank's stages after STEPS steps; the outer
-    reductions of the last step, and the parameter groups of this rank's stages (one each)."""
+def _train(mesh, schedule: str, strategy: str) -> tuple[float, int, int, float]:
+    """Largest relative parameter error of this rank's stages after STEPS steps (each
+    clipped by ``hsdp.clip_grad_norm_`` over all stages); the outer reductions of the last
+    step, the parameter groups of this rank's stages (one each); the smallest norm."""
     cls, per_rank = SCHEDULES[schedule]
     pp_rank = mesh["pp"].get_local_rank()
     dp_rank = mesh["outer"].get_local_rank() * INNER + mesh["inner"].get_local_rank()
@@ -100,12 +103,15 @@ def _train(mesh, schedule: str, strategy: str) -> tuple[float, int, int]:
     params = [p for _, m, _ in stages for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=LR)
     rows = MICROBATCHES * ROWS
+    norms = []
     for step in range(STEPS):
         x, y = (t[dp_rank * rows:(dp_rank + 1) * rows] for t in _batch(step))
         first, last = pipe[0].is_first, pipe[-1].is_last
         # The last step alone: torch 2.13 infers shapes in the first with a backward of its own.
         with _OuterReductions() as outer:
             sched.step(*((x,) if first else ()), **({"target": y} if last else {}))
+        norms.append(hsdp.clip_grad_norm_([m for _, m, _ in stages], MAX_NORM,
+                                          pp_group=mesh["pp"]).item())
         opt.step()
         opt.zero_grad()
     groups = sum(len(u.groups) for _, m, _ in stages for u in units_below(m))
@@ -117,13 +123,13 @@ def _train(mesh, schedule: str, strategy: str) -> tuple[float, int, int]:
         for a, b in zip(mine, want):
             err = max(err, ((a - b).abs().max() / b.abs().max()).item())
     hsdp.synchronize(stages[0][1])
-    return err, outer.count, groups
+    return err, outer.count, groups, min(norms)
 
 
 CASES = (("gpipe", "hsdp"), ("1f1b", "hfsdp"), ("interleaved", "hsdp"))
 
 
-def pipeline_job(rank: int, world: int) -> dict[str, tuple[float, int, int]]:
+def pipeline_job(rank: int, world: int) -> dict[str, tuple[float, int, int, float]]:
     """Each (schedule, strategy) of CASES: ``_train``'s result on this rank."""
     mesh = init_device_mesh("cpu", (PP, OUTER, INNER), mesh_dim_names=("pp", "outer", "inner"))
     return {f"{schedule}/{strategy}": _train(mesh, schedule, strategy)

@@ -30,8 +30,15 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out: str
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=timedelta(seconds=PG_TIMEOUT_S))
     result = fn(rank, world, *args)
-    with open(os.path.join(out, f"{rank}.pkl"), "wb") as f:
+    with open(os.path.join(out, f"{rank}.pkl.tmp"), "wb") as f:
         pickle.dump(result, f)
+    os.rename(os.path.join(out, f"{rank}.pkl.tmp"), os.path.join(out, f"{rank}.pkl"))
+    # Rank 0 serves the store, where later ranks' errors still look (torchrun's agent
+    # would serve it): it stays until the others have their results, or a while.
+    deadline = time.monotonic() + 2 * PG_TIMEOUT_S
+    while (rank == 0 and sum(n.endswith(".pkl") for n in os.listdir(out)) < world - 1
+           and time.monotonic() < deadline):
+        time.sleep(0.2)
     os._exit(0)  # no teardown: its collectives would wait for the dead rank
 
 
@@ -60,8 +67,8 @@ def run_with_a_death(fn: Callable, world: int, *args: Any) -> dict[int, Any]:
 def _error(call: Callable[[], object]) -> str:
     try:
         call()
-    except Exception as e:  # noqa: BLE001 - the test reads the message
-        return f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - the test reads the message (and its notes)
+        return "\n".join([f"{type(e).__name__}: {e}", *getattr(e, "__notes__", ())])
     return ""
 
 
@@ -77,3 +84,25 @@ def save_death_job(rank: int, world: int, root: str, dies: int) -> str:
     time.sleep(2)  # the dead rank is gone
     return _error(lambda: hsdp.save(os.path.join(root, "second"), model, opt))
 
+
+
+def tp_step_death_job(rank: int, world: int, dies: int) -> tuple[str, str]:
+    """Rank ``dies`` exits at the start of a step of an HSDP + TP model (2 x 2 x 2).
+    Returns what the liveness probe said while every rank lived, and the step's error."""
+    from tp_jobs import TPCase, optimizer, sharded_model
+
+    from hsdp.topology.liveness import gone_message
+
+    model = sharded_model(hsdp.init_mesh(2, 2, "cpu", tp=2), TPCase())
+    opt = optimizer(model)
+
+    def step() -> None:
+        model(torch.zeros(2, 8, dtype=torch.long)).square().mean().backward()
+        opt.step()
+
+    step()
+    alive = gone_message()
+    dist.barrier()
+    if rank == dies:
+        os._exit(0)
+    return alive, _error(step)

@@ -97,7 +97,7 @@ def _debugmodel(config_fn=llama3_debugmodel):
     return cfg
 
 
-def _fsdp2_on_gloo(model, parallelize_fn=fsdp2_parallelize_llama, **kw):
+def fsdp2_on_gloo(model, parallelize_fn=fsdp2_parallelize_llama, **kw):
     """torchtitan's FSDP2 ``parallelize_fn``; gloo has no PREMUL_SUM."""
     model = parallelize_fn(model, **kw)
     for m in model.modules():
@@ -108,7 +108,7 @@ def _fsdp2_on_gloo(model, parallelize_fn=fsdp2_parallelize_llama, **kw):
 
 def fsdp2_debugmodel():
     cfg = _debugmodel()
-    cfg.model_spec = dataclasses.replace(cfg.model_spec, parallelize_fn=_fsdp2_on_gloo)
+    cfg.model_spec = dataclasses.replace(cfg.model_spec, parallelize_fn=fsdp2_on_gloo)
     return cfg
 
 
@@ -121,7 +121,7 @@ def _deepseek_v3_3_blocks():
 def fsdp2_moe_debugmodel():
     cfg = _debugmodel(_deepseek_v3_3_blocks)
     cfg.model_spec = dataclasses.replace(
-        cfg.model_spec, parallelize_fn=functools.partial(_fsdp2_on_gloo,
+        cfg.model_spec, parallelize_fn=functools.partial(fsdp2_on_gloo,
                                                          parallelize_fn=parallelize_deepseekv3))
     return cfg
 

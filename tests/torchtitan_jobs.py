@@ -8,6 +8,8 @@ updates)."""
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -15,8 +17,9 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from titan_cpu_configs import fsdp2_on_gloo
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.optimizer import (
@@ -33,7 +36,6 @@ from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.models import deepseek_v3, llama3
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
-from torchtitan.models.llama3 import parallelize_llama as fsdp2_parallelize_llama
 from torchtitan.protocols.module import Module as TitanModule
 
 import hsdp
@@ -56,10 +58,11 @@ class Arch:
     layers: int | None = None
 
 
-LLAMA = Arch(llama3.model_registry, fsdp2_parallelize_llama)
+LLAMA = Arch(llama3.model_registry, fsdp2_on_gloo)
 # DeepSeek-V3's debugmodel, 1 dense block and 2 MoE blocks (8 experts, top 3), experts
 # split over expert_parallel_degree 2
-MOE = Arch(deepseek_v3.model_registry, parallelize_deepseekv3,
+MOE = Arch(deepseek_v3.model_registry,
+           functools.partial(fsdp2_on_gloo, parallelize_fn=parallelize_deepseekv3),
            {"expert_parallel_degree": 2, "spmd_backend": "partial_dtensor"}, layers=3)
 
 
@@ -114,11 +117,11 @@ def _loss(model: nn.Module, seqs: torch.Tensor, global_tokens: int) -> torch.Ten
 
 def _train(model: nn.Module, rows: slice | int | range, world: int, microbatches: int,
            after_step: Callable[[nn.Module], None] | None = None, steps: int = STEPS,
-           dims: ParallelDims | None = None) -> None:
+           max_norm: float = MAX_NORM, dims: ParallelDims | None = None) -> None:
     """``steps`` SGD steps on ``rows`` of each batch (a range: each row group in a forward
-    of its own, as the ranks run them); with ``dims``, torchtitan's MoE load balancing
-    (expert biases updated from the token counts before each step, outside the
-    optimizer)."""
+    of its own, as the ranks run them), gradients clipped to ``max_norm``; with ``dims``,
+    torchtitan's MoE load balancing (expert biases updated from the token counts before
+    each step, outside the optimizer)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if dims is not None:
         register_moe_load_balancing_hook(opt, [model], dims)
@@ -129,19 +132,22 @@ def _train(model: nn.Module, rows: slice | int | range, world: int, microbatches
             for r in rows if isinstance(rows, range) else [rows]:
                 seqs = data[step, mb, r].reshape(-1, SEQ + 1)
                 _loss(model, seqs, global_tokens).backward()
-        _clip(model)
+        _clip([model], max_norm)
         opt.step()
         if after_step is not None:
             after_step(model)
         opt.zero_grad()
 
 
-def _clip(model: nn.Module) -> None:
-    """torchtitan's ``clip_grad_norm_``, told of expert parallelism as its trainer does."""
-    params = list(model.parameters())
+def _clip(parts: list[nn.Module], max_norm: float,
+          pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+    """torchtitan's ``clip_grad_norm_``, told of pipeline and expert parallelism as its
+    trainer does."""
+    params = [p for m in parts for p in m.parameters()]
     ep = any(isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
              for p in params)
-    titan_dist.clip_grad_norm_(params, MAX_NORM, foreach=True, ep_enabled=ep)
+    return titan_dist.clip_grad_norm_(params, max_norm, foreach=True, pp_mesh=pp_mesh,
+                                      ep_enabled=ep)
 
 
 @torch.no_grad()
@@ -158,9 +164,6 @@ def _fsdp2_on(model: nn.Module, dims: ParallelDims, init: list[torch.Tensor],
               ac: bool = False, arch: Arch = LLAMA) -> nn.Module:
     """torchtitan's FSDP2 path on the meta-built ``model``, its parameters ``init``."""
     model = _parallelize(arch.fsdp2, model, dims, ac, "default")
-    for m in model.modules():  # gloo has no PREMUL_SUM
-        if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)
     model.to_empty(device="cpu")
     with torch.no_grad():  # buffers by torchtitan's init, parameters the reference's
         model.init_weights(buffer_device=None)
@@ -169,15 +172,22 @@ def _fsdp2_on(model: nn.Module, dims: ParallelDims, init: list[torch.Tensor],
     return model
 
 
+def titan_args(ac: bool, reshard: str, training: dict | None = None,
+               **parallelism) -> dict:
+    """The configs torchtitan's trainer passes a ``parallelize_fn`` (fp32; ``training`` and
+    ``parallelism``: further fields of its training and parallelism configs)."""
+    return dict(training=TrainingConfig(mixed_precision_param="float32",
+                                        mixed_precision_reduce="float32", **(training or {})),
+                parallelism=ParallelismConfig(spmd_backend="partial_dtensor",
+                                              fsdp_reshard_after_forward=reshard,
+                                              **parallelism),
+                compile_config=CompileConfig(), ac_config=SelectiveAC.Config() if ac else None,
+                dump_folder="")
+
+
 def _parallelize(fn, model: nn.Module, dims: ParallelDims, ac: bool, reshard: str,
                  **kw) -> nn.Module:
-    return fn(model, parallel_dims=dims,
-              training=TrainingConfig(mixed_precision_param="float32",
-                                      mixed_precision_reduce="float32"),
-              parallelism=ParallelismConfig(spmd_backend="partial_dtensor",
-                                            fsdp_reshard_after_forward=reshard),
-              compile_config=CompileConfig(), ac_config=SelectiveAC.Config() if ac else None,
-              dump_folder="", **kw)
+    return fn(model, parallel_dims=dims, **titan_args(ac, reshard), **kw)
 
 
 def parity_job(rank: int, world: int) -> dict[str, float]:
@@ -219,7 +229,34 @@ def parity_job(rank: int, world: int) -> dict[str, float]:
             out[f"{name} vs ref"] = _rel(got, want)
             out[f"{name} vs fsdp2"] = _rel(got, fsdp2_params)
             hsdp.synchronize(model)
-    return out
+    return {**out, **_diloco_entries(rank, world, dims)}
+
+
+DILOCO_H1 = "diloco:inner_steps=1,outer_lr=1,momentum=0"
+
+
+def _diloco_entries(rank: int, world: int, dims: ParallelDims) -> dict[str, float | str]:
+    """DiLoCo through ``HSDP_OUTER_SYNC``: at H=1, outer_lr=1, momentum=0 each replica's
+    SGD-momentum update (momentum is linear in the gradients) averages to the synchronous
+    one, if each replica's gradient is its own mean on torchtitan's scale (the loss is
+    divided by every DP rank's tokens): against one process, unclipped (clipping is per
+    replica under DiLoCo). Also the schedule the model runs."""
+    ref = _reference()
+    _train(ref, slice(None), world, 1, max_norm=float("inf"))
+    os.environ["HSDP_OUTER_SYNC"] = DILOCO_H1
+    try:
+        model = _parallelize(hsdp_titan.parallelize_llama, _meta_model(), dims, False,
+                             "default")
+    finally:
+        del os.environ["HSDP_OUTER_SYNC"]
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    _train(model, rank, world, 1, max_norm=float("inf"))
+    hsdp.synchronize(model)
+    return {"hsdp+diloco H=1 vs unclipped ref": _rel(_full_params(model), _full_params(ref)),
+            "hsdp+diloco schedule": repr(model._hsdp_unit.runtime.outer_sync.config)}
 
 
 def _float8_train(model: nn.Module, rows: int | range, world: int,
@@ -313,39 +350,58 @@ SAVE_AT = 5
 def _titan_run(model: nn.Module, rank: int, world: int, folder: str, resume: bool,
                async_mode: str = "disabled", dims: ParallelDims | None = None
                ) -> tuple[nn.Module, list[float]]:
-    """torchtitan's training loop pieces on ``model``: its optimizer container, LR
-    schedulers, ``clip_grad_norm_`` and ``CheckpointManager`` (DCP) saving at step
-    ``SAVE_AT`` into ``folder`` (``async_mode``: its ``--checkpoint.async_mode``), or, with
-    ``resume``, loading from there and running the steps after it. Returns the model and
-    this rank's loss per step run. With ``dims``, torchtitan's MoE load balancing."""
-    opt = _OPTIMIZER.build(model_parts=[model])
+    """``titan_loop`` on ``model``, this rank's rows of each step's batch (one
+    microbatch). Returns the model and this rank's loss per step run. With ``dims``,
+    torchtitan's MoE load balancing."""
+    data = _batches(world, 1)
+
+    def step_fn(step: int) -> float:
+        loss = _loss(model, data[step - 1, 0, rank], world * ROWS * SEQ)
+        loss.backward()
+        return loss.item()
+
+    return model, titan_loop([model], step_fn, folder, resume, async_mode, dims=dims)
+
+
+def titan_loop(parts: list[nn.Module], step_fn: Callable[[int], float], folder: str | None,
+               resume: bool, async_mode: str = "disabled", pp_mesh: DeviceMesh | None = None,
+               norms: list[float] | None = None, max_norm: float = MAX_NORM,
+               dims: ParallelDims | None = None) -> list[float]:
+    """torchtitan's training loop pieces on the model ``parts``: its optimizer container,
+    LR schedulers, ``clip_grad_norm_`` (over the pipeline ranks of ``pp_mesh``) and, with
+    a ``folder``, ``CheckpointManager`` (DCP) saving at step ``SAVE_AT`` into it
+    (``async_mode``: its ``--checkpoint.async_mode``), or, with ``resume``, loading from
+    there and running the steps after it. ``step_fn(step)`` runs one step's forwards and
+    backwards and returns this rank's loss; the losses are returned, the gradient norms
+    appended to ``norms``. With ``dims``, torchtitan's MoE load balancing."""
+    opt = _OPTIMIZER.build(model_parts=parts)
     if dims is not None:
-        register_moe_load_balancing_hook(opt, [model], dims)
+        register_moe_load_balancing_hook(opt, parts, dims)
     lr = _LR.build(optimizers=opt, training_steps=STEPS)
     state = _TrainState()
-    ckpt = CheckpointManager.Config(
+    ckpt = None if folder is None else CheckpointManager.Config(
         enable=True, interval=SAVE_AT, last_save_model_only=False, keep_latest_k=0,
         exclude_from_loading=["dataloader"], async_mode=async_mode,
-    ).build(dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=lr,
+    ).build(dataloader=None, model_parts=parts, optimizers=opt, lr_schedulers=lr,
             states={"train_state": state}, sd_adapter=None, base_folder=folder)
     if resume:
         assert ckpt.load(step=SAVE_AT) and state.step == SAVE_AT
-    data = _batches(world, 1)
     losses = []
     for step in range(state.step + 1, STEPS + 1):
-        loss = _loss(model, data[step - 1, 0, rank], world * ROWS * SEQ)
-        loss.backward()
-        _clip(model)
+        losses.append(step_fn(step))
+        norm = _clip(parts, max_norm, pp_mesh)
+        if norms is not None:
+            norms.append(norm.item())
         opt.step()
         lr.step()
         opt.zero_grad()
         state.step = step
-        losses.append(loss.item())
-        if not resume:
+        if ckpt is not None and not resume:
             ckpt.save(curr_step=step)
-    ckpt.maybe_wait_for_saving()
-    ckpt.close()
-    return model, losses
+    if ckpt is not None:
+        ckpt.maybe_wait_for_saving()
+        ckpt.close()
+    return losses
 
 
 def _hsdp_model(dims: ParallelDims, strategy: str, ac: bool = True,

@@ -1,7 +1,6 @@
 """hsdp: hybrid-sharded data parallel with the DP-outer reduction on its own stream."""
 
 from hsdp.api import (
-    clip_grad_norm_,
     fully_shard,
     microbatch,
     precompute_float8_scales,
@@ -12,6 +11,7 @@ from hsdp.checkpoint.full_state import full_state_dict, load_full_state_dict
 from hsdp.checkpoint.replica_state import fault_tolerance
 from hsdp.checkpoint.state_dicts import get_state_dict, set_state_dict
 from hsdp.checkpoint.sync import CheckpointError
+from hsdp.clip import clip_grad_norm_
 from hsdp.ft.errors import FaultToleranceError
 from hsdp.ft.outer import FaultTolerance
 from hsdp.ft.transport import RecoveryTransport

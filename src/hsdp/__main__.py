@@ -13,6 +13,7 @@ import sys
 COMMANDS: dict[tuple[str, ...], str] = {
     ("bench", "ckpt"): "hsdp.bench.ckpt",
     ("bench", "collectives"): "hsdp.bench.collectives",
+    ("bench", "diloco"): "hsdp.bench.diloco",
     ("bench", "step"): "hsdp.bench.step",
     ("bench", "suite"): "hsdp.bench.suite",
     ("demo",): "hsdp.demo",

@@ -1,14 +1,12 @@
-"""Public API: fully_shard, microbatch, clip_grad_norm_."""
+"""Public API: fully_shard, microbatch, synchronize."""
 
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.device_mesh import DeviceMesh
@@ -20,8 +18,6 @@ from hsdp.ft.errors import FaultToleranceError
 from hsdp.module import adopt
 from hsdp.runtime.hooks import units_below
 from hsdp.runtime.optim import watch_optimizers
-from hsdp.runtime.state import Phase
-from hsdp.runtime.step_agreement import joined
 from hsdp.runtime.unit import Unit
 from hsdp.sharding.float8_weights import float8_dtype
 from hsdp.sharding.group import ParamGroup, Slot, owner
@@ -33,12 +29,11 @@ from hsdp.sharding.policy import (
     as_outer_reduce,
     check_reshard_after_forward,
 )
-from hsdp.sharding.tp_blocks import block_of, check_params
+from hsdp.sharding.tp_blocks import check_params
 from hsdp.topology.communicators import CommGroups, comm_groups
 from hsdp.topology.mesh_dims import as_hsdp_mesh
 
 _UNIT_IDS = itertools.count()
-_CLIPS: weakref.WeakKeyDictionary[Unit, itertools.count] = weakref.WeakKeyDictionary()
 
 
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str = "hsdp",
@@ -277,86 +272,3 @@ def precompute_float8_scales(model: nn.Module) -> None:
     it on every rank after changing the weights any other way (loading a checkpoint,
     editing them). torchao's ``precompute_float8_dynamic_scale_for_fsdp`` is FSDP2's."""
     _root_unit(model).root_runtime().refresh_float8_scales()
-
-
-# (the unit mesh's shape and dims, sharded over outer, sharded over tp / ep): the same keys
-# on every rank
-Spread = tuple[tuple[int, ...], tuple[str, ...], bool, bool]
-
-
-def _sharded_grads(model: nn.Module
-                   ) -> dict[Spread, tuple[tuple[dist.ProcessGroup, ...], list[torch.Tensor]]]:
-    """The local pieces of the gradients by how they are spread, with the host groups over
-    which they are, each element once (``parameters()`` yields a shared parameter once; an
-    empty piece's placeholder not at all, whatever in-place ops wrote into it). Every
-    parameter's spread is listed, with a gradient or not, so every rank has the same keys."""
-    out: dict[Spread, tuple[tuple[dist.ProcessGroup, ...], list[torch.Tensor]]] = {}
-    for p in model.parameters():
-        managed = owner(p)
-        if managed is None:
-            continue
-        g = managed[0]
-        split = block_of(p._spec) is not None
-        key = (tuple(g.comms.mesh.mesh.shape), tuple(g.comms.mesh.mesh_dim_names),
-               g.shard_outer, split)
-        _, grads = out.setdefault(key, (g.comms.piece_groups(g.shard_outer, split), []))
-        if p.grad is None:
-            continue
-        local = p.grad._local_tensor
-        held = getattr(p.grad, "_hsdp_range", (0, local.numel()))[1]
-        grads.append(local.reshape(-1)[:held])
-    return out
-
-
-def clip_grad_norm_(model: nn.Module, max_norm: float,
-                    norm_type: float = 2.0) -> torch.Tensor:
-    """Clip gradients in place by their total norm over all shards (DP, TP and EP),
-    counting every gradient element once (not once per outer or tp replica). Returns the
-    total norm."""
-    unit = _root_unit(model)
-    rt = unit.runtime
-    if rt is not None:
-        rt.settle()
-    if rt is not None and (rt.step.phase is Phase.BACKWARD or rt.step.awaiting_last):
-        raise RuntimeError("hsdp.clip_grad_norm_: gradients are not final yet (call it after "
-                           "the last microbatch's backward)")
-    spread = _sharded_grads(model)
-    comms = comm_groups(unit.mesh)
-    inf = norm_type == float("inf")
-
-    def local(grads: list[torch.Tensor]) -> torch.Tensor:
-        grads = [g for g in grads if g.numel()]  # a rank may hold none of a parameter
-        if not grads:
-            return torch.zeros((), device=unit.device)
-        norms = torch._foreach_norm(grads, norm_type)
-        stacked = torch.stack([n.float() for n in norms])
-        return stacked.max() if inf else stacked.pow(norm_type).sum()
-
-    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-
-    def reduce_norm() -> torch.Tensor:
-        # Each part over the groups it is spread on (inner, outer, tp / ep), then added:
-        # every element counted once, on every rank.
-        total = torch.zeros((), device=unit.device)
-        for key in sorted(spread, key=repr):
-            groups, grads = spread[key]
-            part = local(grads)
-            for group in groups:
-                dist.all_reduce(part, op=op, group=group)
-            total = torch.maximum(total, part) if inf else total + part
-        return total
-
-    step = max(rt.log.step - 1, 0) if rt is not None else 0  # the step that made the grads
-    key = f"hsdp/{unit.label}/clip/{next(_CLIPS.setdefault(unit, itertools.count()))}"
-    try:
-        total = joined(f"clip_grad_norm_ after step {step}", key, reduce_norm, comms.timeout)
-    except RuntimeError as exc:
-        if rt is not None:
-            rt.broken = str(exc)
-        raise
-    total = total if inf else total.pow(1.0 / norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    grads = [g for _, gs in spread.values() for g in gs]
-    if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-    return total

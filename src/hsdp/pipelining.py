@@ -35,6 +35,20 @@ class PipelineStage(_TorchStage):
             raise NotImplementedError(_SPLIT_BACKWARD)
         super().__init__(submodule, *args, **kwargs)
 
+    @classmethod
+    def adopt(cls, stage: _TorchStage) -> PipelineStage:
+        """``stage``, a torch ``PipelineStage`` built before its module was sharded (as
+        torchtitan's ``pipeline_llm`` builds them), made this class in place once its
+        ``submod`` is an hsdp root: the schedule that holds it keeps working with it."""
+        if not isinstance(stage, _TorchStage):
+            raise TypeError(f"hsdp.pipelining.PipelineStage.adopt: expected a "
+                            f"torch.distributed.pipelining.PipelineStage, got {type(stage)}")
+        check_stage_module(stage.submod)
+        if stage.dw_builder is not None:
+            raise NotImplementedError(_SPLIT_BACKWARD)
+        stage.__class__ = cls
+        return stage
+
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
                                    last_backward: bool = False, **kwargs: Any) -> Any:
         """The stage's backward of one microbatch; the outer reduction only on the last."""

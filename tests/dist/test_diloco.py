@@ -6,17 +6,18 @@ on every rank."""
 from __future__ import annotations
 
 import pytest
-from diloco_jobs import equivalence_job, errors_job, h10_job, resume_job
+from diloco_jobs import CLIP, compose_job, equivalence_job, errors_job, h10_job, resume_job
 from dist_utils import run_jobs, same_on_every_rank
 
 TOL = 1e-5  # relative, fp32: reduction order only
+BF16_TOL = 1e-4  # bf16 parameters: main rounded differently can flip a bf16 cast
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> dict[str, list]:
     return run_jobs(8, {"equivalence": (equivalence_job, ()), "h10": (h10_job, ()),
                         "resume": (resume_job, (str(tmp_path_factory.mktemp("diloco")),)),
-                        "errors": (errors_job, ())})
+                        "errors": (errors_job, ()), "compose": (compose_job, ())})
 
 
 @pytest.mark.parametrize("fragments", [1, 3])
@@ -71,3 +72,13 @@ def test_bad_settings_are_refused_on_every_rank(jobs: dict) -> None:
                                      "the model's 3 fully_shard units")
     assert r["optimizer"].startswith("ValueError: hsdp.DiLoCo: this optimizer does not hold")
     assert r["fragments_unchanged"] == r["optimizer_unchanged"] == "True"
+
+
+def test_composes_with_fp8_microbatches_mixed_precision_and_clip(jobs: dict) -> None:
+    """H=1 (synchronous): fp8 pseudo-gradients within 8 bits' error; 2 microbatches and
+    bf16 parameters equal synchronous hsdp with the same; ``clip_grad_norm_`` clips each
+    replica's own gradient (one process averaging the replicas' clipped updates)."""
+    for r in jobs["compose"]:
+        assert TOL < r["fp8"] < 1e-2, r
+        assert r["mb2"] < TOL and r["bf16"] < BF16_TOL and r["clip"] < TOL, r
+        assert r["min_norm"] > 1.5 * CLIP, r  # every replica was clipped

@@ -17,7 +17,10 @@ pytest.importorskip("torchtitan.train", reason="torchtitan is not installed: pip
                     "--no-deps per the hsdp[torchtitan] extra (docs/guide/torchtitan.md)")
 
 from dist_utils import run_jobs, run_ranks  # noqa: E402
+
+from hsdp.topology.outer_sync import parse_outer_sync  # noqa: E402
 from torchtitan_jobs import (  # noqa: E402
+    DILOCO_H1,
     MOE,
     _meta_model,
     checkpoint_job,
@@ -26,6 +29,7 @@ from torchtitan_jobs import (  # noqa: E402
     parity_job,
     tp_parity_job,
 )
+from torchtitan_pp_jobs import pp_job, reference  # noqa: E402
 
 TESTS = str(Path(__file__).resolve().parents[1])  # the job and config modules
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +45,10 @@ def jobs_4(tmp_path_factory) -> dict[str, list[dict]]:
 
 def test_llama3_debugmodel_matches_one_process_and_fsdp2(jobs_4):
     per_rank = jobs_4["parity"]
-    assert len(per_rank[0]) == 17
+    assert len(per_rank[0]) == 19
+    # HSDP_OUTER_SYNC's DiLoCo took effect (H=1: synchronous, its own key below)
+    for r in per_rank:
+        assert r.pop("hsdp+diloco schedule") == repr(parse_outer_sync(DILOCO_H1)), r
     # int8 outer reduction (HSDP_OUTER_REDUCE's): close, and not exact
     compressed = {k for k in per_rank[0] if "+int8" in k and "init" not in k}
     bad = {k: e for r in per_rank for k, e in r.items()
@@ -65,6 +72,25 @@ def test_tensor_parallel_degree_2_matches_one_process_and_fsdp2_tp():
     for r in per_rank:
         sharded = {k: r.pop(k) for k in list(r) if k.endswith("tp-sharded")}
         assert sharded == dict.fromkeys(sharded, 32) and len(sharded) == 3, sharded
+        bad = {k: e for k, e in r.items() if not e < 1e-5}
+        assert not bad, bad
+
+
+def test_pipeline_parallel_degree_2_matches_one_process_and_fsdp2_pp(tmp_path):
+    """pipeline_parallel_degree 2 x (outer 2 x inner 2) on 8 gloo ranks through torchtitan's
+    ``pipeline_llm`` split and its schedules, hsdp's ``pipeline_llama`` as the model spec's
+    ``pipelining_fn`` (torchtitan_pp_jobs.py): 1F1B (hsdp with AC, hfsdp) and
+    Interleaved1F1B train 10 steps, clipped over both stages (torchtitan's
+    ``clip_grad_norm_`` with the pp mesh; every step's norm above the limit), equal to one
+    process and to torchtitan's FSDP2 + PP; a CheckpointManager resume is bit for bit; the
+    pp 2 checkpoint resumes at pp 1 (outer 2 x inner 4) and trains on equal to pp 2."""
+    init, want = reference()
+    per_rank = run_ranks(pp_job, 8, str(tmp_path), init, want)
+    assert len(per_rank[0]) == 12
+    for r in per_rank:
+        assert r.pop("resume equal"), r
+        norms = {k: r.pop(k) for k in list(r) if k.endswith("max grad norm")}
+        assert all(n > 0.5 for n in norms.values()), norms
         bad = {k: e for k, e in r.items() if not e < 1e-5}
         assert not bad, bad
 
@@ -188,6 +214,26 @@ def _refused_before_sharding(model, training, match: str, tp: int = 1, ep: int =
     assert not any(hasattr(m, "_hsdp_unit") for m in model.modules())
 
 
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV"])
+def test_split_backward_pipeline_schedules_are_refused_before_splitting(schedule):
+    """Zero-bubble schedules split each backward into input and weight parts, which hsdp
+    cannot reduce from its hooks: ``pipeline_llama`` names the schedule before it splits
+    or shards anything; ``parallelize_llama`` under PP without its stage mesh says to use
+    ``pipeline_llama``."""
+    from torchtitan.config import ParallelismConfig
+
+    from hsdp.integrations import torchtitan as hsdp_titan
+    from hsdp.integrations.torchtitan_pipeline import pipeline_llama
+
+    model = _meta_model()
+    parallelism = ParallelismConfig(pipeline_parallel_degree=2,
+                                    pipeline_parallel_schedule=schedule)
+    with pytest.raises(ValueError, match=f"pipeline schedule '{schedule}' .*input and weight"):
+        pipeline_llama(model, parallel_dims=None, parallelism=parallelism,
+                       parallelize_fn=hsdp_titan.parallelize_llama)
+    assert not any(hasattr(m, "_hsdp_unit") for m in model.modules())
+
+
 def test_mx_converted_model_is_refused_before_sharding():
     """torchtitan's MX / NVFP4 converters rely on FSDP2's all-gather hooks, which hsdp does
     not provide for them: a clear error, with nothing sharded."""
@@ -240,15 +286,39 @@ def test_outer_reduce_from_the_environment(monkeypatch):
         options_from_env()
 
 
-def test_cuda_graphs_are_refused_and_off_in_hsdps_configs(monkeypatch):
+def test_outer_sync_from_the_environment(monkeypatch):
+    """``HSDP_OUTER_SYNC`` picks DiLoCo with any of its fields; a bad value is refused
+    naming the variable and what it expects."""
+    import hsdp
+    from hsdp.integrations.torchtitan import options_from_env
+
+    assert options_from_env()[3] is None
+    monkeypatch.setenv("HSDP_OUTER_SYNC", "diloco")
+    assert options_from_env()[3] == hsdp.DiLoCo()
+    monkeypatch.setenv("HSDP_OUTER_SYNC", "diloco:inner_steps=50,fragments=4,outer_lr=0.5,"
+                                          "nesterov=false,delay=2")
+    assert options_from_env()[3] == hsdp.DiLoCo(50, 4, outer_lr=0.5, nesterov=False, delay=2)
+    for bad, match in (("local_sgd", "expected none, diloco or"),
+                       ("diloco:steps=5", "FIELD one of inner_steps, fragments"),
+                       ("diloco:inner_steps=x", "inner_steps='x': expected int"),
+                       ("diloco:inner_steps=0", "inner_steps must be an int >= 1")):
+        monkeypatch.setenv("HSDP_OUTER_SYNC", bad)
+        with pytest.raises(ValueError, match="HSDP_OUTER_SYNC: .*" + match):
+            options_from_env()
+
+
+def test_cuda_graphs_stay_on_in_hsdps_configs(monkeypatch):
     """torchtitan captures forward + backward in a CUDA graph on CUDA unless
-    ``training.disable_cuda_graphs``; hsdp runs eagerly: its configs turn the capture off,
-    and ``parallelize_llama`` refuses it (nothing sharded) when it is on and CUDA is there."""
-    from torchtitan.config import TrainingConfig
+    ``training.disable_cuda_graphs``; hsdp can be captured (docs/guide/cuda_graphs.md), so
+    its configs keep torchtitan's default and ``parallelize_llama`` accepts it."""
+    from torchtitan.config import ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
 
     from hsdp.integrations import torchtitan as hsdp_titan
 
-    assert hsdp_titan.llama3_debugmodel().training.disable_cuda_graphs
+    assert not hsdp_titan.llama3_debugmodel().training.disable_cuda_graphs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    _refused_before_sharding(_meta_model(), TrainingConfig(disable_cuda_graphs=False),
-                             r"CUDA graphs \(set --training.disable_cuda_graphs")
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=4,
+                        spmd_backend="partial_dtensor")
+    hsdp_titan._check_supported(_meta_model(), dims, TrainingConfig(disable_cuda_graphs=False),
+                                ParallelismConfig(spmd_backend="partial_dtensor"))

@@ -1,6 +1,7 @@
 """The schedule itself, observed on CPU: a fake 2x4 world whose collectives are emulated
-by host sleeps on hsdp's stream threads (inner 20 ms, outer 12 ms per collective), so that
-the order and overlap of operations can be read off the streams' records."""
+by host sleeps on hsdp's stream threads (inner 100 ms, outer 60 ms per collective: long
+enough for a loaded host), so that the order and overlap of operations can be read off
+the streams' records."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from hsdp.sim.fabric import Fabric, Link
 from hsdp.streams.contract import OpRecord
 
 UNITS = 4
-FABRIC = Fabric(Link(1e6, 20_000.0), Link(1e6, 12_000.0))
+FABRIC = Fabric(Link(1e6, 100_000.0), Link(1e6, 60_000.0))
 
 
 class Net(nn.Module):

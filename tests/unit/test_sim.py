@@ -941,3 +941,36 @@ def test_float8_all_gather_moves_one_byte_per_converted_weight_element(fake_worl
               and op.payload.name == "aten::mm")
     slow, fast = CostModel(), CostModel(float8_speedup=2.0)
     assert fast.compute_seconds(mm) == pytest.approx(slow.compute_seconds(mm) / 2)
+
+
+def test_diloco_period_is_timed_by_its_distinct_runs_of_steps():
+    """Each step after which fragments sync, with the ``delay`` steps its all-reduce
+    overlaps, and one quiet step standing for the rest; a delay reaching the next
+    fragment's sync is refused."""
+    from hsdp.sim.engine import period_steps
+
+    assert period_steps(None) == [(None, 1, 1)]
+    assert period_steps(hsdp.DiLoCo(10)) == [(10, 1, 1), (1, 1, 9)]
+    assert period_steps(hsdp.DiLoCo(50, 4, delay=5)) == [
+        (12, 6, 1), (25, 6, 1), (37, 6, 1), (50, 6, 1), (6, 1, 26)]  # 50 wraps to 5
+    with pytest.raises(ValueError, match="delay=2 overlaps the next fragment's sync"):
+        Setup(TINY_LLAMA, 2, 4, outer_sync="diloco:inner_steps=8,fragments=4,delay=2")
+
+
+def test_diloco_moves_the_outer_bytes_once_per_period_and_delay_hides_them(fake_world_8):
+    """DiLoCo H=4: a quarter of synchronous hsdp's fp32 outer bytes per step (the fp32
+    pseudo-gradient of the same shards, once per period); the period's mean is its runs
+    weighted; on a slow outer link the all-reduce is exposed at delay 0 and hidden behind
+    the next step's compute at delay 1."""
+    costs = CostModel(Fabric(Link(FREE, 0.0), Link(1e-3, 0.0)), tflops=1e-4, mem_gbps=FREE)
+    sync = evaluate(record(Setup(TINY_LLAMA, 2, 4)), costs)
+    runs = {d: evaluate(record(Setup(TINY_LLAMA, 2, 4, outer_sync=f"diloco:inner_steps=4,"
+                                     f"fragments=2,delay={d}")), costs) for d in (0, 1)}
+    for r in runs.values():
+        assert r.metrics["outer_bytes_per_step"] * 4 == sync.metrics["outer_bytes_per_step"]
+    now = runs[0].metrics["period_runs_ms"]  # syncs after steps 2 and 4; 1 and 3 quiet
+    assert runs[0].t_step_ms == pytest.approx((now[0] + now[1] + 2 * now[2]) / 4)
+    assert min(now[:2]) > 1.5 * now[2]  # each sync step waits for its all-reduce
+    later = runs[1].metrics["period_runs_ms"]  # steps 2-3 and 4-1, back to back
+    assert len(later) == 2 and runs[1].t_step_ms == pytest.approx(sum(later) / 4)
+    assert runs[1].t_step_ms < runs[0].t_step_ms

@@ -65,25 +65,40 @@ def _batch(step: int, seed: int, rows: int) -> torch.Tensor:
 def train(mesh: object, strategy: str, seed: int, outer_reduce: hsdp.OuterReduce | None,
           steps: int, layers: int = MODEL.layers) -> list[float]:
     """Loss per step (mean over every rank) of one run."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
     model = build_model(replace(MODEL, layers=layers))
     for block in model.blocks:  # units: each block, the root (embedding, head)
         hsdp.fully_shard(block, mesh=mesh, strategy=strategy, outer_reduce=outer_reduce)
     hsdp.fully_shard(model, mesh=mesh, strategy=strategy, outer_reduce=outer_reduce)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
+    losses = train_steps(model, opt, range(steps), seed)
+    hsdp.synchronize(model)
+    return losses
+
+
+def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range,
+                seed: int = 0, microbatches: int = 1,
+                max_norm: float | None = None) -> list[float]:
+    """Train ``steps`` steps of ``_batch(step, seed)``, every rank on its own
+    ``ROWS_PER_RANK`` rows (in ``microbatches`` pieces; gradients clipped to ``max_norm``
+    with ``hsdp.clip_grad_norm_`` if given); the loss of each step, mean over the ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     rows = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
-    for step in range(steps):
-        tokens = _batch(step, seed, world * ROWS_PER_RANK)[rows]
-        loss = lm_loss(model(tokens), tokens)
-        loss.backward()
+    losses = []
+    for step in steps:
+        pieces = _batch(step, seed, world * ROWS_PER_RANK)[rows].chunk(microbatches)
+        total = torch.zeros(())
+        for i, tokens in enumerate(pieces):
+            with hsdp.microbatch(model, is_last=i == len(pieces) - 1):
+                loss = lm_loss(model(tokens), tokens) / len(pieces)
+                loss.backward()
+            total += loss.detach()
+        if max_norm is not None:
+            hsdp.clip_grad_norm_(model, max_norm)
         opt.step()
         opt.zero_grad()
-        total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    hsdp.synchronize(model)
     return losses
 
 

@@ -122,9 +122,9 @@ def plan() -> list[Run]:
                         ("--meshes", mesh), 3600,
                         program=("scripts/outer_reduce_convergence.py",)))
     runs.append(Run(DILOCO, "cpu", "diloco_convergence_4x2",
-                    ("--meshes", "4x2", "--layers", "3", "--seeds", "0,1", "--steps", "300",
-                     "--runs", "exact,DiLoCo H1 F1,DiLoCo H1 F4,DiLoCo H10 F1,DiLoCo H10 F4,"
-                     "DiLoCo H50 F1,DiLoCo H50 F4"), 3600,
+                    ("--meshes", "4x2", "--layers", "3", "--seeds", "0,1", "--steps", "1000",
+                     "--runs", "exact,DiLoCo H10 F1,DiLoCo H10 F4,DiLoCo H50 F1,DiLoCo H50 F4,"
+                     "DiLoCo H1 F1"), 7200,
                     program=("scripts/outer_reduce_convergence.py",)))
     runs.append(_step(MICROBATCHES, "emu16x8_s1024_mb4", "--emulate", "--mesh", "16x8",
                       "--seq", "1024", "--microbatches", "4", "--steps", "4", "--warmup", "1",

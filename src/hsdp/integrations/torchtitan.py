@@ -14,9 +14,12 @@ expert mesh ``hsdp.expert_mesh(mesh, ep)`` (torchtitan's ``dp_replicate, efsdp, 
 nested in the block's unit. The environment
 variables ``HSDP_STRATEGY`` (``hsdp`` | ``hfsdp``) and ``HSDP_OVERLAP_OUTER`` (1 | 0) pick
 the strategy; ``HSDP_OUTER_REDUCE`` (``none`` | ``int8`` | ``fp8_e4m3``, ``:BLOCK`` optional)
-the compressed outer reduction (docs/guide/slow_outer_links.md). Gradients are sums over
-the DP ranks (``set_gradient_divide_factor(1.0)``, as torchtitan sets on FSDP2: it
-divides the loss by the global token count itself).
+the compressed outer reduction (docs/guide/slow_outer_links.md); ``HSDP_OUTER_SYNC``
+(``none`` | ``diloco`` | ``diloco:inner_steps=50,fragments=4,...``) DiLoCo on the outer
+axis (docs/guide/across_datacenters.md). Gradients are sums over the DP ranks
+(``set_gradient_divide_factor(1.0)``, as torchtitan sets on FSDP2: it divides the loss by
+the global token count itself); with DiLoCo, sums over the replica's ranks times the
+number of replicas (each replica's gradient is its own mean, on torchtitan's scale).
 torchao float8 linears (torchtitan's float8 converter, or ``torchtitan_float8``'s with
 float8 all-gather) train under hsdp; other torchao modules (MX, NVFP4) are refused.
 """
@@ -31,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
@@ -45,12 +49,14 @@ from torchtitan.protocols.module import Module as TitanModule
 
 import hsdp
 from hsdp.checkpoint.state_dicts import load_state_dict_hook
+from hsdp.integrations.torchtitan_pipeline import check_pipeline, pipeline_llama
 from hsdp.sharding.policy import Strategy, parse_outer_reduce
+from hsdp.topology.outer_sync import parse_outer_sync
 
 
-def options_from_env() -> tuple[Strategy, bool, hsdp.OuterReduce | None]:
-    """(strategy, overlap_outer, outer_reduce) from ``HSDP_STRATEGY``,
-    ``HSDP_OVERLAP_OUTER`` and ``HSDP_OUTER_REDUCE``."""
+def options_from_env() -> tuple[Strategy, bool, hsdp.OuterReduce | None, hsdp.DiLoCo | None]:
+    """(strategy, overlap_outer, outer_reduce, outer_sync) from ``HSDP_STRATEGY``,
+    ``HSDP_OVERLAP_OUTER``, ``HSDP_OUTER_REDUCE`` and ``HSDP_OUTER_SYNC``."""
     try:
         strategy = Strategy.parse(os.environ.get("HSDP_STRATEGY", "hsdp"))
     except ValueError as e:
@@ -62,13 +68,24 @@ def options_from_env() -> tuple[Strategy, bool, hsdp.OuterReduce | None]:
         outer_reduce = parse_outer_reduce(os.environ.get("HSDP_OUTER_REDUCE", "none"))
     except ValueError as e:
         raise ValueError(f"hsdp: HSDP_OUTER_REDUCE: {e}") from None
-    return strategy, overlap == "1", outer_reduce
+    try:
+        outer_sync = parse_outer_sync(os.environ.get("HSDP_OUTER_SYNC", "none"))
+    except ValueError as e:
+        raise ValueError(f"hsdp: HSDP_OUTER_SYNC: {e}") from None
+    return strategy, overlap == "1", outer_reduce, outer_sync
 
 
 def _check_supported(model: nn.Module, parallel_dims: ParallelDims, training: TrainingConfig,
-                     parallelism: ParallelismConfig) -> None:
+                     parallelism: ParallelismConfig, mesh: DeviceMesh | None) -> None:
     """Refuse (before anything changes) what hsdp cannot do under torchtitan, naming what
     to use instead."""
+    if parallel_dims.pp_enabled:
+        check_pipeline(parallelism)
+        if mesh is None:
+            raise ValueError("hsdp's parallelize_llama under pipeline parallelism needs its "
+                             "stage's mesh: use hsdp.integrations.torchtitan_pipeline."
+                             "pipeline_llama as the model spec's pipelining_fn (with_hsdp's "
+                             "configs do)")
     converted = sorted({type(m).__name__ for m in model.modules()
                         if _is_torchao(m) and not _is_float8_linear(m)})
     if converted:
@@ -78,17 +95,15 @@ def _check_supported(model: nn.Module, parallel_dims: ParallelDims, training: Tr
                          f"hsdp.integrations.torchtitan_float8.Float8LinearConverter or "
                          f"torchtitan's own llama3 module (FSDP2)")
     refused = {
-        "pipeline_parallel_degree > 1": parallel_dims.pp_enabled,
         "context_parallel_degree > 1": parallel_dims.cp_enabled,
         # torchtitan's experts then split over tp inside the ep mesh (its etp)
         "expert_parallel_degree > 1 with tensor_parallel_degree > 1":
             parallel_dims.ep_enabled and parallel_dims.tp_enabled,
+        # pipeline_llama splits Llama3's decoder; a MoE model's stages are not built yet
+        "expert_parallel_degree > 1 with pipeline_parallel_degree > 1":
+            parallel_dims.ep_enabled and parallel_dims.pp_enabled,
         "training.enable_cpu_offload": training.enable_cpu_offload,
         "parallelism.enable_fsdp_symm_mem": parallelism.enable_fsdp_symm_mem,
-        # torchtitan captures forward + backward in a CUDA graph unless told not to; it
-        # does so on CUDA only (elsewhere it runs them eagerly)
-        "CUDA graphs (set --training.disable_cuda_graphs)":
-            not training.disable_cuda_graphs and torch.cuda.is_available(),
     }
     bad = [k for k, on in refused.items() if on]
     if bad:
@@ -117,7 +132,9 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
                       ac_config: ActivationCheckpointingConfig | None, dump_folder: str,
                       strategy: Strategy | str | None = None,
                       overlap_outer: bool | None = None,
-                      outer_reduce: hsdp.OuterReduce | str | None = None) -> nn.Module:
+                      outer_reduce: hsdp.OuterReduce | str | None = None,
+                      outer_sync: hsdp.DiLoCo | str | None = None,
+                      mesh: DeviceMesh | None = None) -> nn.Module:
     """torchtitan's ``parallelize_llama`` with hsdp in place of ``apply_fsdp_to_decoder``:
     torchtitan's own TP plan or expert parallelism (the model's ``parallelize`` on its "tp"
     / "ep" meshes, when ``tensor_parallel_degree`` / ``expert_parallel_degree > 1``),
@@ -125,15 +142,24 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
     hsdp unit per block (and one for the embedding unless it is tied to the output), the
     norm and output head in the root's; with expert parallelism each MoE block's experts
     in a unit of their own on the expert mesh, inside the block's. ``strategy`` /
-    ``overlap_outer`` / ``outer_reduce``: default from the environment (``options_from_env``)."""
-    _check_supported(model, parallel_dims, training, parallelism)
+    ``overlap_outer`` / ``outer_reduce`` / ``outer_sync`` (``init_mesh``'s): default from
+    the environment (``options_from_env``). ``mesh``: the stage's mesh under pipeline
+    parallelism (``pipeline_llama`` passes it), else ``hsdp.init_mesh``'s over the world."""
+    _check_supported(model, parallel_dims, training, parallelism, mesh)
     if any(_is_float8_linear(m) for m in model.modules()):
         from hsdp.integrations.torchtitan_float8 import wrap_float8_all_gather_weights
 
         wrap_float8_all_gather_weights(model)
-    env_strategy, env_overlap, env_outer_reduce = options_from_env()
+    env_strategy, env_overlap, env_outer_reduce, env_outer_sync = options_from_env()
     strategy = Strategy.parse(strategy or env_strategy)
     outer_reduce = outer_reduce or env_outer_reduce
+    if isinstance(outer_sync, str):
+        outer_sync = parse_outer_sync(outer_sync)
+    outer_sync = outer_sync or env_outer_sync
+    if outer_sync is not None and mesh is not None:
+        raise NotImplementedError(
+            "hsdp: DiLoCo (HSDP_OUTER_SYNC / outer_sync) with pipeline_parallel_degree > 1 is "
+            "not supported: train DiLoCo without pipeline parallelism")
     overlap_outer = env_overlap if overlap_outer is None else overlap_outer
     if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
         model.parallelize(parallel_dims)
@@ -142,19 +168,22 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
     if compile_config.enable and "model" in compile_config.components:
         apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
 
-    mesh = hsdp.init_mesh(parallel_dims.dp_replicate, parallel_dims.dp_shard,
-                          parallel_dims.world_mesh.device_type, tp=parallel_dims.tp)
+    if mesh is None:
+        mesh = hsdp.init_mesh(parallel_dims.dp_replicate, parallel_dims.dp_shard,
+                              parallel_dims.world_mesh.device_type, tp=parallel_dims.tp,
+                              outer_sync=outer_sync)
     mp = hsdp.MixedPrecision(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
                              reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
                              cast_forward_inputs=False)
     shard = functools.partial(hsdp.fully_shard, mesh=mesh, strategy=strategy, mp_policy=mp,
                               overlap_outer=overlap_outer, outer_reduce=outer_reduce)
     policy = parallelism.fsdp_reshard_after_forward
-    reshard = get_fsdp_reshard_after_forward_policy(policy, pp_enabled=False)
-    if model.tok_embeddings is not None and not model.enable_weight_tying:
-        shard(model.tok_embeddings, reshard_after_forward=reshard)
+    reshard = get_fsdp_reshard_after_forward_policy(policy, pp_enabled=parallel_dims.pp_enabled)
+    # first: expert_mesh refuses what the experts' units cannot serve, before any unit
     experts_mesh = (hsdp.expert_mesh(mesh, parallel_dims.ep) if parallel_dims.ep_enabled
                     else None)
+    if model.tok_embeddings is not None and not model.enable_weight_tying:
+        shard(model.tok_embeddings, reshard_after_forward=reshard)
     for block in model.layers.values():
         if experts_mesh is not None and getattr(block, "moe_enabled", False):
             shard(block.moe.routed_experts.inner_experts, mesh=experts_mesh,
@@ -162,7 +191,10 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
         shard(block, reshard_after_forward=reshard)
     # torchtitan's [norm, lm_head] unit: resharded only under "always"
     shard(model, reshard_after_forward=policy == "always")
-    model.set_gradient_divide_factor(1.0)
+    # torchtitan divides the loss by the tokens of every DP rank; a DiLoCo replica sums
+    # over its own ranks only
+    model.set_gradient_divide_factor(1.0 if outer_sync is None
+                                     else 1.0 / parallel_dims.dp_replicate)
     _adopt_meta_init(model)
     _load_merged_qkv(model)
     return model
@@ -245,9 +277,9 @@ def with_hsdp(config_fn: Callable) -> Callable:
         cfg = config_fn()
         cfg.model_spec = dataclasses.replace(cfg.model_spec,
                                              name=f"hsdp_{cfg.model_spec.name}",
-                                             parallelize_fn=parallelize_llama)
+                                             parallelize_fn=parallelize_llama,
+                                             pipelining_fn=pipeline_llama)
         cfg.parallelism.spmd_backend = "partial_dtensor"
-        cfg.training.disable_cuda_graphs = True  # hsdp runs eagerly (runtime/unit.py)
         if isinstance(cfg.loss, ChunkedLossWrapper.Config):
             cfg.loss = cfg.loss.loss_fn
         return cfg

@@ -36,6 +36,7 @@ class RuntimeContext:
     log: StepLog
     broken: str | None = None  # why hsdp's communicators cannot be used any more
     outer_sync: OuterSync | None = None  # DiLoCo's schedule (None: outer reduction per step)
+    graphed: bool = False  # a region of this model was captured in a CUDA graph (graphs.py)
 
     def __post_init__(self) -> None:
         self.gid = {g: i for i, g in enumerate(self.groups)}
@@ -56,10 +57,11 @@ class RuntimeContext:
 
     def release_cleared_grads(self) -> None:
         """Once the user has cleared the gradients (zero_grad), free their buffers until
-        the next reduce-scatter needs them, so they are not held through the forward."""
+        the next reduce-scatter needs them, so they are not held through the forward;
+        never once a graph was captured (it writes them at their addresses)."""
         groups = [g for u in self.units for g in u.with_grads
                   if g.grads.grads_live and not g.grads.grads_exposed()]
-        if groups:
+        if groups and not self.graphed:  # a graph writes them at fixed addresses: kept
             # rs / outer wait: the optimizer on compute may still read the gradients.
             read = self.streams.compute.record()
             for g in groups:

@@ -12,11 +12,16 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hsdp.runtime.context import RuntimeContext
 from hsdp.runtime.gather import Gathering
+from hsdp.runtime.graphs import Graphs
 from hsdp.runtime.hooks import in_backward
 from hsdp.runtime.recovery import Recovery
 from hsdp.sharding.float8_weights import refresh_scales
 from hsdp.sharding.group import ParamGroup, owner
 from hsdp.sharding.pieces import adopt_state, same_layout
+from hsdp.streams.capture import capture_refusal
+
+FIRST_STEP = ("an optimizer step that creates or changes its state (it is checked and "
+              "packed on the host)", "run the optimizer's first step eagerly, then capture")
 
 STEPPERS: weakref.WeakSet[OptimizerSteps] = weakref.WeakSet()  # each model's (runtime.py)
 
@@ -25,10 +30,13 @@ class OptimizerSteps:
     """The optimizer part of a model's runtime: hooks around each step of an optimizer
     that holds the model's parameters, and the users' grad hooks (optimizer in backward)."""
 
-    def __init__(self, ctx: RuntimeContext, gathering: Gathering, recovery: Recovery) -> None:
+    def __init__(self, ctx: RuntimeContext, gathering: Gathering, recovery: Recovery,
+                 graphs: Graphs) -> None:
         self.ctx = ctx
         self.gathering = gathering
         self.recovery = recovery
+        self.graphs = graphs
+        self._capturing = False  # the step running now is being captured
         self.param_ids = {id(p) for g in ctx.groups for p in g.sharded}
         self.shards_outer = any(g.shard_outer for g in ctx.groups)  # hfsdp
         self.float8_groups = [g for g in ctx.groups if g.float8 is not None]
@@ -48,6 +56,8 @@ class OptimizerSteps:
         key = (id(optimizer.state), len(optimizer.state))
         if self._checked_state.get(optimizer) == key:
             return
+        if self._capturing:
+            raise capture_refusal(*FIRST_STEP)
         self._checked_state[optimizer] = key
         bad = next((k for p, st in optimizer.state.items() if owner(p) is not None
                     for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0
@@ -67,7 +77,10 @@ class OptimizerSteps:
     def before_step(self) -> None:
         if in_backward() and not self._in_grad_hooks:
             raise RuntimeError("hsdp: optimizer.step() called during backward")
+        self._capturing = self.graphs.enter("optimizer step")
         self.recovery.settle()
+        if not self._capturing:  # the agreement on what the graphs ran (graphs.py)
+            self.graphs.check_replayed()
         if self.ctx.step.awaiting_last:
             raise RuntimeError(
                 "hsdp: optimizer.step() called while the gradient reduction is still "
@@ -85,6 +98,8 @@ class OptimizerSteps:
             self.ctx.outer_sync.after_step(self.ctx)
         key = (id(optimizer.state), len(optimizer.state))
         if self._adopted_state.get(optimizer) != key:  # new state (first steps, loads)
+            if self._capturing:
+                raise capture_refusal(*FIRST_STEP)
             adopt_state(optimizer.state)
             for g in self.ctx.trainable:
                 g.state.pack_state(optimizer.state)
@@ -96,15 +111,17 @@ class OptimizerSteps:
         # In-place foreach ops on DTensors bump no version counter: every group the
         # optimizer holds a parameter of counts as written (which only hfsdp's outer
         # all-gather reads: hsdp skips the walk over every parameter).
-        if not self.shards_outer:
-            return
-        for pg in optimizer.param_groups:
-            for p in pg["params"]:
-                managed = owner(p)
-                if managed is not None:
-                    managed[0].gather.mark_written()
-        if not self._in_grad_hooks:  # else once, after the last hook
-            self.gathering.refresh_outer_shards()
+        if self.shards_outer:
+            for pg in optimizer.param_groups:
+                for p in pg["params"]:
+                    managed = owner(p)
+                    if managed is not None:
+                        managed[0].gather.mark_written()
+            if not self._in_grad_hooks:  # else once, after the last hook
+                self.gathering.refresh_outer_shards()
+        if not self._in_grad_hooks:
+            self.graphs.end_region(self._capturing)
+        self.graphs.step_done()
 
     def run_grad_hooks(self, reduced: list[ParamGroup]) -> None:
         """The users' post-accumulate-grad hooks, as FSDP2 runs them: once a step's

@@ -16,6 +16,7 @@ from hsdp.runtime.step_agreement import Verdict, agree, missing, post_note, read
 from hsdp.sharding.group import ParamGroup
 from hsdp.streams.contract import Event
 from hsdp.streams.op_table import OUTER_REDUCTIONS, OpKind
+from hsdp.topology.liveness import gone_message
 
 
 class Recovery:
@@ -49,10 +50,12 @@ class Recovery:
         kind, rank, forwards = note.split()
         if kind == "failed":
             step.gave_up = True
+            gone = gone_message()
             raise RuntimeError(
                 f"hsdp: rank {rank} gave up step {log.step} (its forward or backward "
-                f"raised), so this rank stops waiting for it. Handle this like that rank's "
-                f"error: the next forward abandons the step on every rank and starts a new one.")
+                f"raised), so this rank stops waiting for it. {gone + ' ' if gone else ''}"
+                f"Handle this like that rank's error: the next forward abandons the step on "
+                f"every rank and starts a new one.")
         if int(forwards) < log.forwards:
             step.gave_up = True
             raise RuntimeError(
@@ -67,6 +70,7 @@ class Recovery:
         state dict, clip, synchronize) call this; every rank reaches one of them."""
         if self.ctx.broken is not None:
             raise RuntimeError(self.ctx.broken)
+        self.ctx.streams.compute.capturing()  # an entry point: has a capture ended?
         if self.ctx.step.phase is Phase.IDLE or in_backward():
             return
         self.note("failed")
@@ -78,6 +82,12 @@ class Recovery:
         issued and this one did not, drain every stream, and reset to a clean state (no
         gradients; the next forward starts a new step)."""
         ctx = self.ctx
+        if any(getattr(op.event, "epoch", None) is not None for op in ctx.log.ops):
+            ctx.broken = (
+                "hsdp: a step being captured in a CUDA graph failed: its collectives were "
+                "recorded, not run, on this rank, while other ranks may have replayed "
+                "theirs, so it cannot be abandoned consistently. Restart the job.")
+            raise RuntimeError(ctx.broken)
         ctx.streams.compute.poll = None  # every rank is here now: waits will complete
         last: dict[str, Event] = {}
         for op in ctx.log.ops:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import hsdp.streams.teardown  # noqa: F401  (destroy_process_group waits for hsdp's streams)
 from hsdp.runtime.context import RuntimeContext
 from hsdp.runtime.gather import Gathering
+from hsdp.runtime.graphs import Graphs
 from hsdp.runtime.hooks import units_below
 from hsdp.runtime.optim import STEPPERS, OptimizerSteps
 from hsdp.runtime.outer_sync import outer_sync_of
@@ -63,8 +64,9 @@ class Runtime:
             outer_sync=self.outer_sync)
         self.gathering = Gathering(ctx)
         self.recovery = Recovery(ctx, self.gathering)
-        self.optim = OptimizerSteps(ctx, self.gathering, self.recovery)
-        self.schedule = Schedule(ctx, self.gathering, self.recovery, self.optim)
+        self.graphs = Graphs(ctx)
+        self.optim = OptimizerSteps(ctx, self.gathering, self.recovery, self.graphs)
+        self.schedule = Schedule(ctx, self.gathering, self.recovery, self.optim, self.graphs)
         for u in units:
             u.runtime = self
         for g in ctx.groups:

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hsdp.runtime.context import RuntimeContext
 from hsdp.runtime.gather import Gathering
+from hsdp.runtime.graphs import Graphs
 from hsdp.runtime.hooks import (
     PostBackward,
     cast_floats,
@@ -59,11 +60,12 @@ class Schedule:
     finalize. Which units use (``_users``) and own (``_owner``) each group is its own."""
 
     def __init__(self, ctx: RuntimeContext, gathering: Gathering, recovery: Recovery,
-                 optim: OptimizerSteps) -> None:
+                 optim: OptimizerSteps, graphs: Graphs) -> None:
         self.ctx = ctx
         self.gathering = gathering
         self.recovery = recovery
         self.optim = optim
+        self.graphs = graphs
         self._users: dict[ParamGroup, list[Unit]] = {g: [] for g in ctx.groups}
         self._owner = {g: u for u in ctx.units for g in u.groups}
         for u in ctx.units:
@@ -78,6 +80,7 @@ class Schedule:
     # ------------------------------------------------------------------ forward
 
     def _begin_forward(self) -> None:
+        self.ctx.step.capturing = self.graphs.enter("forward")
         self.recovery.settle()
         self.ctx.streams.compute.poll = self.recovery.poll
         if not self.ctx.log.microbatches and not self._backward_expected:
@@ -135,6 +138,8 @@ class Schedule:
             self.gathering.release(unit)
         if unit is self.ctx.root:
             self.gathering.end_recording()
+            if not expects_backward:  # the region ends here
+                self.graphs.end_region(self.ctx.step.capturing)
             self.ctx.step.phase = Phase.IDLE
             self.ctx.streams.compute.poll = None  # the streams are shared: hold no model
         self.ctx.streams.compute.end(f"FWD:{unit.label}")
@@ -179,6 +184,7 @@ class Schedule:
     # ------------------------------------------------------------------ backward
 
     def _begin_backward(self) -> None:
+        self.ctx.step.capturing = self.graphs.enter("backward")
         self.ctx.step.phase = Phase.BACKWARD
         self.ctx.streams.compute.poll = self.recovery.poll
         self.ctx.log.microbatches += 1
@@ -188,7 +194,7 @@ class Schedule:
         if self.ctx.step.first_microbatch:  # uncleared gradients are accumulated into, as in torch
             for u in self.ctx.units:
                 for g in u.with_grads:
-                    g.grads.hide_grads()
+                    g.grads.hide_grads(self.ctx.step.capturing)
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
     def _pre_backward(self, unit: Unit) -> None:
@@ -251,6 +257,19 @@ class Schedule:
             step.outer_events.append(ctx.logged(g.grads.outer_reduction, g, g.outer_reduce(
                 ctx.stream_of(g.grads.outer_reduction), ctx.coll, [ev_rs])))
 
+    def _agree_or_keep(self, capturing: bool) -> list[bool]:
+        """The step agreement's gradient flags; in a capture (no CPU collective there),
+        this rank's, the structure kept for the agreement outside the graph."""
+        if capturing:
+            self.graphs.keep_captured()
+            return self.graphs.used
+        verdict = self.recovery.agree(failed="", on_slow=lambda: self.recovery.note("ended"))
+        if not verdict.ok:
+            msg = verdict.message(self.ctx.log.step)
+            self.recovery.abandon()
+            raise RuntimeError(msg)
+        return verdict.used
+
     def _release_rs_inputs(self, keep: Sequence[ParamGroup] = ()) -> None:
         """Drop the RS inputs of every group but ``keep``'s (normally: the previous unit's,
         when the next unit's copy-in needs the memory)."""
@@ -270,20 +289,17 @@ class Schedule:
         for unit in reversed(self.gathering.order):
             self.post_backward(unit, final=True)
         self._release_rs_inputs()
+        capturing = self.ctx.step.capturing
         if self.ctx.step.is_last:
-            verdict = self.recovery.agree(failed="", on_slow=lambda: self.recovery.note("ended"))
-            if not verdict.ok:
-                msg = verdict.message(self.ctx.log.step)
-                self.recovery.abandon()
-                raise RuntimeError(msg)
+            used = iter(self._agree_or_keep(capturing))
             for ev in self.ctx.step.outer_events:
                 # compute waits: the optimizer reads grads the outer reduction produced.
                 self.ctx.streams.compute.wait(ev)
             self.ctx.step.outer_events.clear()
-            used = iter(verdict.used)
             for g in self.ctx.trainable:
                 g.grads.expose_grads([next(used) for _ in g.grads.used])
             self.ctx.log.next_step()
+        self.graphs.end_region(capturing)
         self.ctx.step.end_backward()
         self.ctx.reset_units()
         self.ctx.streams.compute.poll = None

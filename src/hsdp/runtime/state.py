@@ -27,6 +27,7 @@ class StepState:
     sync: bool = True  # this backward communicates (else: local accumulation only)
     is_last: bool = True  # this backward's gradients are final (outer reduction)
     gave_up: bool = False  # this step raised because another rank gave it up
+    capturing: bool = False  # this region is being recorded into a CUDA graph
     # (group, RS input, RS event): inputs kept alive until their reduce-scatter is done
     pending_rs: list[tuple[Any, Any, Any]] = field(default_factory=list)
     outer_events: list[Any] = field(default_factory=list)  # this backward's outer reductions

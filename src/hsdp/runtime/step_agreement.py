@@ -35,6 +35,7 @@ import torch.distributed as dist
 from hsdp.streams.contract import Event
 from hsdp.streams.op_table import OPS, OpKind
 from hsdp.topology.communicators import COMMUNICATORS
+from hsdp.topology.liveness import gone_message
 
 SLOW_S = 1.0  # an agreement waiting this long leaves a note for blocked peers
 _FIELDS = ("step", "forwards", "microbatches", *(f"{c} collectives" for c in COMMUNICATORS),
@@ -148,36 +149,55 @@ class _SlowWatch:
 _WATCH = _SlowWatch()
 
 
+class Agreement:
+    """One agreement's collective, issued (``async_op``) and not yet read: ``verdict()``
+    waits for it (a dead or absent peer: an hsdp error after the timeout) and reads it."""
+
+    def __init__(self, log: StepLog, failed: str, used: list[bool], group: dist.ProcessGroup,
+                 timeout: timedelta) -> None:
+        rank, self.world = dist.get_rank(), dist.get_world_size()
+        f = log.fields()
+        self.n, self.step, self.timeout = len(f), log.step, timeout
+        vals = [int(bool(failed)), -(rank if failed == "origin" else self.world), *f,
+                *(-x for x in f), *map(int, used)]
+        self.t = torch.tensor(vals, dtype=torch.int64)
+        self.work = self._run(lambda: dist.all_reduce(self.t, op=dist.ReduceOp.MAX,
+                                                      group=group, async_op=True))
+
+    def _run(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except RuntimeError as exc:  # gloo: a peer did not join in time
+            gone = gone_message()
+            raise RuntimeError(
+                f"hsdp: step {self.step}: the other ranks did not reach the end of this step "
+                f"within the timeout ({self.timeout}): {gone + ' ' if gone else ''}a rank died "
+                f"or is stuck, or the ranks "
+                f"run different step structures (numbers of microbatches, units, "
+                f"forward/backward passes). hsdp's communicators cannot be used any more: "
+                f"restart the job.") from exc
+
+    def verdict(self) -> Verdict:
+        self._run(self.work.wait)
+        v, n = self.t.tolist(), self.n
+        hi, lo = v[2:2 + n], [-x for x in v[2 + n:2 + 2 * n]]
+        mismatch = [f"{name}: {a}..{b}" for name, a, b in zip(_FIELDS, lo, hi) if a != b]
+        failed_rank = (-v[1] if -v[1] < self.world else None) if v[0] else None
+        return Verdict(bool(v[0]), failed_rank, mismatch, [bool(x) for x in v[2 + 2 * n:]])
+
+
 def agree(log: StepLog, failed: str, used: list[bool], group: dist.ProcessGroup,
           timeout: timedelta, on_slow: Callable[[], None] | None = None) -> Verdict:
     """The one collective of a step: MAX-all-reduce of [failed, -failed rank, fields,
     -fields, used flags] (MAX of -x is -min). ``failed``: this rank's step raised, "origin"
     if it raised on its own, "peer" if only because another rank gave up (see ``read_note``).
     ``on_slow`` runs if it takes SLOW_S."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    f = log.fields()
-    vals = [int(bool(failed)), -(rank if failed == "origin" else world), *f, *(-x for x in f),
-            *map(int, used)]
-    t = torch.tensor(vals, dtype=torch.int64)
     armed = _WATCH.arm(SLOW_S, on_slow) if on_slow is not None else None
     try:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    except RuntimeError as exc:  # gloo: a peer did not join in time
-        raise RuntimeError(
-            f"hsdp: step {log.step}: the other ranks did not reach the end of this step "
-            f"within the timeout ({timeout}): a rank died or is stuck, or the ranks run "
-            f"different step structures (numbers of microbatches, units, forward/backward "
-            f"passes). hsdp's communicators cannot be used any more: restart the job."
-        ) from exc
+        return Agreement(log, failed, used, group, timeout).verdict()
     finally:
         if armed is not None:
             _WATCH.disarm(armed)
-    v = t.tolist()
-    n = len(f)
-    hi, lo = v[2:2 + n], [-x for x in v[2 + n:2 + 2 * n]]
-    mismatch = [f"{name}: {a}..{b}" for name, a, b in zip(_FIELDS, lo, hi) if a != b]
-    failed_rank = (-v[1] if -v[1] < world else None) if v[0] else None
-    return Verdict(bool(v[0]), failed_rank, mismatch, [bool(x) for x in v[2 + 2 * n:]])
 
 
 def joined(what: str, key: str, run: Callable[[], T], timeout: timedelta) -> T:

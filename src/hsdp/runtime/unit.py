@@ -20,6 +20,7 @@ from hsdp.sharding.policy import MixedPrecision
 from hsdp.sharding.reductions import ENTRY_POINTS
 from hsdp.streams.contract import Tracer
 from hsdp.streams.stream_set import Streams
+from hsdp.topology.liveness import note_gone
 
 
 class Unit:
@@ -110,8 +111,6 @@ class Unit:
     # dynamo neither traces them nor breaks the block's graph on them.
     @torch.compiler.disable
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict):
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(CUDA_GRAPH_CAPTURE)
         if self.runtime is None:
             if self.enclosing is not None:
                 raise RuntimeError(outside_root(self))
@@ -127,24 +126,18 @@ class Unit:
     def _forward_failed_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
         # Also runs after a successful forward, when _post_forward_hook has set IDLE.
         rt = self.runtime
+        exc = sys.exc_info()[1]
+        if rt is not None and rt.root is self and exc is not None:
+            note_gone(exc)  # a collective that lost its peer: name the ranks that are gone
         if (rt is not None and rt.root is self and rt.step.phase is Phase.FORWARD
                 and not in_backward()):
             rt.step.phase = Phase.FAILED
-            exc = sys.exc_info()[1]
             if exc is not None and "mixed torch.Tensor and DTensor" in str(exc):
                 exc.add_note(
                     "hsdp: outside its unit's forward a parameter is this rank's shard (a "
                     "DTensor): it was probably used outside the forward of the unit that "
                     "owns it. Use it inside that forward, or fully_shard the module that uses "
                     "it together with it (their common parent)." + ENTRY_POINTS)
-
-
-CUDA_GRAPH_CAPTURE = (
-    "hsdp: an hsdp model cannot run inside a CUDA graph capture (torch.cuda.graph, "
-    "torch.compile mode='reduce-overhead' of the whole step, torchtitan's CUDA graphs of "
-    "forward + backward): its runtime waits on the host for the collectives of its own "
-    "streams and communicators. Run it eagerly (torchtitan: --training.disable_cuda_graphs; "
-    "hsdp's torchtitan configs set it)")
 
 
 def _refuse_meta_run(module: nn.Module, args: tuple, kwargs: dict) -> None:

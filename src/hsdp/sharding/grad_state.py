@@ -16,8 +16,10 @@ from hsdp.sharding.group_buffers import GroupBuffers
 from hsdp.sharding.pieces import as_dtensor, placeholders_if_empty, same_layout
 from hsdp.sharding.tp_blocks import grad_local
 from hsdp.sharding.write_guard import direct
+from hsdp.streams.capture import capture_refusal
 from hsdp.streams.contract import Event, SideStream
 from hsdp.streams.op_table import OpKind, label
+from hsdp.topology.liveness import note_gone
 
 
 def _allocate(t: torch.Tensor) -> None:
@@ -88,7 +90,11 @@ class GradientState:
                 f"unit that uses it.")
         self.received.add(idx)
         if len(self.received) == self.trainable_count:
-            self._all_in()
+            try:
+                self._all_in()
+            except Exception as exc:  # a collective that lost its peer: name who is gone
+                note_gone(exc)
+                raise
 
     def keep_local(self, flat: torch.Tensor) -> None:
         """A microbatch without gradient sync: keep ``copy_in``'s result (which includes
@@ -264,16 +270,23 @@ class GradientState:
             self.grad_buf.add_(self.carry)
             used = [u or c for u, c in zip(used, self.carried)]
             self.carry = None
+        self.expose_used(used)
+        self.used = [False] * len(self.used)
+
+    def expose_used(self, used: Sequence[bool]) -> None:
+        """Set the ``.grad`` of each parameter some rank used to its view of the reduced
+        gradients, the others' to None (host only)."""
         with direct():
             for p, v, u in zip(self.b.sharded, self._grad_views, used):
                 p.grad = v if u else None
-        self.used = [False] * len(self.used)
 
-    def hide_grads(self) -> None:
+    def hide_grads(self, capturing: bool = False) -> None:
         """Take the sharded ``.grad``s off before a step's first backward. What they hold,
         if they were not cleared (still set, not all zero), is kept in ``carry`` and added
         to the new reduced gradients by ``expose_grads``, as torch accumulates into a
-        ``.grad`` left set. Reads the values (a device sync) only when some are set."""
+        ``.grad`` left set. Reads the values (a device sync) only when some are set, and
+        ``capturing`` (a CUDA graph) not: the graph then always adds them (zeros, when
+        cleared in place), whatever they hold at each replay."""
         with direct():
             grads = [p.grad for p in self.b.sharded]
             for p in self.b.sharded:
@@ -289,8 +302,12 @@ class GradientState:
             if g is None:
                 carry[a:a + n].zero_()
             elif g is not view and n:
+                if capturing:
+                    raise capture_refusal(
+                        f"a .grad of group {self.b.label} replaced by another tensor",
+                        "clear gradients in place (zero_grad(set_to_none=False))")
                 carry[a:a + n].copy_(self._foreign_grad(idx, g))
-        if carry.any():
+        if capturing or carry.any():
             self.carry, self.carried = carry, [g is not None for g in grads]
 
     def _foreign_grad(self, idx: int, g: torch.Tensor) -> torch.Tensor:

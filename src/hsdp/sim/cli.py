@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-reduce", default="none", metavar="DTYPE[:BLOCK]",
                    help="compressed outer reduction: none, int8 or fp8_e4m3 (sweep key "
                         "outer_reduce=none,int8 compares them)")
+    p.add_argument("--outer-sync", default="none", metavar="diloco:FIELD=VALUE,...",
+                   help="DiLoCo on the outer axis (init_mesh's outer_sync), e.g. "
+                        "diloco:inner_steps=50,fragments=4: t_step is the mean over a period "
+                        "(delay 0)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameter dtype")
     p.add_argument("--float8", action="store_true",
                    help="torchao float8 linears (tensorwise, float8 all-gather on: 1 byte "
@@ -131,7 +135,7 @@ def resolve(args: argparse.Namespace) -> tuple[Setup, CostModel]:
         setup = Setup(preset(args.model, **overrides), outer, inner, args.strategy, True,
                       args.microbatches, args.mbs, args.dtype, args.reduce_dtype,
                       tp=args.tp, tp_gbps=args.tp_gbps, float8=args.float8,
-                      outer_reduce=args.outer_reduce)
+                      outer_reduce=args.outer_reduce, outer_sync=args.outer_sync)
         fabric = Fabric(Link(args.inner_gbps, args.latency_us),
                         Link(args.outer_gbps, args.latency_us))
         costs = CostModel(fabric, args.tflops, args.mem_gbps, args.host_us_per_op,
@@ -205,6 +209,7 @@ def meta(setup: Setup, costs: CostModel) -> dict:
             "mesh": {"outer": setup.outer, "inner": setup.inner} | (
                 {"tp": setup.tp, "tp_gbps": setup.tp_gbps} if setup.tp > 1 else {}),
             "strategy": setup.strategy, "outer_reduce": setup.outer_reduce,
+            "outer_sync": setup.outer_sync,
             "costs": {**dataclasses.asdict(costs)}}
 
 
@@ -223,7 +228,8 @@ def describe(m: dict) -> str:
             f"{model['dtype']}{' + float8' if model.get('float8') else ''} / reduce "
             f"{model['reduce_dtype']}; mesh {shape}, {m['strategy']}; {c['tflops']:.0f} "
             f"TFLOP/s, {c['mem_gbps']:g} GB/s, {host}; outer reduction "
-            f"{m.get('outer_reduce', 'none')}; inner {f['inner']['bus_gbps']:g} GB/s, "
+            f"{m.get('outer_reduce', 'none')}, outer sync {m.get('outer_sync', 'none')}; "
+            f"inner {f['inner']['bus_gbps']:g} GB/s, "
             f"outer {f['outer']['bus_gbps']:g} GB/s, {f['inner']['latency_us']:g} us")
 
 

@@ -40,6 +40,7 @@ from hsdp.sim.costs import CostModel
 from hsdp.sim.fabric import Link
 from hsdp.sim.tp_pricing import tp_pricer
 from hsdp.topology.mesh_dims import axis_groups
+from hsdp.topology.outer_sync import DiLoCo, parse_outer_sync
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,14 @@ class Setup:
     tp_gbps: float = 370.0
     float8: bool = False  # torchao float8 linears (tensorwise), float8 all-gather on
     outer_reduce: str = "none"  # the compressed outer reduction: "int8", "fp8_e4m3[:block]"
+    # init_mesh's outer_sync: "none" or "diloco:inner_steps=50,fragments=4,..." (the
+    # steps of a period: see ``period_steps``)
+    outer_sync: str = "none"
 
     def __post_init__(self) -> None:
         Strategy.parse(self.strategy)
         parse_outer_reduce(self.outer_reduce)  # raises on a bad one
+        period_steps(parse_outer_sync(self.outer_sync))  # raises on a delay it cannot time
         if min(self.outer, self.inner, self.microbatches, self.mbs) < 1:
             raise ValueError("sim: outer, inner, microbatches and mbs must be >= 1")
         if self.tp < 1 or (self.tp > 1 and not isinstance(self.model, LlamaConfig)):
@@ -103,6 +108,11 @@ class Recording:
     program: Program
     start: int
     names: dict[str, str]
+    # the op index after each measured run of steps (``period_steps``), how many times it
+    # counts in a period and its steps
+    ends: list[int] = dataclasses.field(default_factory=list)
+    weights: list[int] = dataclasses.field(default_factory=list)
+    steps: list[int] = dataclasses.field(default_factory=list)
 
 
 class RecordedCollectives(Collectives):
@@ -292,11 +302,38 @@ def shard(model: torch.nn.Module, mesh: DeviceMesh, setup: Setup,
         b._hsdp_unit.label: f"Block{i}" for i, b in enumerate(model.blocks)}
 
 
+def period_steps(sync: DiLoCo | None) -> list[tuple[int | None, int, int]]:
+    """What a period is timed by, as runs of steps (first step of the period, 1..H; steps
+    run back to back, every stream idle only after the last; how many times the run counts
+    in a period). Synchronous: one step. DiLoCo: for each step after which some fragment
+    synchronizes, that step and the ``delay`` steps its all-reduce overlaps (the last one
+    applies it); one step without a sync for the others."""
+    if sync is None:
+        return [(None, 1, 1)]
+    h, run = sync.inner_steps, sync.delay + 1
+    syncs = sorted({sync.offset(f) or h for f in range(sync.fragments)})
+    busy = {(s + i - 1) % h + 1 for s in syncs for i in range(run)}
+    if len(busy) < len(syncs) * run:
+        raise ValueError(f"sim: DiLoCo delay={sync.delay} overlaps the next fragment's sync "
+                         f"(inner_steps={h}, fragments={sync.fragments}): not modelled")
+    quiet = [s for s in range(1, h + 1) if s not in busy]
+    return [(s, run, 1) for s in syncs] + ([(quiet[0], 1, len(quiet))] if quiet else [])
+
+
+def _set_period_step(model: torch.nn.Module, step: int | None) -> None:
+    """Make the next optimizer step the ``step``-th of its DiLoCo period."""
+    if step is not None:
+        for g in model._hsdp_unit.runtime.outer_sync.groups:
+            g.anchor.steps = step - 1
+
+
 def record(setup: Setup) -> Recording:
-    """Run a warm-up step and the measured step of ``setup`` on virtual streams."""
+    """Run a warm-up step and the measured steps of ``setup`` on virtual streams (one;
+    with DiLoCo each of ``period_steps``)."""
     cfg = setup.model
+    outer_sync = parse_outer_sync(setup.outer_sync)
     with fake_world(setup.outer * setup.inner):
-        mesh = hsdp.init_mesh(setup.outer, setup.inner, "cpu")
+        mesh = hsdp.init_mesh(setup.outer, setup.inner, "cpu", outer_sync=outer_sync)
         with torch.device(setup.device):
             model = build_model(cfg)
         if setup.float8:
@@ -310,11 +347,18 @@ def record(setup: Setup) -> Recording:
             hsdp.precompute_float8_scales(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         tokens = torch.zeros(setup.mbs, cfg.seq, dtype=torch.long, device=setup.device)
+        rec = Recording(setup, program, 0, names)
         with _IssueCompute(program):
             train_step(model, opt, tokens, 1)
-            start = len(program.ops)
-            train_step(model, opt, tokens, setup.microbatches)
-    return Recording(setup, program, start, names)
+            rec.start = len(program.ops)
+            for step, steps, weight in period_steps(outer_sync):
+                _set_period_step(model, step)
+                for i in range(steps):
+                    train_step(model, opt, tokens, setup.microbatches, drain=i == steps - 1)
+                rec.ends.append(len(program.ops))
+                rec.weights.append(weight)
+                rec.steps.append(steps)
+    return rec
 
 
 def _float8(model: torch.nn.Module) -> torch.nn.Module:
@@ -332,14 +376,16 @@ def _float8(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor,
-          microbatches: int) -> None:
-    """A training step as ``bench step`` times it: until every stream is idle."""
+               microbatches: int, drain: bool = True) -> None:
+    """A training step as ``bench step`` times it: until every stream is idle (unless not
+    ``drain``)."""
     for m in range(microbatches):
         with hsdp.microbatch(model, is_last=m == microbatches - 1):
             (lm_loss(model(tokens), tokens) / microbatches).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    hsdp.synchronize(model)
+    if drain:
+        hsdp.synchronize(model)
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -353,7 +399,7 @@ class SimResult:
 
     intervals: list[Interval]
     metrics: dict
-    t_step_ms: float
+    t_step_ms: float  # DiLoCo: the mean over a period (``period_steps``)
 
 
 def evaluate(rec: Recording, costs: CostModel) -> SimResult:
@@ -380,6 +426,8 @@ def evaluate(rec: Recording, costs: CostModel) -> SimResult:
     # from the host barrier (else rank 0's synchronize) to every rank's streams idle
     t0 = max(t.end_s[rec.start - 1] for t in timings)
     t1 = max(t.end_s[-1] for t in timings)
+    ends = [t0] + [max(t.end_s[e - 1] for t in timings) for e in rec.ends]
+    period_s = sum(w * (b - a) for w, a, b in zip(rec.weights, ends, ends[1:]))
     units = "|".join(re.escape(k) for k in sorted(rec.names, key=len, reverse=True))
     pattern = re.compile(f"(?<=:)({units})(?=/|$)")
 
@@ -392,7 +440,21 @@ def evaluate(rec: Recording, costs: CostModel) -> SimResult:
                  if r.stream != "compute" or not r.label.startswith(("wait:", "begin:", "end:"))]
     metrics = step_metrics(intervals, (0.0, (t1 - t0) * 1e6))
     metrics["host_busy_ms"] = timing.host_busy_s * 1e3
-    return SimResult(intervals, metrics, (t1 - t0) * 1e3)
+    steps = sum(w * n for w, n in zip(rec.weights, rec.steps))
+    metrics["outer_bytes_per_step"] = _outer_bytes(rec) / steps
+    if len(rec.ends) > 1:  # the recorded runs of a DiLoCo period, each
+        metrics["period_runs_ms"] = [(b - a) * 1e3 for a, b in zip(ends, ends[1:])]
+    return SimResult(intervals, metrics, period_s * 1e3 / steps)
+
+
+def _outer_bytes(rec: Recording) -> float:
+    """The outer collectives' bytes per rank over a period (the recorded steps weighted)."""
+    total, begin = 0.0, rec.start
+    for end, weight in zip(rec.ends, rec.weights):
+        total += weight * sum(n for op in rec.program.ops[begin:end] if op.kind == "side"
+                              for _, axis, n, size in op.payload if axis == "outer" and size > 1)
+        begin = end
+    return total
 
 
 def _for_setup(costs: CostModel, setup: Setup) -> CostModel:

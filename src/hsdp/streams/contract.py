@@ -145,6 +145,12 @@ class ComputeStream(ABC):
     def wait(self, event: Event) -> None:
         """Make later compute work wait for ``event``."""
 
+    def capturing(self) -> bool:
+        """Is compute being recorded into a CUDA graph now? Called at each of hsdp's entry
+        points, it also tells the streams which capture their events belong to
+        (``capture.py``). Never on CPU or a tool's streams."""
+        return False
+
     @abstractmethod
     def begin(self, label: str) -> None:
         """Compute issued from now on belongs to phase ``label`` (until ``end(label)``)."""

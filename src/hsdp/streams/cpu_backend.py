@@ -20,6 +20,7 @@ from hsdp.streams.contract import (
     TracedMarks,
     Tracer,
 )
+from hsdp.topology.liveness import gone_message, is_peer_failure
 
 
 class StreamFailure(RuntimeError):
@@ -48,9 +49,11 @@ class ThreadEvent(Event):
         if isinstance(self.error, FaultToleranceError):
             raise self.error  # hsdp's own verdict (e.g. lost progress), already clear
         if self.error is not None:
+            gone = gone_message() if is_peer_failure(self.error) else ""
             raise StreamFailure(
                 f"hsdp: {self.label or 'an operation'} on a communication stream failed: "
-                f"{self.error!r}. If a collective timed out, a peer rank died, is stuck, or "
+                f"{self.error!r}. {gone + ' ' if gone else ''}"
+                f"If a collective timed out, a peer rank died, is stuck, or "
                 f"ran a different sequence of hsdp operations (e.g. another number of "
                 f"microbatches); hsdp's communicators cannot be used any more: restart the "
                 f"job (or destroy and re-create the process groups).") from self.error

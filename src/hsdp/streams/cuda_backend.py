@@ -1,4 +1,5 @@
-"""The CUDA backend: hsdp's side streams are CUDA streams; compute is the current stream."""
+"""The CUDA backend: hsdp's side streams are CUDA streams; compute is the current stream.
+Under CUDA graph capture, events, waits and side streams follow ``capture.py``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from hsdp.streams.capture import CaptureScope, capture_refusal
 from hsdp.streams.contract import (
     ComputeStream,
     Event,
@@ -23,17 +25,28 @@ from hsdp.streams.contract import (
 
 
 class CudaEvent(Event):
-    def __init__(self, stream: torch.cuda.Stream, label: str = "") -> None:
+    """``epoch``: the capture it was recorded in (None: eager; ``capture.py``)."""
+
+    def __init__(self, stream: torch.cuda.Stream, label: str = "",
+                 epoch: int | None = None) -> None:
         self.label = label
+        self.epoch = epoch
         self.event = torch.cuda.Event()
         self.event.record(stream)
 
     def query(self) -> bool:
+        self._refuse_in_capture("a query of")
         return self.event.query()
 
     def synchronize(self) -> None:
+        self._refuse_in_capture("a host wait for")
         self.event.synchronize()
 
+    def _refuse_in_capture(self, what: str) -> None:
+        if torch._C._cuda_isCurrentStreamCapturing():
+            raise capture_refusal(
+                f"{what} hsdp's stream work ({self.label or 'an event'})",
+                "run it outside the captured region")
 
 
 def _current_stream(index: int) -> torch.cuda.Stream:
@@ -49,12 +62,23 @@ class CudaCompute(TracedMarks, ComputeStream):
     stream of another current device would be the wrong one, and looking the current
     device up costs host time on every event."""
 
-    def __init__(self, tracer: Tracer, device: torch.device) -> None:
+    def __init__(self, tracer: Tracer, device: torch.device, scope: CaptureScope,
+                 sides: list[CudaSideStream]) -> None:
         self.tracer = tracer
         self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.scope = scope
+        self.sides = sides  # the set's side streams (joined captures)
 
     def record(self) -> Event:
-        return CudaEvent(_current_stream(self.index))
+        return CudaEvent(_current_stream(self.index), epoch=self.scope.current)
+
+    def capturing(self) -> bool:
+        capturing = torch._C._cuda_isCurrentStreamCapturing()
+        if not capturing and not self.scope.active:
+            return False
+        joined = [s for s in self.sides if s.joined == self.scope.epoch]
+        still = not joined or joined[0].capturing()
+        return self.scope.sync(capturing, _current_stream(self.index).stream_id, still)
 
     def begin(self, label: str) -> None:
         self._mark("begin", label)
@@ -71,16 +95,39 @@ class CudaCompute(TracedMarks, ComputeStream):
 
     def wait(self, event: Event) -> None:
         assert isinstance(event, CudaEvent)
+        if event.epoch != self.scope.current:
+            return  # done before this capture, or part of a graph replayed on compute
         trace_wait(self.tracer, self.name, event)
         _current_stream(self.index).wait_event(event.event)
 
 
 class CudaSideStream(SideStream):
-    def __init__(self, name: str, tracer: Tracer, device: torch.device) -> None:
+    def __init__(self, name: str, tracer: Tracer, device: torch.device,
+                 scope: CaptureScope) -> None:
         super().__init__(name, tracer)
         # High priority: a collective should start as soon as its inputs are ready.
         self.stream = torch.cuda.Stream(device=device, priority=-1)
         self._id = (self.stream.stream_id, self.stream.device_index, self.stream.device_type)
+        self.scope = scope
+        self.joined: int | None = None  # the last capture this stream joined
+
+    def capturing(self) -> bool:
+        with self._current():
+            return torch._C._cuda_isCurrentStreamCapturing()
+
+    def _after(self, after: Sequence[Event]) -> list[CudaEvent]:
+        """The events to wait for (``capture.py``): inside a capture, the fork from compute
+        at this stream's first op in it, and only events of this capture; outside, a
+        captured event stands for compute's order."""
+        epoch = self.scope.current
+        fork = []
+        if epoch is not None and self.joined != epoch:
+            self.joined = epoch
+            fork = [CudaEvent(_current_stream(self.stream.device_index), "fork", epoch)]
+        mine = [ev for ev in after if ev.epoch == epoch]
+        if epoch is None and len(mine) < len(after):
+            fork = [CudaEvent(_current_stream(self.stream.device_index), "replayed")]
+        return fork + mine
 
     def submit(self, fn: Callable[[], None], after: Sequence[Event] = (),
                label: str = "") -> Event:
@@ -88,16 +135,16 @@ class CudaSideStream(SideStream):
         t0 = time.perf_counter() if traced else 0.0
         rng = torch.profiler.record_function(f"hsdp:{self.name}:{label}") if traced else (
             nullcontext())
+        after = self._after(after)
         with rng, self._current():
             for ev in after:
-                assert isinstance(ev, CudaEvent)
                 trace_wait(self.tracer, self.name, ev)
                 self.stream.wait_event(ev.event)
             if traced:  # its time on the stream, from when its inputs are ready
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(self.stream)
             fn()
-            event = CudaEvent(self.stream, label)
+            event = CudaEvent(self.stream, label, self.scope.current)
         if traced:  # and the host's cost of issuing it (the simulator's calibration)
             end = torch.cuda.Event(enable_timing=True)
             end.record(self.stream)
@@ -127,17 +174,20 @@ class CudaSideStream(SideStream):
                 torch._C._cuda_setDevice(device)
 
 
-# --------------------------------------------------------------------------- CPU
-
-
 
 class CudaBackend(StreamBackend):
+    """The streams of one set share a ``CaptureScope``."""
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.scope = CaptureScope()
+        self.sides: list[CudaSideStream] = []
 
     def compute(self, tracer: Tracer) -> ComputeStream:
-        return CudaCompute(tracer, self.device)
+        return CudaCompute(tracer, self.device, self.scope, self.sides)
 
     def side(self, name: str, tracer: Tracer, failed: list[BaseException]) -> SideStream:
-        return CudaSideStream(name, tracer, self.device)
+        stream = CudaSideStream(name, tracer, self.device, self.scope)
+        self.sides.append(stream)
+        return stream
 

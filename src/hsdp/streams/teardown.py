@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from hsdp.streams.stream_set import quiesce_all
+from hsdp.topology import liveness
 from hsdp.topology.communicators import forget_world, longest_timeout, on_first_use
 
 _BEFORE: list[Callable[[], None]] = []
@@ -48,6 +49,8 @@ def _install() -> None:
         finally:
             if dist.is_initialized():
                 quiesce_all(longest_timeout().total_seconds(), clear_failures=group is None)
+                if group is None:
+                    liveness.stop()  # while the world's store still answers
             original(group)
             if group is None:
                 forget_world()

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp.ft.outer import ElasticOuter
+from hsdp.topology import liveness
 from hsdp.topology.mesh_dims import check_mesh, mesh_key
 from hsdp.topology.outer_sync import DiLoCo
 
@@ -203,6 +204,7 @@ def create_groups(mesh: DeviceMesh, nccl: dict[str, NcclConfig],
     control = dist.new_group(sorted(grid.flatten().tolist()) if local else None,
                              timeout=timeout, backend=None if backend == "fake" else "gloo",
                              use_local_synchronization=local)
+    liveness.start()  # so that a rank that dies is named in the survivors' errors
     # Shard index = rank inside the group (new_group orders members by global rank).
     return CommGroups(outer, inner, dist.get_rank(mine["outer"]), dist.get_rank(mine["inner_ag"]),
                       mine["inner_ag"], mine["inner_rs"], mine["outer"], mine["host_inner"],

@@ -8,7 +8,7 @@ averages each fragment's pseudo-gradient over ``outer`` and takes an outer optim
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 def _positive_int(value: object) -> bool:
@@ -69,3 +69,34 @@ class DiLoCo:
             raise ValueError(
                 f"hsdp.DiLoCo: fragments={self.fragments} does not divide the model's "
                 f"{units} fully_shard units; choose fragments among the divisors of {units}")
+
+
+def parse_outer_sync(text: str) -> DiLoCo | None:
+    """A command line's or environment's outer synchronization: "none" (every step),
+    "diloco" (the defaults) or "diloco:inner_steps=50,fragments=4,outer_lr=0.7,..." (any of
+    ``DiLoCo``'s fields; bools as true/false or 1/0)."""
+    if text == "none":
+        return None
+    kind, _, settings = text.partition(":")
+    if kind != "diloco":
+        raise ValueError(f"bad outer sync {text!r}: expected none, diloco or "
+                         f"diloco:FIELD=VALUE,... (fields of hsdp.DiLoCo)")
+    types = {f.name: type(f.default) for f in fields(DiLoCo)}
+    kwargs: dict[str, object] = {}
+    for item in filter(None, settings.split(",")):
+        name, eq, value = item.partition("=")
+        if name not in types or not eq:
+            raise ValueError(f"bad outer sync setting {item!r}: expected FIELD=VALUE, FIELD "
+                             f"one of {', '.join(types)}")
+        kwargs[name] = _value(name, value, types[name])
+    return DiLoCo(**kwargs)
+
+
+def _value(name: str, text: str, kind: type) -> object:
+    try:
+        if kind is bool:
+            return {"true": True, "1": True, "false": False, "0": False}[text.lower()]
+        return kind(text)
+    except (KeyError, ValueError):
+        raise ValueError(f"bad outer sync setting {name}={text!r}: expected "
+                         f"{kind.__name__}") from None

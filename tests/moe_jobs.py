@@ -281,10 +281,13 @@ def parity_job(rank: int, world: int, path: str) -> dict[str, float | bool | lis
 
 def _errors(mesh: DeviceMesh) -> list[str]:
     """What is refused, before anything is sharded: an ep that does not divide inner, a
-    plain parameter on the expert mesh."""
+    plain parameter on the expert mesh, the experts of a DiLoCo mesh (last: the mesh's
+    groups keep DiLoCo's schedule)."""
     out = []
     for build in (lambda: hsdp.expert_mesh(mesh, 3),
-                  lambda: hsdp.fully_shard(nn.Linear(2, 2), mesh=hsdp.expert_mesh(mesh, 2))):
+                  lambda: hsdp.fully_shard(nn.Linear(2, 2), mesh=hsdp.expert_mesh(mesh, 2)),
+                  lambda: hsdp.expert_mesh(hsdp.init_mesh(
+                      2, mesh.size() // 2, "cpu", outer_sync=hsdp.DiLoCo(inner_steps=2)), 2)):
         try:
             build()
             out.append("no error")

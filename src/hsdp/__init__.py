@@ -20,8 +20,7 @@ from hsdp.module import register_forward_method
 from hsdp.runtime.optim import attach_optimizer
 from hsdp.sharding.policy import MixedPrecision, OuterReduce, Strategy
 from hsdp.topology.communicators import NcclConfig
-from hsdp.topology.mesh import init_mesh
-from hsdp.topology.mesh_dims import expert_mesh
+from hsdp.topology.mesh import expert_mesh, init_mesh
 from hsdp.topology.outer_sync import DiLoCo
 
 __version__ = "0.1.0"

@@ -53,3 +53,4 @@ def test_refused_before_sharding(results: list[dict]) -> None:
     assert all(r["errors"] == errors for r in results)
     assert "ep=3 must be a positive divisor of the inner size 4" in errors[0]
     assert "weight is not sharded over expert parallelism" in errors[1]
+    assert "expert parallelism with fault_tolerance or outer_sync" in errors[2]

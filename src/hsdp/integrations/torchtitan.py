@@ -180,10 +180,11 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
                               overlap_outer=overlap_outer, outer_reduce=outer_reduce)
     policy = parallelism.fsdp_reshard_after_forward
     reshard = get_fsdp_reshard_after_forward_policy(policy, pp_enabled=parallel_dims.pp_enabled)
-    if model.tok_embeddings is not None and not model.enable_weight_tying:
-        shard(model.tok_embeddings, reshard_after_forward=reshard)
+    # first: expert_mesh refuses what the experts' units cannot serve, before any unit
     experts_mesh = (hsdp.expert_mesh(mesh, parallel_dims.ep) if parallel_dims.ep_enabled
                     else None)
+    if model.tok_embeddings is not None and not model.enable_weight_tying:
+        shard(model.tok_embeddings, reshard_after_forward=reshard)
     for block in model.layers.values():
         if experts_mesh is not None and getattr(block, "moe_enabled", False):
             shard(block.moe.routed_experts.inner_experts, mesh=experts_mesh,

@@ -1,5 +1,6 @@
 """``init_mesh``: the (outer, inner) data-parallel mesh, with an optional "tp" dim, and
-its communicators (``communicators.py``), after the ranks agreed on the arguments.
+its communicators (``communicators.py``), after the ranks agreed on the arguments;
+``expert_mesh``: the (outer, inner, "ep") mesh of a data-parallel mesh's experts.
 
 With tensor parallelism the mesh is 3-D, ("outer", "inner", "tp"), tp fastest (torchtitan's
 layout): torch's TP plans run on ``mesh["tp"]`` and hsdp's groups are the (outer, inner)
@@ -28,8 +29,15 @@ from hsdp.topology.communicators import (
     default_timeout,
     host_group,
     mesh_groups,
+    registered_groups,
 )
-from hsdp.topology.mesh_dims import DIM_NAMES, TP_DIM_NAMES, mesh_key
+from hsdp.topology.mesh_dims import (
+    DIM_NAMES,
+    EP_DIM_NAMES,
+    TP_DIM_NAMES,
+    as_hsdp_mesh,
+    mesh_key,
+)
 from hsdp.topology.outer_sync import DiLoCo
 
 
@@ -232,3 +240,38 @@ def _init_default_group(timeout: timedelta | None) -> None:
             f"{', '.join(missing)}); launch with torchrun or call "
             f"torch.distributed.init_process_group() first")
     dist.init_process_group(**({} if timeout is None else {"timeout": timeout}))
+
+
+_EXPERT_MESHES: dict[tuple, DeviceMesh] = {}  # expert_mesh's, by mesh and ep
+
+
+def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The expert mesh of the data-parallel ``mesh`` (hsdp's ("outer", "inner") or one
+    ``as_hsdp_mesh`` takes) for expert parallelism of degree ``ep``: ("outer", "inner",
+    "ep") of shape ``(outer, inner // ep, ep)``, the ranks of ``mesh`` in their order (ep
+    fastest, torchtitan's layout). Build the experts as DTensors on its ``["ep"]`` dim
+    (``Shard(0)``: each ep rank holds ``1/ep`` of them) and ``fully_shard`` the experts'
+    module on it, inside the block's unit on ``mesh``: each expert is then sharded over
+    the ``inner // ep`` ranks holding the same experts and replicated over outer. Every
+    rank must call it (collective the first time per mesh)."""
+    mesh = as_hsdp_mesh(mesh)
+    names = tuple(mesh.mesh_dim_names or ())
+    groups = registered_groups(mesh) if names == DIM_NAMES else None
+    if groups is not None and (groups.elastic is not None or groups.outer_sync is not None):
+        raise ValueError("hsdp.expert_mesh: expert parallelism with fault_tolerance or "
+                         "outer_sync=DiLoCo(...) is not supported: the expert units' outer "
+                         "reduction would bypass the replica groups / the outer schedule")
+    if names != DIM_NAMES:
+        raise ValueError(f"hsdp.expert_mesh: expected a data-parallel (outer, inner) mesh, "
+                         f"got dims {names}; expert parallelism with tensor parallelism is "
+                         f"not supported")
+    outer, inner = mesh.mesh.shape
+    if not isinstance(ep, int) or ep < 1 or inner % ep:
+        raise ValueError(f"hsdp.expert_mesh: ep={ep!r} must be a positive divisor of the "
+                         f"inner size {inner} (the experts are split inside an inner group)")
+    key = (*mesh_key(mesh), EP_DIM_NAMES, ep)
+    if key not in _EXPERT_MESHES:
+        _EXPERT_MESHES[key] = DeviceMesh(mesh.device_type,
+                                         mesh.mesh.reshape(outer, inner // ep, ep),
+                                         mesh_dim_names=EP_DIM_NAMES)
+    return _EXPERT_MESHES[key]

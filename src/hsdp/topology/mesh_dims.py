@@ -86,28 +86,3 @@ def check_mesh(mesh: DeviceMesh) -> None:
                          f"{mesh.mesh.flatten().tolist()}); give each rank the mesh of its "
                          f"own data-parallel ranks (with pipeline parallelism: its stage's)")
 
-
-def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
-    """The expert mesh of the data-parallel ``mesh`` (hsdp's ("outer", "inner") or one
-    ``as_hsdp_mesh`` takes) for expert parallelism of degree ``ep``: ("outer", "inner",
-    "ep") of shape ``(outer, inner // ep, ep)``, the ranks of ``mesh`` in their order (ep
-    fastest, torchtitan's layout). Build the experts as DTensors on its ``["ep"]`` dim
-    (``Shard(0)``: each ep rank holds ``1/ep`` of them) and ``fully_shard`` the experts'
-    module on it, inside the block's unit on ``mesh``: each expert is then sharded over
-    the ``inner // ep`` ranks holding the same experts and replicated over outer. Every
-    rank must call it (collective the first time per mesh)."""
-    mesh = as_hsdp_mesh(mesh)
-    names = tuple(mesh.mesh_dim_names or ())
-    if names != DIM_NAMES:
-        raise ValueError(f"hsdp.expert_mesh: expected a data-parallel (outer, inner) mesh, "
-                         f"got dims {names}; expert parallelism with tensor parallelism is "
-                         f"not supported")
-    outer, inner = mesh.mesh.shape
-    if not isinstance(ep, int) or ep < 1 or inner % ep:
-        raise ValueError(f"hsdp.expert_mesh: ep={ep!r} must be a positive divisor of the "
-                         f"inner size {inner} (the experts are split inside an inner group)")
-    key = (*mesh_key(mesh), EP_DIM_NAMES, ep)
-    if key not in _RENAMED:
-        _RENAMED[key] = DeviceMesh(mesh.device_type, mesh.mesh.reshape(outer, inner // ep, ep),
-                                   mesh_dim_names=EP_DIM_NAMES)
-    return _RENAMED[key]

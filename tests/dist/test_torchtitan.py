@@ -333,4 +333,4 @@ def test_cuda_graphs_stay_on_in_hsdps_configs(monkeypatch):
     dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=4,
                         spmd_backend="partial_dtensor")
     hsdp_titan._check_supported(_meta_model(), dims, TrainingConfig(disable_cuda_graphs=False),
-                                ParallelismConfig(spmd_backend="partial_dtensor"))
+                                ParallelismConfig(spmd_backend="partial_dtensor"), None)

@@ -41,8 +41,11 @@ TORCHTITAN = "torchtitan's trainer on one H200"
 COMPRESSED = "Compressed outer reduction (emulated 16x8) on one H200"
 CONVERGENCE = "Compressed outer reduction: convergence (8 CPU ranks)"
 DILOCO = "DiLoCo loss curves on CPU (8 ranks)"
-TABLES = (STEP, TWINS, SLOW_OUTER, COMPRESSED, CONVERGENCE, DILOCO, MICROBATCHES, SHARED_LINKS,
-          CPU_OVERLAP, CHECKPOINT, FLOAT8, FLOAT8_LOSS, FAULT_TOLERANCE, TP, TORCHTITAN)
+DILOCO_STEP = "DiLoCo step time and outer bytes (emulated 16x8, and predicted for H200)"
+TORCHTITAN_GRAPHS = "torchtitan's trainer on one H200 with CUDA graphs"
+TABLES = (STEP, TWINS, SLOW_OUTER, COMPRESSED, CONVERGENCE, DILOCO, DILOCO_STEP, MICROBATCHES,
+          SHARED_LINKS, CPU_OVERLAP, CHECKPOINT, FLOAT8, FLOAT8_LOSS, FAULT_TOLERANCE, TP,
+          TORCHTITAN, TORCHTITAN_GRAPHS)
 
 # 5 recorded and 3 profiled steps per schedule: the simulator's calibration takes the
 # median host time and least device time over them (hsdp.sim.calibrate).
@@ -126,6 +129,10 @@ def plan() -> list[Run]:
                      "--runs", "exact,DiLoCo H10 F1,DiLoCo H10 F4,DiLoCo H50 F1,DiLoCo H50 F4,"
                      "DiLoCo H1 F1"), 7200,
                     program=("scripts/outer_reduce_convergence.py",)))
+    # CPU ranks with links slowed 200x, the simulator's H200 prediction beside each row
+    runs.append(Run(DILOCO_STEP, "cpu", "diloco_bench_16x8",
+                    ("bench", "diloco", "--link-scale", "0.005", "--steps", "3", "--warmup",
+                     "1", "--repeats", "3"), 3600))
     runs.append(_step(MICROBATCHES, "emu16x8_s1024_mb4", "--emulate", "--mesh", "16x8",
                       "--seq", "1024", "--microbatches", "4", "--steps", "4", "--warmup", "1",
                       "--schedules", "overlap,serial"))
@@ -179,6 +186,9 @@ def plan() -> list[Run]:
     # debugmodel and 1B flavors, 50 steps each (./wheels: the extra's wheels for the GPU image)
     runs.append(Run(TORCHTITAN, "h200/torchtitan", "llama3_1x1", ("bench",), 900,
                     program=("scripts/torchtitan_gpu.py",)))
+    # the same runs alternated twice (A B C D A B C D): min-max per backend
+    runs.append(Run(TORCHTITAN_GRAPHS, "h200/torchtitan", "llama3_1x1_graphs", ("bench",), 1800,
+                    env=(("REPEATS", "2"),), program=("scripts/torchtitan_gpu.py",)))
     return runs
 
 

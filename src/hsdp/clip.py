@@ -99,6 +99,10 @@ def _stage_part(model: nn.Module, norm: _Norm) -> tuple[torch.Tensor, list[torch
         for key in sorted(spread, key=repr):
             groups, grads = spread[key]
             total = norm.add(total, norm.over_all(norm.local(grads, unit.device), groups))
+        # Every rank of the mesh meets here (over outer too when no piece is spread on it,
+        # as under HSDP), so that a stalled peer is named by all of them within the timeout.
+        if not any(comms.host_outer in groups for groups, _ in spread.values()):
+            norm.over(torch.zeros((), device=unit.device), comms.host_outer)
         return total
 
     step = max(rt.log.step - 1, 0) if rt is not None else 0  # the step that made the grads

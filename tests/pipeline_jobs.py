@@ -5,6 +5,8 @@ against one process training the whole model on the same global batch."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -12,6 +14,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleIn
 
 import hsdp
 from hsdp.pipelining import PipelineStage
+from hsdp.runtime import optim, runtime
 from hsdp.runtime.hooks import units_below
 from hsdp.sharding.comm import Collectives
 
@@ -126,11 +129,33 @@ def _train(mesh, schedule: str, strategy: str) -> tuple[float, int, int, float]:
     return err, outer.count, groups, min(norms)
 
 
-CASES = (("gpipe", "hsdp"), ("1f1b", "hfsdp"), ("interleaved", "hsdp"))
+CASES = (("gpipe", "hsdp"), ("1f1b", "hfsdp"), ("interleaved", "hfsdp"))
+
+
+class _RankOrderedSet(weakref.WeakSet):
+    """hsdp's registry of models (``STEPPERS``) iterated in the order they were added on
+    even outer ranks and the reverse on odd ones: a real set's order follows addresses,
+    which differ between ranks by chance; here they differ for sure, so that a collective
+    issued in the registry's order mismatches between the two ranks of an outer group."""
+
+    def __init__(self, reverse: bool) -> None:
+        super().__init__()
+        self._reverse = reverse
+        self._added: list[weakref.ref] = []
+
+    def add(self, item: object) -> None:
+        super().add(item)
+        self._added.append(weakref.ref(item))
+
+    def __iter__(self):
+        items = [r() for r in self._added]
+        items = [x for x in items if x is not None and x in self]
+        return iter(items[::-1] if self._reverse else items)
 
 
 def pipeline_job(rank: int, world: int) -> dict[str, tuple[float, int, int, float]]:
     """Each (schedule, strategy) of CASES: ``_train``'s result on this rank."""
     mesh = init_device_mesh("cpu", (PP, OUTER, INNER), mesh_dim_names=("pp", "outer", "inner"))
+    optim.STEPPERS = runtime.STEPPERS = _RankOrderedSet(mesh["outer"].get_local_rank() == 1)
     return {f"{schedule}/{strategy}": _train(mesh, schedule, strategy)
             for schedule, strategy in CASES}

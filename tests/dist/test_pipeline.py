@@ -1,8 +1,10 @@
-"""hsdp stages under torch.distributed.pipelining (pipeline_jobs.py): GPipe, 1F1B and
-interleaved 1F1B, strategies hsdp and hfsdp, the outer reduction once per step, on 2 pipeline ranks x (2 outer x 2 inner)
-gloo ranks, against one process training the whole model, each step clipped by
-``hsdp.clip_grad_norm_`` over all stages (``pp_group``) as one process clips the whole
-model."""
+"""hsdp stages under torch.distributed.pipelining (pipeline_jobs.py): GPipe (hsdp), 1F1B
+(hfsdp) and interleaved 1F1B (hfsdp: two stages per rank, whose outer all-gathers after
+the step share the outer communicator and must be issued in one order on every rank, even
+where hsdp's registry of models iterates differently per rank), the outer reduction once
+per step, on 2 pipeline ranks x (2 outer x 2 inner) gloo ranks, against one process
+training the whole model, each step clipped by ``hsdp.clip_grad_norm_`` over all stages
+(``pp_group``) as one process clips the whole model."""
 
 from __future__ import annotations
 

@@ -45,9 +45,6 @@ class OptimizerSteps:
         self._checked_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._adopted_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def owns(self, optimizer: torch.optim.Optimizer) -> bool:
-        return any(id(p) in self.param_ids for pg in optimizer.param_groups for p in pg["params"])
-
     def check_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse, on every rank and before the step, optimizer state laid out for another
         mesh or strategy (a per-rank ``optimizer.state_dict()`` loaded elsewhere). Checked
@@ -108,14 +105,15 @@ class OptimizerSteps:
             self._stepped = True  # the float8 scales once, after the last hook
         else:
             self.refresh_float8_scales()
-        # In-place foreach ops on DTensors bump no version counter: every group the
-        # optimizer holds a parameter of counts as written (which only hfsdp's outer
-        # all-gather reads: hsdp skips the walk over every parameter).
+        # In-place foreach ops on DTensors bump no version counter: every group of this
+        # model the optimizer holds a parameter of counts as written (which only hfsdp's
+        # outer all-gather reads: hsdp skips the walk over every parameter). Another
+        # model's groups (a rank's other pipeline stage) are its own after_step's.
         if self.shards_outer:
             for pg in optimizer.param_groups:
                 for p in pg["params"]:
                     managed = owner(p)
-                    if managed is not None:
+                    if managed is not None and managed[0] in self.ctx.gid:
                         managed[0].gather.mark_written()
             if not self._in_grad_hooks:  # else once, after the last hook
                 self.gathering.refresh_outer_shards()
@@ -203,16 +201,29 @@ def attach_optimizer(optimizer: torch.optim.Optimizer) -> None:
         optimizer.register_step_post_hook(_after_step)
 
 
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def steppers_of(optimizer: torch.optim.Optimizer) -> list[OptimizerSteps]:
+    """The models whose parameters ``optimizer`` holds, in the order of their first
+    parameter in it: the same on every rank. Why not ``STEPPERS``' order: a set's order
+    follows object addresses, which differ between ranks, and the models' collectives
+    after the step (hfsdp's outer all-gathers of a rank's pipeline stages, which share
+    communicators) must be issued in one order everywhere."""
+    params = [id(p) for pg in optimizer.param_groups for p in pg["params"]]
+    first = {}
     for steps in list(STEPPERS):
-        if steps.owns(optimizer):
-            if steps.ctx.outer_sync is not None:
-                steps.ctx.outer_sync.check_optimizer(optimizer)
-            steps.before_step()
-            steps.check_optimizer_state(optimizer)
+        at = next((i for i, p in enumerate(params) if p in steps.param_ids), None)
+        if at is not None:
+            first[steps] = at
+    return sorted(first, key=first.__getitem__)
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for steps in steppers_of(optimizer):
+        if steps.ctx.outer_sync is not None:
+            steps.ctx.outer_sync.check_optimizer(optimizer)
+        steps.before_step()
+        steps.check_optimizer_state(optimizer)
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for steps in list(STEPPERS):
-        if steps.owns(optimizer):
-            steps.after_step(optimizer)
+    for steps in steppers_of(optimizer):
+        steps.after_step(optimizer)

@@ -5,11 +5,17 @@ against one process training the whole model on the same global batch."""
 
 from __future__ import annotations
 
+import functools
 import weakref
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as fsdp2_shard
+from torch.distributed.pipelining import PipelineStage as TorchStage
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 import hsdp
@@ -19,22 +25,48 @@ from hsdp.runtime.hooks import units_below
 from hsdp.sharding.comm import Collectives
 
 PP, OUTER, INNER = 2, 2, 2
-WIDTH, BLOCKS, MICROBATCHES, ROWS, STEPS, LR = 8, 4, 4, 2, 2, 0.1
-MAX_NORM = 0.2  # below every step's gradient norm: the clip scales every step
+DP = OUTER * INNER
+WIDTH, BLOCKS, MICROBATCHES, ROWS, STEPS, LR = 16, 4, 4, 2, 2, 0.1  # float8: dims % 16 == 0
+MAX_NORM = 0.15  # below every step's gradient norm: the clip scales every step
 SCHEDULES = {"gpipe": (ScheduleGPipe, 1), "1f1b": (Schedule1F1B, 1),
              "interleaved": (ScheduleInterleaved1F1B, 2)}  # class, stages per rank
 
 
-def _model() -> nn.Sequential:
+@dataclass(frozen=True)
+class Case:
+    """One pipelined training run. ``precision``: "fp32" (against one process); "bf16"
+    (bf16 parameters for compute, fp32 reduction: against FSDP2 + PP on the same
+    schedule and mesh); "float8" (torchao's float8 linears, emulated, float8 all-gather:
+    against one process)."""
+
+    schedule: str
+    strategy: str
+    precision: str = "fp32"
+    overlap_outer: bool = True
+
+    def __str__(self) -> str:
+        serial = "" if self.overlap_outer else "/serial"
+        return f"{self.schedule}/{self.strategy}/{self.precision}{serial}"
+
+
+def _model(precision: str) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
-                           for _ in range(BLOCKS)))
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+                            for _ in range(BLOCKS)))
+    if precision == "float8":
+        from torchao.float8 import Float8LinearConfig
+
+        from hsdp.float8 import convert_to_float8
+
+        config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)
+        model = convert_to_float8(model, config)
+    return model
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step``: one slice of MICROBATCHES * ROWS rows per DP rank."""
     g = torch.Generator().manual_seed(100 + step)
-    rows = OUTER * INNER * MICROBATCHES * ROWS
+    rows = DP * MICROBATCHES * ROWS
     return torch.randn(rows, WIDTH, generator=g), torch.randn(rows, WIDTH, generator=g)
 
 
@@ -42,34 +74,58 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out - target).square().mean()
 
 
-def _reference() -> list[torch.Tensor]:
-    """Every block's parameters after STEPS steps of the whole model in one process."""
-    model = _model()
+def _reference(precision: str) -> list[torch.Tensor]:
+    """Every block's parameters after STEPS steps of the whole model in one process, each
+    microbatch of each DP rank forwarded on its own (float8 scales each forward's input by
+    its own amax) and its gradients accumulated: the pipelined run's computation."""
+    model = _model(precision)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
+    chunks = DP * MICROBATCHES
     for step in range(STEPS):
-        x, y = _batch(step)
-        _loss(model(x), y).backward()
+        for x, y in zip(*(t.chunk(chunks) for t in _batch(step))):
+            (_loss(model(x), y) / chunks).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _stage_modules(pp_rank: int, per_rank: int, dp_mesh, strategy: str) -> list[tuple]:
+def _stage_modules(pp_rank: int, per_rank: int, dp_mesh, case: Case,
+                   fsdp2: bool) -> list[tuple]:
     """(stage index, sharded stage module, the reference blocks' indices) of this rank:
-    stage s holds BLOCKS / stages consecutive blocks; stages go round robin over ranks."""
+    stage s holds BLOCKS / stages consecutive blocks; stages go round robin over ranks.
+    Sharded by hsdp, or with ``fsdp2`` by torch's FSDP2 (same mixed precision)."""
     stages = PP * per_rank
     width = BLOCKS // stages
+    bf16 = case.precision == "bf16"
+    if fsdp2:
+        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None
+        shard = functools.partial(fsdp2_shard, mesh=dp_mesh, mp_policy=policy)
+    else:
+        mp = hsdp.MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None
+        shard = functools.partial(hsdp.fully_shard, mesh=dp_mesh, strategy=case.strategy,
+                                  mp_policy=mp, overlap_outer=case.overlap_outer)
     out = []
     for s in range(pp_rank, stages, PP):
         blocks = list(range(s * width, (s + 1) * width))
-        full = _model()
+        full = _model(case.precision)
         stage = nn.Sequential(*(full[b] for b in blocks))
         for block in stage:
-            hsdp.fully_shard(block, mesh=dp_mesh, strategy=strategy)
-        hsdp.fully_shard(stage, mesh=dp_mesh, strategy=strategy)
+            shard(block)
+        shard(stage)
         out.append((s, stage, blocks))
     return out
+
+
+def _clip_fsdp2(modules: list[nn.Module], pp_group) -> torch.Tensor:
+    """torchtitan's clip of FSDP2 stages: each stage's norm over its DTensor gradients,
+    then over the pipeline ranks."""
+    params = [p for m in modules for p in m.parameters()]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params]).full_tensor() ** 2
+    dist.all_reduce(norm, group=pp_group)
+    norm = norm.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, norm)
+    return norm
 
 
 class _OuterReductions:
@@ -92,19 +148,20 @@ class _OuterReductions:
         Collectives.before = self._before
 
 
-def _train(mesh, schedule: str, strategy: str) -> tuple[float, int, int, float]:
-    """Largest relative parameter error of this rank's stages after STEPS steps (each
-    clipped by ``hsdp.clip_grad_norm_`` over all stages); the outer reductions of the last
-    step, the parameter groups of this rank's stages (one each); the smallest norm."""
-    cls, per_rank = SCHEDULES[schedule]
+def _train(mesh, case: Case, fsdp2: bool = False) -> tuple[list, int, int, float]:
+    """This rank's stages after STEPS steps (each clipped over all stages): (its blocks'
+    parameters with the reference's indices of them); the outer reductions hsdp issued in
+    the last step, the parameter groups of this rank's stages; the smallest norm."""
+    cls, per_rank = SCHEDULES[case.schedule]
     pp_rank = mesh["pp"].get_local_rank()
     dp_rank = mesh["outer"].get_local_rank() * INNER + mesh["inner"].get_local_rank()
-    stages = _stage_modules(pp_rank, per_rank, mesh["outer", "inner"], strategy)
-    pipe = [PipelineStage(m, s, PP * per_rank, torch.device("cpu"), group=mesh["pp"].get_group())
+    stages = _stage_modules(pp_rank, per_rank, mesh["outer", "inner"], case, fsdp2)
+    stage_cls = TorchStage if fsdp2 else PipelineStage
+    pipe = [stage_cls(m, s, PP * per_rank, torch.device("cpu"), group=mesh["pp"].get_group())
             for s, m, _ in stages]
     sched = cls(pipe if per_rank > 1 else pipe[0], n_microbatches=MICROBATCHES, loss_fn=_loss)
-    params = [p for _, m, _ in stages for p in m.parameters()]
-    opt = torch.optim.SGD(params, lr=LR)
+    modules = [m for _, m, _ in stages]
+    opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=LR)
     rows = MICROBATCHES * ROWS
     norms = []
     for step in range(STEPS):
@@ -113,23 +170,30 @@ def _train(mesh, schedule: str, strategy: str) -> tuple[float, int, int, float]:
         # The last step alone: torch 2.13 infers shapes in the first with a backward of its own.
         with _OuterReductions() as outer:
             sched.step(*((x,) if first else ()), **({"target": y} if last else {}))
-        norms.append(hsdp.clip_grad_norm_([m for _, m, _ in stages], MAX_NORM,
-                                          pp_group=mesh["pp"]).item())
+        norm = (_clip_fsdp2(modules, mesh["pp"].get_group()) if fsdp2 else
+                hsdp.clip_grad_norm_(modules, MAX_NORM, pp_group=mesh["pp"]))
+        norms.append(norm.item())
         opt.step()
         opt.zero_grad()
-    groups = sum(len(u.groups) for _, m, _ in stages for u in units_below(m))
-    ref = _reference()
+    if fsdp2:
+        params = [(blocks, [p.full_tensor() for p in m.parameters()]) for _, m, blocks in stages]
+        return params, 0, 0, min(norms)
+    params = [(blocks, list(hsdp.full_state_dict(m).values())) for _, m, blocks in stages]
+    groups = sum(len(u.groups) for m in modules for u in units_below(m))
+    hsdp.synchronize(modules[0])
+    return params, outer.count, groups, min(norms)
+
+
+def _rel(got: list, want: list[torch.Tensor] | list) -> float:
+    """Largest relative error of ``got`` (``_train``'s parameters) against ``want``: the
+    reference's parameters by index, or another ``_train``'s parameters."""
     err = 0.0
-    for _, m, blocks in stages:
-        mine = list(hsdp.full_state_dict(m).values())
-        want = [ref[2 * b + k] for b in blocks for k in (0, 1)]
-        for a, b in zip(mine, want):
-            err = max(err, ((a - b).abs().max() / b.abs().max()).item())
-    hsdp.synchronize(stages[0][1])
-    return err, outer.count, groups, min(norms)
-
-
-CASES = (("gpipe", "hsdp"), ("1f1b", "hfsdp"), ("interleaved", "hfsdp"))
+    for i, (blocks, mine) in enumerate(got):
+        other = ([want[2 * b + k] for b in blocks for k in (0, 1)]
+                 if isinstance(want[0], torch.Tensor) else want[i][1])
+        for a, b in zip(mine, other):
+            err = max(err, ((a.float() - b.float()).abs().max() / b.abs().max()).item())
+    return err
 
 
 class _RankOrderedSet(weakref.WeakSet):
@@ -153,9 +217,19 @@ class _RankOrderedSet(weakref.WeakSet):
         return iter(items[::-1] if self._reverse else items)
 
 
-def pipeline_job(rank: int, world: int) -> dict[str, tuple[float, int, int, float]]:
-    """Each (schedule, strategy) of CASES: ``_train``'s result on this rank."""
+def pipeline_job(rank: int, world: int,
+                 cases: list[Case]) -> dict[Case, tuple[float, int, int, float, float]]:
+    """Each case: (the largest relative parameter error against its reference, the outer
+    reductions of the last step, the parameter groups of this rank's stages, the
+    smallest gradient norm, the error against one process in fp32: not small where the
+    precision took effect) on this rank."""
     mesh = init_device_mesh("cpu", (PP, OUTER, INNER), mesh_dim_names=("pp", "outer", "inner"))
     optim.STEPPERS = runtime.STEPPERS = _RankOrderedSet(mesh["outer"].get_local_rank() == 1)
-    return {f"{schedule}/{strategy}": _train(mesh, schedule, strategy)
-            for schedule, strategy in CASES}
+    fp32 = _reference("fp32")
+    out = {}
+    for case in cases:
+        params, *rest = _train(mesh, case)
+        want = (_train(mesh, case, fsdp2=True)[0] if case.precision == "bf16"
+                else _reference(case.precision))
+        out[case] = (_rel(params, want), *rest, _rel(params, fp32))
+    return out

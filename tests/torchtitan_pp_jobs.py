@@ -2,9 +2,10 @@
 (SDPA, fp32) under torchtitan's pipeline parallelism on 8 gloo ranks, pp 2 x (outer 2 x
 inner 2), through torchtitan's own ``pipeline_llm`` split and schedules: hsdp's
 ``pipeline_llama`` (1F1B; Interleaved1F1B) against one process and torchtitan's FSDP2 +
-PP path, a ``CheckpointManager`` resume, and a pp 2 checkpoint resumed at pp 1. The
-training loop is torchtitan's pieces (``titan_loop``: its optimizer container, LR
-schedulers, ``clip_grad_norm_`` over the pp mesh), the step its ``pp_schedule.step``."""
+PP path, a ``CheckpointManager`` resume, a pp 2 checkpoint resumed at pp 1, and pp 2 x tp
+2 x dp 2 against one process. The training loop is torchtitan's pieces (``titan_loop``:
+its optimizer container, LR schedulers, ``clip_grad_norm_`` over the pp mesh), the step
+its ``pp_schedule.step``."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import parallel_dims as titan_dims_module
+from torchtitan.distributed import utils as titan_dist
 from torchtitan.distributed.pipeline_parallel import pipeline_llm
 from torchtitan_jobs import (
     ROWS,
@@ -57,15 +59,15 @@ def _rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     return max(((got[k] - want[k]).abs().max() / want[k].abs().max()).item() for k in got)
 
 
-def reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def reference(dp: int = DP) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One process: (initial parameters, parameters after the steps), by name, the global
-    batch of every step (DP ranks x MICROBATCHES) in one loop of torchtitan's pieces."""
+    batch of every step (``dp`` ranks x MICROBATCHES) in one loop of torchtitan's pieces."""
     model = _reference()
     init = _named_full([model])
-    data = _batches(DP, MICROBATCHES)
+    data = _batches(dp, MICROBATCHES)
 
     def step_fn(step: int) -> float:
-        loss = _loss(model, data[step - 1].reshape(-1, SEQ + 1), DP * MICROBATCHES * ROWS * SEQ)
+        loss = _loss(model, data[step - 1].reshape(-1, SEQ + 1), dp * MICROBATCHES * ROWS * SEQ)
         loss.backward()
         return loss.item()
 
@@ -73,10 +75,12 @@ def reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     return init, _named_full([model])
 
 
-def _dims(world: int, pp: int) -> ParallelDims:
+def _dims(world: int, pp: int, tp: int = 1) -> ParallelDims:
+    """pp x (dp_replicate 2 x dp_shard), or with ``tp`` > 1 pp x (1 x dp_shard) x tp."""
     titan_dims_module.device_type = "cpu"
-    dims = ParallelDims(dp_replicate=2, dp_shard=world // (2 * pp), cp=1, tp=1, pp=pp, ep=1,
-                        world_size=world, spmd_backend="partial_dtensor")
+    replicate = 2 if tp == 1 else 1
+    dims = ParallelDims(dp_replicate=replicate, dp_shard=world // (replicate * pp * tp), cp=1,
+                        tp=tp, pp=pp, ep=1, world_size=world, spmd_backend="partial_dtensor")
     dims.build_mesh()
     return dims
 
@@ -103,10 +107,12 @@ def _pipelined(dims: ParallelDims, schedule: str, pipelining_fn: Callable,
     return out
 
 
-def _pp_step(schedule, has_first: bool, has_last: bool, dp_rank: int) -> Callable[[int], float]:
-    """One step of torchtitan's ``pp_forward_backward_step`` on this DP rank's rows."""
-    data = _batches(DP, MICROBATCHES)
-    tokens = torch.tensor(float(DP * MICROBATCHES * ROWS * SEQ))
+def _pp_step(schedule, has_first: bool, has_last: bool, dp_rank: int,
+             dp: int = DP) -> Callable[[int], float]:
+    """One step of torchtitan's ``pp_forward_backward_step`` on this DP rank's rows (of
+    ``dp`` DP ranks)."""
+    data = _batches(dp, MICROBATCHES)
+    tokens = torch.tensor(float(dp * MICROBATCHES * ROWS * SEQ))
 
     def step_fn(step: int) -> float:
         seqs = data[step - 1, :, dp_rank].reshape(-1, SEQ + 1)  # split again by the schedule
@@ -136,11 +142,13 @@ def _pp1_step(model: nn.Module, rank: int, world: int) -> Callable[[int], float]
 
 
 def pp_job(rank: int, world: int, root: str, init: dict[str, torch.Tensor],
-           want: dict[str, torch.Tensor]) -> dict[str, float | bool]:
+           want: dict[str, torch.Tensor],
+           want_tp: dict[str, torch.Tensor]) -> dict[str, float | bool]:
     """Relative parameter errors after the steps of each pp 2 configuration against one
     process (``want``) and torchtitan's FSDP2 + PP, the largest gradient norm; the
     CheckpointManager resume (bit for bit); the pp 2 checkpoint resumed on pp 1 (outer 2
-    x inner 4) against the uninterrupted pp 2 run."""
+    x inner 4) against the uninterrupted pp 2 run; pp 2 x tp 2 x (outer 1 x inner 2)
+    against one process on the batches of 2 DP ranks (``want_tp``)."""
     dims = _dims(world, PP)
     pp_mesh, dp_rank = dims.get_mesh("pp"), rank % DP
     out: dict[str, float | bool] = {}
@@ -179,4 +187,21 @@ def pp_job(rank: int, world: int, root: str, init: dict[str, torch.Tensor],
     out["pp2 ckpt -> pp1 vs pp2"] = _rel({k: pp1[k] for k in full["hsdp 1F1B"]},
                                          full["hsdp 1F1B"])
     hsdp.synchronize(model)
+    out["hsdp 1F1B tp 2 vs ref"] = _pp_tp(rank, world, hsdp_fn, init, want_tp)
     return out
+
+
+def _pp_tp(rank: int, world: int, parallelize_fn: Callable, init: dict[str, torch.Tensor],
+           want: dict[str, torch.Tensor]) -> float:
+    """pp 2 x tp 2 x (outer 1 x inner 2): torchtitan's TP plan on each stage module, then
+    hsdp on the stage's 3-D mesh; the relative error against one process after the steps."""
+    titan_dist.set_spmd_backend("partial_dtensor")  # the trainer's; its loss parallel needs it
+    dims = _dims(world, PP, tp=2)
+    sched, parts, first, last = _pipelined(dims, "1F1B", pipeline_llama, parallelize_fn, init,
+                                           False, "default")
+    dp_rank = rank % (world // PP) // 2  # ranks laid out (pp, dp_shard, tp)
+    titan_loop(parts, _pp_step(sched, first, last, dp_rank, dp=2), None, False,
+               pp_mesh=dims.get_mesh("pp"), max_norm=MAX_NORM)
+    err = _rel(_named_full(parts), want)
+    hsdp.synchronize(parts[0])
+    return err

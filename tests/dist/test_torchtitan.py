@@ -84,10 +84,12 @@ def test_pipeline_parallel_degree_2_matches_one_process_and_fsdp2_pp(tmp_path):
     Interleaved1F1B train 10 steps, clipped over both stages (torchtitan's
     ``clip_grad_norm_`` with the pp mesh; every step's norm above the limit), equal to one
     process and to torchtitan's FSDP2 + PP; a CheckpointManager resume is bit for bit; the
-    pp 2 checkpoint resumes at pp 1 (outer 2 x inner 4) and trains on equal to pp 2."""
+    pp 2 checkpoint resumes at pp 1 (outer 2 x inner 4) and trains on equal to pp 2. pp 2
+    x tp 2 x (outer 1 x inner 2) (torchtitan's TP plan on each stage, then hsdp on the
+    stage's 3-D mesh) trains equal to one process on the batches of 2 DP ranks."""
     init, want = reference()
-    per_rank = run_ranks(pp_job, 8, str(tmp_path), init, want)
-    assert len(per_rank[0]) == 9
+    per_rank = run_ranks(pp_job, 8, str(tmp_path), init, want, reference(dp=2)[1])
+    assert len(per_rank[0]) == 10
     for r in per_rank:
         assert r.pop("resume equal"), r
         norms = {k: r.pop(k) for k in list(r) if k.endswith("max grad norm")}

@@ -43,6 +43,7 @@ class Case:
     strategy: str
     precision: str = "fp32"
     overlap_outer: bool = True
+    container: bool = False  # an optimizer per stage, stepped by a container (torchtitan's)
 
     def __str__(self) -> str:
         serial = "" if self.overlap_outer else "/serial"
@@ -128,17 +129,38 @@ def _clip_fsdp2(modules: list[nn.Module], pp_group) -> torch.Tensor:
     return norm
 
 
-class _OuterReductions:
-    """Counts the outer gradient reductions (all-reduce, reduce-scatter) hsdp issues."""
+class _Container(torch.optim.Optimizer):
+    """torchtitan's ``OptimizersContainer``, in short: an optimizer over every parameter
+    (its step hooks run) whose step runs the step of each of its ``optimizers``."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+        super().__init__([p for o in optimizers for g in o.param_groups for p in g["params"]],
+                         {})
+
+    def step(self, closure: None = None) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none)
+
+
+class _OuterCollectives:
+    """Counts the outer gradient reductions (all-reduce, reduce-scatter) and the outer
+    all-gathers hsdp issues."""
 
     def __init__(self) -> None:
-        self.count = 0
+        self.reductions = self.all_gathers = 0
         self._before = Collectives.before
 
-    def __enter__(self) -> _OuterReductions:
+    def __enter__(self) -> _OuterCollectives:
         def before(coll, kind: str, axis: str, nbytes: int, group_size: int) -> None:
             if axis == "outer" and kind in ("all_reduce", "reduce_scatter"):
-                self.count += 1
+                self.reductions += 1
+            if axis == "outer" and kind == "all_gather":
+                self.all_gathers += 1
             self._before(coll, kind, axis, nbytes, group_size)
 
         Collectives.before = before
@@ -148,10 +170,11 @@ class _OuterReductions:
         Collectives.before = self._before
 
 
-def _train(mesh, case: Case, fsdp2: bool = False) -> tuple[list, int, int, float]:
+def _train(mesh, case: Case, fsdp2: bool = False) -> tuple[list, int, int, int, float]:
     """This rank's stages after STEPS steps (each clipped over all stages): (its blocks'
-    parameters with the reference's indices of them); the outer reductions hsdp issued in
-    the last step, the parameter groups of this rank's stages; the smallest norm."""
+    parameters with the reference's indices of them); the outer reductions and outer
+    all-gathers hsdp issued in the last step, the parameter groups of this rank's stages;
+    the smallest norm."""
     cls, per_rank = SCHEDULES[case.schedule]
     pp_rank = mesh["pp"].get_local_rank()
     dp_rank = mesh["outer"].get_local_rank() * INNER + mesh["inner"].get_local_rank()
@@ -161,27 +184,31 @@ def _train(mesh, case: Case, fsdp2: bool = False) -> tuple[list, int, int, float
             for s, m, _ in stages]
     sched = cls(pipe if per_rank > 1 else pipe[0], n_microbatches=MICROBATCHES, loss_fn=_loss)
     modules = [m for _, m, _ in stages]
-    opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=LR)
+    opt = (_Container([torch.optim.SGD(m.parameters(), lr=LR) for m in modules])
+           if case.container else
+           torch.optim.SGD([p for m in modules for p in m.parameters()], lr=LR))
     rows = MICROBATCHES * ROWS
     norms = []
     for step in range(STEPS):
         x, y = (t[dp_rank * rows:(dp_rank + 1) * rows] for t in _batch(step))
         first, last = pipe[0].is_first, pipe[-1].is_last
         # The last step alone: torch 2.13 infers shapes in the first with a backward of its own.
-        with _OuterReductions() as outer:
+        with _OuterCollectives() as outer:
             sched.step(*((x,) if first else ()), **({"target": y} if last else {}))
-        norm = (_clip_fsdp2(modules, mesh["pp"].get_group()) if fsdp2 else
-                hsdp.clip_grad_norm_(modules, MAX_NORM, pp_group=mesh["pp"]))
+            norm = (_clip_fsdp2(modules, mesh["pp"].get_group()) if fsdp2 else
+                    hsdp.clip_grad_norm_(modules, MAX_NORM, pp_group=mesh["pp"]))
+            opt.step()
+            for m in [] if fsdp2 else modules:
+                hsdp.synchronize(m)  # the outer all-gathers after the step ran: counted
         norms.append(norm.item())
-        opt.step()
         opt.zero_grad()
     if fsdp2:
         params = [(blocks, [p.full_tensor() for p in m.parameters()]) for _, m, blocks in stages]
-        return params, 0, 0, min(norms)
+        return params, 0, 0, 0, min(norms)
     params = [(blocks, list(hsdp.full_state_dict(m).values())) for _, m, blocks in stages]
     groups = sum(len(u.groups) for m in modules for u in units_below(m))
     hsdp.synchronize(modules[0])
-    return params, outer.count, groups, min(norms)
+    return params, outer.reductions, outer.all_gathers, groups, min(norms)
 
 
 def _rel(got: list, want: list[torch.Tensor] | list) -> float:
@@ -218,11 +245,11 @@ class _RankOrderedSet(weakref.WeakSet):
 
 
 def pipeline_job(rank: int, world: int,
-                 cases: list[Case]) -> dict[Case, tuple[float, int, int, float, float]]:
+                 cases: list[Case]) -> dict[Case, tuple[float, int, int, int, float, float]]:
     """Each case: (the largest relative parameter error against its reference, the outer
-    reductions of the last step, the parameter groups of this rank's stages, the
-    smallest gradient norm, the error against one process in fp32: not small where the
-    precision took effect) on this rank."""
+    reductions and outer all-gathers of the last step, the parameter groups of this
+    rank's stages, the smallest gradient norm, the error against one process in fp32:
+    not small where the precision took effect) on this rank."""
     mesh = init_device_mesh("cpu", (PP, OUTER, INNER), mesh_dim_names=("pp", "outer", "inner"))
     optim.STEPPERS = runtime.STEPPERS = _RankOrderedSet(mesh["outer"].get_local_rank() == 1)
     fp32 = _reference("fp32")

@@ -194,7 +194,16 @@ def attach_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Give ``optimizer`` hsdp's step hooks: before the step, abandon a failed step and
     check the gradients are final and the state matches the sharding; after it, adopt the
     state and (hfsdp) issue the outer all-gather. Done at the optimizer's first step;
-    calling it earlier puts hsdp's pre-step hook before hooks registered later."""
+    calling it earlier puts hsdp's pre-step hook before hooks registered later. A
+    container of optimizers (an optimizer with a list ``optimizers`` whose step runs
+    theirs, as torchtitan's ``OptimizersContainer``) gets none: its optimizers get them,
+    else each step would run them twice (hfsdp: every outer all-gather twice)."""
+    inner = getattr(optimizer, "optimizers", None)
+    if isinstance(inner, list) and inner and all(
+            isinstance(o, torch.optim.Optimizer) for o in inner):
+        for o in inner:
+            attach_optimizer(o)
+        return
     if optimizer not in _ATTACHED:
         _ATTACHED.add(optimizer)
         optimizer.register_step_pre_hook(_before_step)

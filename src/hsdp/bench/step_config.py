@@ -28,7 +28,11 @@ from hsdp.sharding.policy import parse_outer_reduce as as_outer_reduce_text
 from hsdp.sim.fabric import Fabric, Link, fit_link
 
 # (overlapped, serialized) pairs whose saving is reported
-PAIRS = (("overlap", "serial"), ("hfsdp", "hfsdp-serial"))
+PAIRS = (("overlap", "serial"), ("hfsdp", "hfsdp-serial"), ("overlap-graph", "serial-graph"),
+         ("hfsdp-graph", "hfsdp-serial-graph"))
+# (replayed, eager) pairs of the same schedule
+GRAPH_PAIRS = tuple((f"{name}-graph", name) for name in ("overlap", "serial", "hfsdp",
+                                                          "hfsdp-serial"))
 
 
 # Model when not given (hsdp.models). GPU: 8 Llama-8B layers (SwiGLU, grouped-query
@@ -261,6 +265,12 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
             import torchao.float8  # noqa: F401
         except ImportError:
             raise fail(f"--float8 needs torchao: {FLOAT8_INSTALL}") from None
+    graphed = [n for n in args.schedules if SCHEDULES[n].graphs]
+    if graphed and (not cuda or args.float8 or tp > 1 or args.share_gpus or args.warmup < 2):
+        raise fail(f"schedules {', '.join(graphed)} capture CUDA graphs: they need CUDA "
+                   f"(--device cuda) and --warmup >= 2 (one eager step, then the capture), "
+                   f"and run without --float8 (its all-gather is refused under capture), "
+                   f"--tp and --share-gpus (not captured yet)")
     if args.float8 and "mfsdp" in args.schedules:
         raise fail("--float8: schedule 'mfsdp' is not converted; leave it out")
     if tp > 1:

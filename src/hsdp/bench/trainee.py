@@ -5,6 +5,9 @@ Schedules (same mesh, same seed, same synthetic tokens; each block is a unit, th
 - ``overlap``: hsdp, outer all-reduce on its own stream (``overlap_outer=True``);
 - ``serial``: hsdp, outer all-reduce on the rs stream (the baseline of docs/design.md);
 - ``hfsdp`` / ``hfsdp-serial``: the same with strategy hfsdp;
+- ``overlap-graph`` / ``serial-graph`` / ``hfsdp-graph`` / ``hfsdp-serial-graph``: the
+  same hsdp schedules with forward + backward and the optimizer step captured in CUDA
+  graphs after the first step and replayed (``hsdp.bench.graphed``);
 - ``overlap-q`` / ``hfsdp-q``: ``overlap`` / ``hfsdp`` with the compressed outer reduction
   (``fully_shard(outer_reduce=...)``: ``--outer-reduce``, default int8);
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on the same 2-D mesh (HSDP);
@@ -38,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import hsdp
 from hsdp.bench.emulate import DelayedCollectives, SleepClock, emulate
 from hsdp.bench.fsdp2 import fsdp2_collectives, shard_fsdp2
+from hsdp.bench.graphed import GraphedSteps
 from hsdp.bench.mfsdp import shard_mfsdp
 from hsdp.bench.tp_plan import parallelize_llama, tp_collectives
 from hsdp.float8 import convert_to_float8
@@ -56,6 +60,7 @@ class BenchSchedule:
     strategy: str | None = None
     overlap: bool | None = None
     compressed: bool = False  # hsdp's outer_reduce
+    graphs: bool = False  # forward + backward and the optimizer step replayed as CUDA graphs
 
 
 SCHEDULES: dict[str, BenchSchedule] = {
@@ -63,6 +68,10 @@ SCHEDULES: dict[str, BenchSchedule] = {
     "serial": BenchSchedule("hsdp", "hsdp", False),
     "hfsdp": BenchSchedule("hsdp", "hfsdp", True),
     "hfsdp-serial": BenchSchedule("hsdp", "hfsdp", False),
+    "overlap-graph": BenchSchedule("hsdp", "hsdp", True, graphs=True),
+    "serial-graph": BenchSchedule("hsdp", "hsdp", False, graphs=True),
+    "hfsdp-graph": BenchSchedule("hsdp", "hfsdp", True, graphs=True),
+    "hfsdp-serial-graph": BenchSchedule("hsdp", "hfsdp", False, graphs=True),
     "overlap-q": BenchSchedule("hsdp", "hsdp", True, True),
     "hfsdp-q": BenchSchedule("hsdp", "hfsdp", True, True),
     "fsdp2": BenchSchedule("fsdp2"), "mfsdp": BenchSchedule("mfsdp")}
@@ -107,6 +116,7 @@ class Trainee:
     # bytes of the collectives issued so far ("<kind>:<axis>"; hsdp and FSDP2) and steps
     collective_bytes: dict[str, int] = field(default_factory=dict)
     steps_run: int = 0
+    graphed: GraphedSteps | None = None  # CUDA graph replay after the first (eager) step
 
     def step(self, batches: list[torch.Tensor], delays: bool = True,
              mark: Callable[[str], None] = _no_mark) -> float:
@@ -114,22 +124,31 @@ class Trainee:
         ``mark(phase)`` is called at the end of each phase of ``PHASES`` (once per
         microbatch for forward and backward). Returns the host time (s) spent issuing the
         step: until the optimizer step and clearing of gradients returned, before waiting
-        for the device."""
-        last = len(batches) - 1
+        for the device. A graphed trainee replays its graphs after its first step."""
+        if self.graphed is not None and self.steps_run >= 1:
+            host = self.graphed.step(self, batches, delays, mark)
+            self.steps_run += 1
+            return host
         t0 = time.perf_counter()
         with self.comm(delays):
-            for m, tokens in enumerate(batches):
-                with self.microbatch(m == last):
-                    loss = lm_loss(self.model(tokens), tokens) / len(batches)
-                    mark("forward")
-                    loss.backward()
-                    mark("backward")
+            self.forward_backward(batches, mark)
             self.update()
             mark("optimizer")
             host = time.perf_counter() - t0
             self.drain()
         self.steps_run += 1
         return host
+
+    def forward_backward(self, batches: list[torch.Tensor],
+                         mark: Callable[[str], None] = _no_mark) -> None:
+        """Forward and backward of every microbatch (the outer reduction on the last)."""
+        last = len(batches) - 1
+        for m, tokens in enumerate(batches):
+            with self.microbatch(m == last):
+                loss = lm_loss(self.model(tokens), tokens) / len(batches)
+                mark("forward")
+                loss.backward()
+                mark("backward")
 
 
 def build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: DeviceMesh,
@@ -184,9 +203,12 @@ def _build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Dev
         tracer = model._hsdp_unit.tracer
         runtime_drain = partial(hsdp.synchronize, model)
         trainee = Trainee(name, model, tracer, partial(_delays, model),
-                          partial(hsdp.microbatch, model), partial(_update, opt),
+                          partial(hsdp.microbatch, model),
+                          partial(_update, opt, not schedule.graphs),
                           _chain(runtime_drain, drain), error)
         _count_bytes(model._hsdp_unit.collectives, trainee.collective_bytes)
+        if schedule.graphs:
+            trainee.graphed = GraphedSteps(model._hsdp_unit.collectives)
         return trainee
     tracer = Tracer()
     if schedule.library == "fsdp2":
@@ -276,9 +298,11 @@ def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, foreach=True)
 
 
-def _update(opt: torch.optim.Optimizer) -> None:
+def _update(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+    """The optimizer step and clearing of gradients (in place for CUDA graphs: a captured
+    backward adds into them)."""
     opt.step()
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=set_to_none)
 
 
 def _nothing() -> None:

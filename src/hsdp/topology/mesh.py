@@ -29,6 +29,7 @@ from hsdp.topology.communicators import (
     default_timeout,
     host_group,
     mesh_groups,
+    on_first_use,
     registered_groups,
 )
 from hsdp.topology.mesh_dims import (
@@ -242,7 +243,8 @@ def _init_default_group(timeout: timedelta | None) -> None:
     dist.init_process_group(**({} if timeout is None else {"timeout": timeout}))
 
 
-_EXPERT_MESHES: dict[tuple, DeviceMesh] = {}  # expert_mesh's, by mesh and ep
+_EXPERT_MESHES: dict[tuple, DeviceMesh] = {}  # expert_mesh's of this world, by mesh and ep
+on_first_use(_EXPERT_MESHES.clear)  # a new world: their groups went with the old one
 
 
 def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
@@ -270,6 +272,7 @@ def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
         raise ValueError(f"hsdp.expert_mesh: ep={ep!r} must be a positive divisor of the "
                          f"inner size {inner} (the experts are split inside an inner group)")
     key = (*mesh_key(mesh), EP_DIM_NAMES, ep)
+    mesh_groups()  # forgets the last world's expert meshes if this is another
     if key not in _EXPERT_MESHES:
         _EXPERT_MESHES[key] = DeviceMesh(mesh.device_type,
                                          mesh.mesh.reshape(outer, inner // ep, ep),

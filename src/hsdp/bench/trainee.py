@@ -45,7 +45,8 @@ from hsdp.bench.graphed import GraphedSteps
 from hsdp.bench.mfsdp import shard_mfsdp
 from hsdp.bench.tp_plan import parallelize_llama, tp_collectives
 from hsdp.float8 import convert_to_float8
-from hsdp.models import ModelConfig, build_model, lm_loss, shard_units
+from hsdp.models import ModelConfig, lm_loss
+from hsdp.models_moe import EPExchange, build_bench_model, shard_divisors, unit_meshes
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.tp_blocks import local_of
 from hsdp.sim.fabric import Fabric
@@ -170,6 +171,12 @@ def build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Devi
             sleep = SleepClock.calibrate(device)
         tp_comm = partial(_tp_comm, tp_mesh, trainee.collective_bytes, tp_fabric, sleep)
         trainee.comm = partial(_both, trainee.comm, tp_comm)
+    exchange = getattr(trainee.model, "exchange", None)
+    if exchange is not None and exchange.group is not None:  # an MoE model's
+        exchange.nbytes = trainee.collective_bytes
+        sleep = SleepClock.calibrate(device) if device.type == "cuda" else time.sleep
+        trainee.comm = partial(_both, trainee.comm,
+                               partial(_ep_comm, exchange, fabric, sleep))
     return trainee
 
 
@@ -179,12 +186,11 @@ def _build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Dev
     """``build`` without the TP collectives' interception."""
     torch.manual_seed(0)
     with torch.device(device):
-        model = build_model(model_cfg)
+        model = build_bench_model(model_cfg, mesh)
     if tp_mesh is not None:
         parallelize_llama(model, tp_mesh)
     if float8:
         model = float8_model(model, device)
-    units = shard_units(model)
     cuda = device.type == "cuda"
     schedule = SCHEDULES[name]
     drain = torch.cuda.synchronize if cuda else _nothing
@@ -193,8 +199,8 @@ def _build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Dev
         clock = SleepClock.calibrate(device)
         sleep, error = clock, clock.check()
     if schedule.library == "hsdp":
-        for unit, reshard in [*units, (model, True)]:
-            hsdp.fully_shard(unit, mesh=mesh, strategy=schedule.strategy, mp_policy=mp,
+        for unit, reshard, unit_mesh in [*unit_meshes(model, mesh), (model, True, mesh)]:
+            hsdp.fully_shard(unit, mesh=unit_mesh, strategy=schedule.strategy, mp_policy=mp,
                              overlap_outer=schedule.overlap, reshard_after_forward=reshard,
                              outer_reduce=outer_reduce)
         if emulated:
@@ -213,10 +219,12 @@ def _build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Dev
     tracer = Tracer()
     if schedule.library == "fsdp2":
         dp_mesh = mesh if tp_mesh is None else mesh["outer", "inner"]
+        units = unit_meshes(model, dp_mesh, fsdp2=True)
         shard_fsdp2(model, units, dp_mesh, mp)
         opt = _adamw(model.parameters())
         nbytes: dict[str, int] = {}
-        comm = partial(_peer_comm, partial(fsdp2_collectives, dp_mesh, tracer, nbytes),
+        meshes = list({id(m): m for _, _, m in units}.values())
+        comm = partial(_peer_comm, partial(fsdp2_collectives, meshes, tracer, nbytes),
                        fabric, sleep)
         update = partial(_update, opt)
         if float8:  # torchao's scale refresh for FSDP2, as torchtitan calls it
@@ -237,14 +245,15 @@ def build_unsharded(model_cfg: ModelConfig, mp: hsdp.MixedPrecision, inner: int,
                     tp_mesh: DeviceMesh | None = None) -> Trainee:
     """The reference of the module docstring (no collectives, nothing sharded but the
     optimizer's work); with ``tp_mesh`` the layers under the TP plan, each shard 1/inner
-    of a TP-local parameter (its TP collectives: none under the fake process group)."""
+    of a TP-local parameter (its TP collectives: none under the fake process group); an
+    MoE model with this rank's experts, each shard 1/(inner / ep) of them, no exchange."""
     torch.manual_seed(0)
     with torch.device(device):
-        model = build_model(model_cfg).to(mp.param_dtype or torch.float32)
+        model = build_bench_model(model_cfg, None).to(mp.param_dtype or torch.float32)
         if tp_mesh is not None:
             parallelize_llama(model, tp_mesh)
-        shards = [torch.zeros(math.ceil(local_of(p).numel() / inner))
-                  for p in model.parameters()]
+        shards = [torch.zeros(math.ceil(local_of(p).numel() / n))
+                  for p, n in zip(model.parameters(), shard_divisors(model, inner))]
     if float8:
         model = float8_model(model, device)
     for s in shards:
@@ -345,6 +354,20 @@ def _delays(model: nn.Module, on: bool) -> Iterator[None]:
         yield
     finally:
         coll.fabric = fabric
+
+
+@contextmanager
+def _ep_comm(exchange: EPExchange, fabric: Fabric | None, sleep: Callable[[float], None],
+             on: bool) -> Iterator[None]:
+    """An MoE model's token exchange delayed by its all-to-all's time on ``fabric``'s inner
+    link (the ep ranks share a node), slept by ``sleep``, only when ``on``."""
+    if on and fabric is not None:
+        exchange.delay = lambda nbytes, ranks: sleep(
+            fabric.seconds("all_to_all", "inner", nbytes, ranks))
+    try:
+        yield
+    finally:
+        exchange.delay = None
 
 
 def _peer_comm(collectives: Callable[..., AbstractContextManager], fabric: Fabric | None,

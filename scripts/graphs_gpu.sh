@@ -13,7 +13,7 @@ export PYTHONPATH=${SRC:-src} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAS
     NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 for seq in ${SEQS:-1024 4096}; do
     timeout "${STEP_TIMEOUT:-240}" python -m hsdp bench step --reduce-dtype bf16 \
-        --record-steps 1 --trace-steps 1 --warmup 2 --emulate --mesh 16x8 --seq "$seq" \
+        --record-steps 1 --trace-steps 1 --warmup 3 --emulate --mesh 16x8 --seq "$seq" \
         --steps "${STEPS:-8}" --schedules overlap,overlap-graph,serial,serial-graph,fsdp2 \
         --json "$OUT/emu16x8_s${seq}_graphs.json" --out-dir "/tmp/graphs_s$seq" \
         > "$OUT/emu16x8_s${seq}_graphs.log" 2>&1

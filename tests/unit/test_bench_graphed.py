@@ -55,6 +55,6 @@ def test_graph_schedules_need_cuda():
     args = p.parse_args(["--emulate", "--schedules", "overlap,overlap-graph"])
     with pytest.raises(SystemExit, match="overlap-graph capture CUDA graphs"):
         resolve(args, cuda=False, world=None)
-    args = p.parse_args(["--emulate", "--schedules", "serial-graph", "--warmup", "1"])
-    with pytest.raises(SystemExit, match="--warmup >= 2"):
+    args = p.parse_args(["--emulate", "--schedules", "serial-graph", "--warmup", "2"])
+    with pytest.raises(SystemExit, match="--warmup >= 3"):
         resolve(args, cuda=True, world=None)

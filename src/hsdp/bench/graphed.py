@@ -1,8 +1,9 @@
 """``bench step``'s ``-graph`` schedules: an hsdp schedule whose step is captured in CUDA
 graphs and replayed (docs/guide/cuda_graphs.md).
 
-The first step of such a trainee runs eagerly (it creates the optimizer state and the
-gradient buffers, which stay set: ``zero_grad(set_to_none=False)``); the second captures,
+The first ``EAGER_STEPS`` steps of such a trainee run eagerly (the first creates the
+optimizer state and the gradient buffers, which stay set: ``zero_grad(set_to_none=False)``;
+hsdp checks the new state at the second, outside any graph); the third captures,
 once with the emulated delays on and once off (a sleep kernel's length is fixed at
 capture), forward + backward of every microbatch in one graph and the optimizer step with
 the clearing of gradients in another, all from one private memory pool; every step from
@@ -34,6 +35,7 @@ from hsdp.sharding.comm import Collectives
 if TYPE_CHECKING:
     from hsdp.bench.trainee import Trainee
 
+EAGER_STEPS = 2  # steps before the capture
 SLEEP_KERNEL = "spin_kernel"  # torch.cuda._sleep's kernel
 MATCH = 0.1  # a sleep kernel is a captured collective within this relative duration
 

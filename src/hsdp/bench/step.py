@@ -62,8 +62,8 @@ TP group shares its tokens (global tokens count the outer x inner data-parallel 
 The TP collectives run where torch issues them, on the compute stream; under
 ``--emulate`` they are delayed there by their modelled time on the ``--tp-gbps`` link.
 
-``-graph`` schedules (CUDA): the hsdp schedule's step captured in CUDA graphs after its
-first step and replayed (``hsdp.bench.graphed``): forward + backward in one graph, the
+``-graph`` schedules (CUDA): the hsdp schedule's step captured in CUDA graphs after two
+eager steps (warm-up) and replayed (``hsdp.bench.graphed``): forward + backward in one graph, the
 optimizer step in another; its recorded steps record nothing (no hook runs in a replay),
 its traced step's intervals come from the replay's kernels.
 

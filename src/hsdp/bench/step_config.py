@@ -13,6 +13,7 @@ import torch
 
 import hsdp
 from hsdp.bench.collectives import DTYPES, default_mesh
+from hsdp.bench.graphed import EAGER_STEPS
 from hsdp.bench.launch import (
     add_layout_argument,
     check_shared_layout,
@@ -286,9 +287,11 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
         except ImportError:
             raise fail(f"--float8 needs torchao: {FLOAT8_INSTALL}") from None
     graphed = [n for n in args.schedules if SCHEDULES[n].graphs]
-    if graphed and (not cuda or args.float8 or tp > 1 or args.share_gpus or args.warmup < 2):
+    if graphed and (not cuda or args.float8 or tp > 1 or args.share_gpus
+                    or args.warmup <= EAGER_STEPS):
         raise fail(f"schedules {', '.join(graphed)} capture CUDA graphs: they need CUDA "
-                   f"(--device cuda) and --warmup >= 2 (one eager step, then the capture), "
+                   f"(--device cuda) and --warmup >= {EAGER_STEPS + 1} ({EAGER_STEPS} eager "
+                   f"steps, then the capture), "
                    f"and run without --float8 (its all-gather is refused under capture), "
                    f"--tp and --share-gpus (not captured yet)")
     if args.float8 and "mfsdp" in args.schedules:

@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import hsdp
 from hsdp.bench.emulate import DelayedCollectives, SleepClock, emulate
 from hsdp.bench.fsdp2 import fsdp2_collectives, shard_fsdp2
-from hsdp.bench.graphed import GraphedSteps
+from hsdp.bench.graphed import EAGER_STEPS, GraphedSteps
 from hsdp.bench.mfsdp import shard_mfsdp
 from hsdp.bench.tp_plan import parallelize_llama, tp_collectives
 from hsdp.float8 import convert_to_float8
@@ -125,8 +125,8 @@ class Trainee:
         ``mark(phase)`` is called at the end of each phase of ``PHASES`` (once per
         microbatch for forward and backward). Returns the host time (s) spent issuing the
         step: until the optimizer step and clearing of gradients returned, before waiting
-        for the device. A graphed trainee replays its graphs after its first step."""
-        if self.graphed is not None and self.steps_run >= 1:
+        for the device. A graphed trainee replays its graphs after ``EAGER_STEPS``."""
+        if self.graphed is not None and self.steps_run >= EAGER_STEPS:
             host = self.graphed.step(self, batches, delays, mark)
             self.steps_run += 1
             return host
@@ -205,7 +205,7 @@ def _build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Dev
                              outer_reduce=outer_reduce)
         if emulated:
             error = emulate(model, fabric, device)
-        opt = _adamw(model.parameters())
+        opt = _adamw(model.parameters(), schedule.graphs)
         tracer = model._hsdp_unit.tracer
         runtime_drain = partial(hsdp.synchronize, model)
         trainee = Trainee(name, model, tracer, partial(_delays, model),
@@ -303,8 +303,10 @@ def synthetic_batches(vocab: int, mbs: int, seq: int, microbatches: int,
 # --------------------------------------------------------------------------- pieces
 
 
-def _adamw(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=LR, foreach=True)
+def _adamw(params, capturable: bool = False) -> torch.optim.Optimizer:
+    """AdamW (``capturable``: its step count on the device, so that its step can be
+    captured in a CUDA graph)."""
+    return torch.optim.AdamW(params, lr=LR, foreach=True, capturable=capturable)
 
 
 def _update(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:

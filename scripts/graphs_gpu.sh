@@ -3,7 +3,7 @@
 # emulated 16x8, 8 Llama-8B-like layers, bf16 reduction, at seq 1024 and 4096: hsdp
 # overlap and serial eager and replayed (-graph), FSDP2 eager, in one run each (the
 # collective-free step of each against the unsharded reference comes with it); JSON and
-# logs into $OUT, the overlap schedules' Chrome traces of seq 4096 too.
+# logs into $OUT, the overlap schedules' Chrome traces too.
 # SRC: where hsdp's sources are (default src).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +21,9 @@ for seq in ${SEQS:-1024 4096}; do
     grep -vE "^bench step: (built|warm|timed|memory|record|collective|traced)" \
         "$OUT/emu16x8_s${seq}_graphs.log" | tail -30
 done
-cp /tmp/graphs_s4096/trace_overlap-graph.json.gz /tmp/graphs_s4096/trace_overlap.json.gz \
-    "$OUT/" 2>/dev/null
+for seq in ${SEQS:-1024 4096}; do
+    for name in overlap overlap-graph; do
+        cp "/tmp/graphs_s$seq/trace_$name.json.gz" "$OUT/trace_${name}_s$seq.json.gz" 2>/dev/null
+    done
+done
 exit 0

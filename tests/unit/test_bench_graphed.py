@@ -21,10 +21,12 @@ def _kernel(name: str, ts: float, dur: float, stream: int) -> dict:
 
 
 def test_replay_sleep_kernels_become_their_collectives():
-    captured = [("ag", "AG", 100e-6), ("outer", "OUTER_AR", 400e-6)]
+    """A sleep kernel runs its modelled time or longer (the SM clock drops beside
+    compute): the longest captured duration it reaches."""
+    captured = [("ag", "AG", 100e-6), ("outer", "OUTER_AR", 400e-6), ("rs", "RS", 120e-6)]
     trace = {"traceEvents": [
         _kernel("gemm", 0, 1000, 7),
-        _kernel(SLEEP, 50, 102, 20),  # the all-gather, 2 % off
+        _kernel(SLEEP, 50, 111, 20),  # the all-gather, 11 % long (nearest: the RS)
         _kernel(SLEEP, 900, 395, 21),  # the outer all-reduce, beside compute then alone
         _kernel(SLEEP, 1400, 250, 7),  # matches nothing captured: compute's own sleep
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5},

@@ -162,12 +162,12 @@ class MoELlama(Llama):
 def build_bench_model(cfg: ModelConfig, mesh: DeviceMesh | None) -> nn.Module:
     """``cfg``'s model on the current default device: ``hsdp.models``' or, for a
     ``MoEConfig``, ``MoELlama`` with its experts as DTensors on the ep dim of ``mesh``'s
-    expert mesh and the exchange on its group (``mesh`` None: plain local experts, no
-    exchange)."""
+    expert mesh and the exchange on its group (``mesh`` None or ep 1: plain local experts,
+    no exchange, sharded with their block)."""
     if not isinstance(cfg, MoEConfig):
         return build_model(cfg)
     model = MoELlama(cfg)
-    if mesh is None:
+    if mesh is None or cfg.ep == 1:
         return model
     ep_mesh = hsdp.expert_mesh(mesh, cfg.ep)["ep"]
     for block in model.blocks:
@@ -182,11 +182,12 @@ def build_bench_model(cfg: ModelConfig, mesh: DeviceMesh | None) -> nn.Module:
 
 def unit_meshes(model: nn.Module, mesh: DeviceMesh, fsdp2: bool = False
                 ) -> list[tuple[nn.Module, bool, DeviceMesh]]:
-    """``shard_units`` with each unit's mesh: ``mesh``, and for an MoE model each block's
-    experts first, on the expert mesh (FSDP2: its ("outer", "inner") dims)."""
+    """``shard_units`` with each unit's mesh: ``mesh``, and for an MoE model with expert
+    parallelism each block's experts first, on the expert mesh (FSDP2: its ("outer",
+    "inner") dims)."""
     out = []
     for unit, reshard in shard_units(model):
-        if isinstance(unit, MoEBlock):
+        if isinstance(unit, MoEBlock) and unit.cfg.ep > 1:
             emesh = hsdp.expert_mesh(mesh, unit.cfg.ep)
             out.append((unit.experts, True, emesh["outer", "inner"] if fsdp2 else emesh))
         out.append((unit, reshard, mesh))

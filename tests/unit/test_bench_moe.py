@@ -14,7 +14,14 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import hsdp
 from hsdp.bench.step_config import add_arguments, resolve
 from hsdp.bench.trainee import build
-from hsdp.models_moe import EP_KEY, MoEConfig, build_bench_model, shard_divisors
+from hsdp.models_moe import (
+    EP_KEY,
+    GroupedExperts,
+    MoEConfig,
+    build_bench_model,
+    shard_divisors,
+    unit_meshes,
+)
 from hsdp.sim.engine import Setup, record
 from hsdp.sim.ep_pricing import ep_pricer
 from hsdp.sim.fabric import Fabric, Link
@@ -55,6 +62,10 @@ def test_exchange_under_the_fake_group_is_delayed_and_counted():
         model(tokens).float().sum().backward()
         assert model.blocks[0].experts.w1.to_local().shape[0] == cfg.experts // 2
         assert shard_divisors(model, 4).count(2) == 3 * cfg.layers  # experts: inner / ep
+        mesh = hsdp.init_mesh(2, 4, "cpu")
+        plain = build_bench_model(CFG, mesh)  # ep 1: the experts stay in their block's unit
+        assert plain.exchange.group is None
+        assert not any(isinstance(u, GroupedExperts) for u, _, _ in unit_meshes(plain, mesh))
     finally:
         dist.destroy_process_group()
     one = cfg.exchange_bytes(cfg.seq, 4)

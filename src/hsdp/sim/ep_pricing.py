@@ -41,7 +41,7 @@ def sim_model(cfg: ModelConfig, mesh: DeviceMesh) -> nn.Module:
 def expert_names(model: nn.Module) -> dict[str, str]:
     """Stable names of the expert units' labels: Experts<i> of block i."""
     return {b.experts._hsdp_unit.label: f"Experts{i}" for i, b in enumerate(model.blocks)
-            if isinstance(b, MoEBlock)}
+            if isinstance(b, MoEBlock) and b.cfg.ep > 1}
 
 
 def ep_pricer(price: Price, program: Program, model: MoEConfig, mbs: int, dtype_bytes: int,

@@ -41,3 +41,12 @@ def test_bad_settings_raise(kwargs: dict) -> None:
 def test_nesterov_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="nesterov must be a bool"):
         hsdp.DiLoCo(nesterov=1)
+
+
+def test_fault_tolerance_needs_each_outer_step_before_the_next_sync() -> None:
+    """With fault tolerance a sync is one torchft quorum and commit, one at a time: the
+    delay may not exceed the fewest steps between two syncs (H=10, F=4: 2, 3, 2, 3)."""
+    hsdp.DiLoCo(inner_steps=10, fragments=4, delay=2).check_fault_tolerant()
+    hsdp.DiLoCo(inner_steps=10, fragments=1, delay=9).check_fault_tolerant()
+    with pytest.raises(hsdp.FaultToleranceError, match="syncs as soon as 2 step"):
+        hsdp.DiLoCo(inner_steps=10, fragments=4, delay=3).check_fault_tolerant()

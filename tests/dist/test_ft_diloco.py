@@ -95,6 +95,7 @@ def test_diloco_replica_group_lost_and_recovered(tmp_path):
                   if s % 4 in APPLIES and g0[s]["commits"] == g0[s - 1]["commits"]]
         assert len(failed) == 1, [(s, g0[s]["commits"]) for s in g0]
         s = failed[0]
+        assert g0[s - 1]["commits"] > g0[KILL_AT - 1]["commits"]  # it synced alone
         anchors = {k: v for k, v in g0[s]["local"].items() if k.endswith("/anchor")}
         assert all(torch.equal(v, g0[s - 1]["local"][k]) for k, v in anchors.items())
         back = [k for k in anchors if torch.equal(g0[s]["local"][k[:-6] + "main"], anchors[k])]

@@ -62,7 +62,12 @@ class ReplicaState:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Copy the same inner rank's ``state_dict`` of a live replica into this one."""
+        """Copy the same inner rank's ``state_dict`` of a live replica into this one.
+        **WHY a device synchronize first**: the state was placed on the device on
+        torchft's recovery stream, which a synchronous quorum (DiLoCo) does not wait for
+        before it applies the state."""
+        if any(_local(p).is_cuda for p in self.params.values()):
+            torch.cuda.synchronize()
         for n, p in self.params.items():
             _local(p).copy_(state["params"][n])
         for n, b in self.buffers.items():

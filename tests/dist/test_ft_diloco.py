@@ -56,8 +56,8 @@ def _equal(a: dict, b: dict) -> bool:
 
 def test_diloco_replica_group_lost_and_recovered(tmp_path):
     out = str(tmp_path)
-    plain = _launch(out, "plain", 4, steps=KILL_AT)
-    assert _wait(plain, time.monotonic() + DEADLINE_S, out) == [0] * 4
+    without_ft = _launch(out, "plain", 4, steps=KILL_AT)
+    assert _wait(without_ft, time.monotonic() + DEADLINE_S, out) == [0] * 4
     deadline = time.monotonic() + DEADLINE_S
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=5000,
                                   quorum_tick_ms=50, heartbeat_timeout_ms=1000)

@@ -191,6 +191,16 @@ def _error(fn: object) -> str:
     return "no error"
 
 
+def _async_manager() -> object:
+    """A torchft Manager as made by hand with its default asynchronous quorum (its
+    setting alone: init_mesh refuses it before using it)."""
+    import torchft
+
+    manager = torchft.Manager.__new__(torchft.Manager)
+    manager._use_async_quorum = True  # torchft 0.2.0's attribute
+    return manager
+
+
 def errors_job(rank: int, world: int) -> dict[str, str]:
     """Bad settings: each refused (the message), and nothing changed (the parameters, the
     optimizer state)."""
@@ -201,8 +211,11 @@ def errors_job(rank: int, world: int) -> dict[str, str]:
         "momentum": lambda: hsdp.DiLoCo(momentum=1.0),
         "delay": lambda: hsdp.DiLoCo(inner_steps=4, delay=4),
         "type": lambda: hsdp.init_mesh(4, world // 4, "cpu", outer_sync="diloco"),
-        "ft": lambda: hsdp.init_mesh(4, world // 4, "cpu", outer_sync=hsdp.DiLoCo(),
-                                     fault_tolerance=object()),
+        "ft_delay": lambda: hsdp.init_mesh(
+            4, world // 4, "cpu", fault_tolerance=hsdp.FaultTolerance(),
+            outer_sync=hsdp.DiLoCo(inner_steps=4, fragments=2, delay=3)),
+        "ft_async": lambda: hsdp.init_mesh(4, world // 4, "cpu", outer_sync=hsdp.DiLoCo(),
+                                           fault_tolerance=_async_manager()),
     }.items()}
     mesh = hsdp.init_mesh(4, world // 4, "cpu", outer_sync=hsdp.DiLoCo(10, fragments=2))
     out["hfsdp"] = _error(lambda: _build(mesh, strategy="hfsdp"))

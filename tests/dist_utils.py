@@ -17,6 +17,15 @@ import torch.multiprocessing as mp
 
 from hsdp.bench.launch import host_barrier, shared_gpu
 
+# gloo worlds start from a fork server that has imported torch, hsdp and the ecosystem
+# packages once: a spawned rank spends ~2.5 s of CPU importing them (5 s with torchtitan),
+# 40-80 s of a 2-core machine per 8-rank world. A module missing here is skipped.
+_PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor",
+            "torch.distributed.checkpoint", "torch.distributed.pipelining", "hsdp",
+            "torchft", "torchtitan.models.llama3", "torchtitan.models.deepseek_v3",
+            "torchtitan.components.checkpoint"]
+mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -25,7 +34,11 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str,
-           backend: str, shared_inner: int | None, pg_timeout_s: float | None) -> None:
+           backend: str, shared_inner: int | None, pg_timeout_s: float | None,
+           environ: dict[str, str]) -> None:
+    # A forked rank inherits the fork server's environment: take the test's own.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -61,9 +74,11 @@ def run_ranks(fn: Callable, world: int, *args: Any, backend: str = "gloo",
     (a schedule deadlock) fails after ``timeout`` seconds instead of blocking CI.
     ``pg_timeout_s``: the default process group's timeout (gloo)."""
     with tempfile.TemporaryDirectory() as d:
+        # CUDA ranks are spawned: nothing CUDA-related is inherited from a fork server.
+        method = "spawn" if backend == "nccl" else "forkserver"
         ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args, d, backend,
-                                               shared_inner, pg_timeout_s),
-                                 nprocs=world, join=False, start_method="spawn")
+                                               shared_inner, pg_timeout_s, dict(os.environ)),
+                                 nprocs=world, join=False, start_method=method)
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=5):
             if time.monotonic() > deadline:

@@ -47,7 +47,7 @@ def run_with_a_death(fn: Callable, world: int, *args: Any) -> dict[int, Any]:
     lived, by rank."""
     with tempfile.TemporaryDirectory() as d:
         ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args, d),
-                                 nprocs=world, join=False, start_method="spawn")
+                                 nprocs=world, join=False, start_method="forkserver")
         deadline = time.monotonic() + 900
         while not all(p.exitcode is not None for p in ctx.processes):
             if time.monotonic() > deadline:

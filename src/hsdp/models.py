@@ -262,10 +262,17 @@ class LlamaBlock(_Block):
         self.wv = nn.Linear(h, cfg.kv_dim, bias=False)
         self.wo = nn.Linear(h, h, bias=False)
         self.mlp_norm = nn.RMSNorm(h, eps=cfg.norm_eps)
-        self.w1 = nn.Linear(h, cfg.ffn, bias=False)  # gate
-        self.w3 = nn.Linear(h, cfg.ffn, bias=False)  # up
-        self.w2 = nn.Linear(cfg.ffn, h, bias=False)  # down
+        self._init_mlp(cfg)
         self._rope_cache: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+
+    def _init_mlp(self, cfg: LlamaConfig) -> None:
+        """The SwiGLU MLP's weights (a mixture of experts replaces them: ``_mlp`` too)."""
+        self.w1 = nn.Linear(cfg.hidden, cfg.ffn, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.hidden, cfg.ffn, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn, cfg.hidden, bias=False)  # down
+
+    def _mlp(self, y: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(y)) * self.w3(y))
 
     def _rope_for(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary tables for ``x``'s length, device and dtype (made once, then kept)."""
@@ -289,16 +296,17 @@ class LlamaBlock(_Block):
         q, k = _rope(q, cos, sin), repeat_kv(_rope(k, cos, sin), group)
         a = attention(q, k, repeat_kv(v, group))
         x = x + self.wo(a.transpose(1, 2).reshape(b, t, -1))
-        y = self.mlp_norm(x)
-        return x + self.w2(F.silu(self.w1(y)) * self.w3(y))
+        return x + self._mlp(self.mlp_norm(x))
 
 
 class Llama(nn.Module):
+    block_class: type[LlamaBlock] = LlamaBlock
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(self.block_class(cfg) for _ in range(cfg.layers))
         self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
 

@@ -1,7 +1,7 @@
 """DiLoCo on the outer axis (``init_mesh(outer_sync=hsdp.DiLoCo(...))``) on 8 CPU ranks
 (4 outer x 2 inner, gloo): H=1 equals synchronous hsdp, H=10 stays close while syncing
 10x less, resume from a checkpoint equals the uninterrupted run, bad settings are refused
-on every rank."""
+on every rank (with fault tolerance too: tests/dist/test_ft_diloco.py)."""
 
 from __future__ import annotations
 
@@ -65,8 +65,11 @@ def test_bad_settings_are_refused_on_every_rank(jobs: dict) -> None:
     assert r["delay"].startswith("ValueError: hsdp.DiLoCo: delay must be an int in [0, "
                                  "inner_steps=4)")
     assert r["type"].startswith("TypeError: init_mesh: outer_sync must be an hsdp.DiLoCo")
-    assert r["ft"].startswith("FaultToleranceError: init_mesh: outer_sync=DiLoCo(...) with "
-                              "fault_tolerance is not supported")
+    assert r["ft_delay"].startswith("FaultToleranceError: init_mesh: outer_sync=DiLoCo("
+                                    "inner_steps=4, fragments=2, delay=3) with "
+                                    "fault_tolerance: each sync is one torchft quorum")
+    assert r["ft_async"].startswith("FaultToleranceError: init_mesh: outer_sync=DiLoCo(...) "
+                                    "with a torchft Manager made with use_async_quorum=True")
     assert r["hfsdp"].startswith("ValueError: fully_shard: strategy='hfsdp' cannot train")
     assert r["fragments"].startswith("ValueError: hsdp.DiLoCo: fragments=2 does not divide "
                                      "the model's 3 fully_shard units")

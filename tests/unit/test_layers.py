@@ -34,7 +34,7 @@ def _imports(path: Path) -> set[str]:
 
 # The core's folders, lowest first; a module imports modules of its own folder or lower
 # ones. The top-level modules (the public API: ``api``, ``module``, ``materialize``,
-# ``float8``, ``models``) sit above every folder.
+# ``float8``, ``models``, ``models_moe``) sit above every folder.
 FOLDERS = ["ft", "topology", "streams", "sharding", "runtime", "checkpoint"]
 API = len(FOLDERS)
 

@@ -24,7 +24,7 @@ def test_fault_tolerance_follows_the_runtime_phase(monkeypatch, phase):
     monkeypatch.setattr(replica_state, "comm_groups",
                         lambda mesh: SimpleNamespace(elastic=SimpleNamespace(manager=manager)))
     model = nn.Linear(2, 2)
-    model._hsdp_unit = SimpleNamespace(mesh=None,
+    model._hsdp_unit = SimpleNamespace(mesh=None, groups=[],
                                        runtime=SimpleNamespace(step=StepState(phase=phase)))
     if phase in (Phase.FORWARD, Phase.BACKWARD):
         with pytest.raises(RuntimeError, match="during forward or backward"):

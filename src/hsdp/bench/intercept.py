@@ -121,7 +121,7 @@ class _State:
         self.backend = BackendNames()
 
 
-def _names(kind: str, axis: str) -> tuple[str, str]:
+def op_names(kind: str, axis: str) -> tuple[str, str]:
     """(stream, label) of a collective in hsdp's terms."""
     label = ("OUTER_" if axis == "outer" else "") + SHORT[kind]
     return ("outer" if axis == "outer" else SHORT[kind].lower()), label
@@ -137,7 +137,7 @@ def _wrap(fn: Callable, kind: str, sized: str, state: _State) -> Callable:
         axis = state.axes.get(id(group)) if group is not None else None
         if axis is None:
             return fn(*args, **kwargs)
-        stream, label = _names(kind, axis)
+        stream, label = op_names(kind, axis)
         buf = bound.arguments[sized]
         if kind == "all_gather" and state.backend(group, buf) == "fake":  # as Collectives
             out, inp = fake_all_gather_args(buf, bound.arguments["input_tensor"])

@@ -62,6 +62,11 @@ TP group shares its tokens (global tokens count the outer x inner data-parallel 
 The TP collectives run where torch issues them, on the compute stream; under
 ``--emulate`` they are delayed there by their modelled time on the ``--tp-gbps`` link.
 
+``-graph`` schedules (CUDA): the hsdp schedule's step captured in CUDA graphs after two
+eager steps (warm-up) and replayed (``hsdp.bench.graphed``): forward + backward in one graph, the
+optimizer step in another; its recorded steps record nothing (no hook runs in a replay),
+its traced step's intervals come from the replay's kernels.
+
 ``--emulate``: one process posing as rank 0 of the mesh (torch's fake process group);
 every collective first waits its modelled duration (``hsdp.sim.fabric.Fabric``) on its own
 stream: ``torch.cuda._sleep`` on GPU (calibrated; the error is reported), host sleeps on
@@ -224,8 +229,8 @@ def bench(cfg: Config, device: torch.device, mesh: DeviceMesh) -> dict:
                 path = _trace(t, batches, cfg, k, cuda)
             if path is not None:
                 paths[t.name].append(path)
-    traces = {name: (_intervals(p[0], cpu_records.get(name)) if p else [], p)
-              for name, p in paths.items()}
+    traces = {t.name: (_intervals(t, paths[t.name][0], cpu_records.get(t.name))
+                       if paths[t.name] else [], paths[t.name]) for t in trainees}
     progress(f"traced: {cfg.trace_steps} profiled steps of each schedule")
     return results(cfg, device, trainees, traces, reference)
 
@@ -238,7 +243,8 @@ def _record(cfg: Config, trainees: list[Trainee], batches: list[torch.Tensor],
     first = {}
     for _ in range(cfg.record_steps):
         for t in trainees:
-            hsdp_schedule = SCHEDULES[t.name].library == "hsdp"
+            # a replayed graph runs no hook: nothing to record of it
+            hsdp_schedule = SCHEDULES[t.name].library == "hsdp" and t.graphed is None
             if cuda and not hsdp_schedule:
                 continue
             with _oom_guard(t.name, cfg):
@@ -341,10 +347,13 @@ def _trace(t: Trainee, batches: list[torch.Tensor], cfg: Config, k: int,
     return path
 
 
-def _intervals(trace: str, recorded: tuple[list[OpRecord], float, float] | None
-               ) -> list[Interval]:
-    """The first profiled step's intervals: from its Chrome trace (GPU), else from the
-    CPU stream records ``recorded`` (records, start, end) of the first recorded step."""
+def _intervals(t: Trainee, trace: str,
+               recorded: tuple[list[OpRecord], float, float] | None) -> list[Interval]:
+    """The first profiled step's intervals: from its Chrome trace (GPU; a graphed
+    trainee's replay as ``hsdp.bench.graphed`` reads it), else from the CPU stream records
+    ``recorded`` (records, start, end) of the first recorded step."""
+    if t.graphed is not None:
+        return t.graphed.intervals(trace)
     if recorded is None:
         return intervals_from_chrome_trace(trace)
     return intervals_from_records(*recorded)

@@ -13,6 +13,7 @@ import torch
 
 import hsdp
 from hsdp.bench.collectives import DTYPES, default_mesh
+from hsdp.bench.graphed import EAGER_STEPS
 from hsdp.bench.launch import (
     add_layout_argument,
     check_shared_layout,
@@ -23,12 +24,17 @@ from hsdp.bench.trainee import (
 )
 from hsdp.float8 import INSTALL as FLOAT8_INSTALL
 from hsdp.models import CHECKPOINT_MODES, GPTConfig, LlamaConfig, ModelConfig
+from hsdp.models_moe import MoEConfig
 from hsdp.report.args import parse_mesh
 from hsdp.sharding.policy import parse_outer_reduce as as_outer_reduce_text
 from hsdp.sim.fabric import Fabric, Link, fit_link
 
 # (overlapped, serialized) pairs whose saving is reported
-PAIRS = (("overlap", "serial"), ("hfsdp", "hfsdp-serial"))
+PAIRS = (("overlap", "serial"), ("hfsdp", "hfsdp-serial"), ("overlap-graph", "serial-graph"),
+         ("hfsdp-graph", "hfsdp-serial-graph"))
+# (replayed, eager) pairs of the same schedule
+GRAPH_PAIRS = tuple((f"{name}-graph", name) for name in ("overlap", "serial", "hfsdp",
+                                                          "hfsdp-serial"))
 
 
 # Model when not given (hsdp.models). GPU: 8 Llama-8B layers (SwiGLU, grouped-query
@@ -42,7 +48,19 @@ MODEL_DEFAULTS = {
 }
 
 
-ARCHS = {"llama": LlamaConfig, "gpt": GPTConfig}
+ARCHS = {"llama": LlamaConfig, "gpt": GPTConfig, "moe": MoEConfig}
+
+# --arch moe: sizes not given (hsdp.models_moe). GPU: 8 blocks shaped as Qwen3-30B-A3B's
+# (hidden 2048, 32 heads / 4 KV heads, 128 experts of width 768, 8 per token).
+MOE_DEFAULTS = {
+    "cuda": {"arch": "moe", "layers": 8, "hidden": 2048, "heads": 32, "kv_heads": 4,
+             "ffn": 768, "vocab": 32768, "seq": 4096, "mbs": 1, "experts": 128, "top_k": 8,
+             "ep": 1},
+    "cpu": {"arch": "moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 32,
+            "vocab": 256, "seq": 64, "mbs": 2, "experts": 8, "top_k": 2, "ep": 1},
+}
+MOE_SIZES = (("experts", "experts per block (moe)"), ("top_k", "experts per token (moe)"),
+             ("ep", "expert-parallel ranks, a divisor of the inner size (moe)"))
 
 
 MODEL_SIZES = (("layers", "transformer blocks"), ("hidden", "hidden size"),
@@ -83,6 +101,11 @@ def add_arguments(p: argparse.ArgumentParser,
         d = f"{model_defaults['cuda'][name]} / {model_defaults['cpu'][name]}"
         model.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
                            help=f"{help_} ({d})")
+    for name, help_ in MOE_SIZES:
+        d = f"{MOE_DEFAULTS['cuda'][name]} / {MOE_DEFAULTS['cpu'][name]}"
+        model.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                           help=f"{help_} ({d}; --arch moe's other defaults: "
+                                f"hsdp.bench.step_config.MOE_DEFAULTS)")
     model.add_argument("--checkpoint", choices=CHECKPOINT_MODES, default="none",
                        help="activation checkpointing (see hsdp.models)")
     p.add_argument("--microbatches", type=int, default=1,
@@ -218,7 +241,9 @@ class Config:
     def describe(self) -> str:
         m = self.model
         kv = f" ({m.kv_heads} kv)" if isinstance(m, LlamaConfig) else ""
-        return (f"{m.arch} {m.layers} layers, hidden {m.hidden}, ffn {m.ffn}, heads "
+        moe = (f" ({m.experts} experts, {m.top_k} per token, ep {m.ep})"
+               if isinstance(m, MoEConfig) else "")
+        return (f"{m.arch} {m.layers} layers, hidden {m.hidden}, ffn {m.ffn}{moe}, heads "
                 f"{m.heads}{kv}, vocab {m.vocab}, seq {m.seq}, mbs {self.mbs}, {self.dtype}"
                 f"{' + float8' if self.float8 else ''}: {m.num_params / 1e6:.1f} M params")
 
@@ -261,6 +286,14 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
             import torchao.float8  # noqa: F401
         except ImportError:
             raise fail(f"--float8 needs torchao: {FLOAT8_INSTALL}") from None
+    graphed = [n for n in args.schedules if SCHEDULES[n].graphs]
+    if graphed and (not cuda or args.float8 or tp > 1 or args.share_gpus
+                    or args.warmup <= EAGER_STEPS):
+        raise fail(f"schedules {', '.join(graphed)} capture CUDA graphs: they need CUDA "
+                   f"(--device cuda) and --warmup >= {EAGER_STEPS + 1} ({EAGER_STEPS} eager "
+                   f"steps, then the capture), "
+                   f"and run without --float8 (its all-gather is refused under capture), "
+                   f"--tp and --share-gpus (not captured yet)")
     if args.float8 and "mfsdp" in args.schedules:
         raise fail("--float8: schedule 'mfsdp' is not converted; leave it out")
     if tp > 1:
@@ -272,8 +305,13 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
             raise fail(str(e)) from None
         if not cuda:
             raise fail("schedule 'mfsdp': Megatron-FSDP runs on CUDA only")
+    if args.arch == "moe":
+        _check_moe(args, inner, fail)
+    elif any(getattr(args, k) is not None for k, _ in MOE_SIZES):
+        raise fail("--experts, --top-k and --ep apply to --arch moe only")
+    defaults = MOE_DEFAULTS if args.arch == "moe" else args.model_defaults
     sizes = {k: getattr(args, k) if getattr(args, k, None) is not None else v
-             for k, v in args.model_defaults[device].items()}
+             for k, v in defaults[device].items()}
     mbs, arch = sizes.pop("mbs"), sizes.pop("arch")
     if arch == "gpt":
         if args.kv_heads is not None:
@@ -300,6 +338,17 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
                   args.trace_steps, args.emulate, fabric,
                   source, args.json, args.out_dir, cuda, share, fit, args.float8, tp,
                   tp_fabric, args.outer_reduce)
+
+
+def _check_moe(args: argparse.Namespace, inner: int, fail: Callable[[str], SystemExit]
+               ) -> None:
+    """What ``--arch moe`` does not run, refused before any rank starts."""
+    ep = args.ep or 1
+    if ep < 1 or inner % ep:
+        raise fail(f"--ep {ep} must divide the inner size {inner} (the experts are split "
+                   f"inside an inner group)")
+    if args.float8 or "mfsdp" in args.schedules or args.share_gpus:
+        raise fail("--arch moe runs without --float8, schedule 'mfsdp' and --share-gpus")
 
 
 def _check_tp(args: argparse.Namespace, fail: Callable[[str], SystemExit]) -> None:

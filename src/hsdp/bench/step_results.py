@@ -21,7 +21,7 @@ from hsdp.bench.launch import (
     bookkeeping_device,
 )
 from hsdp.bench.mfsdp import import_mfsdp
-from hsdp.bench.step_config import GIB, PAIRS, Config
+from hsdp.bench.step_config import GIB, GRAPH_PAIRS, PAIRS, Config
 from hsdp.bench.trainee import (
     PEERS,
     PHASES,
@@ -107,6 +107,9 @@ def results(cfg: Config, device: torch.device, trainees: list[Trainee],
             # timed steps in which some rank's allocator retried (see allocator_retries)
             "alloc_retry_steps": sum(n > 0 for n in retries[i]) if cuda else None,
             "calibration_error": t.calibration_error,
+            # -graph schedules: memory the graphs' pool reserved at capture (its
+            # allocations are not in the peaks: a replay allocates nothing)
+            "graph_pool_bytes": t.graphed.pool_bytes if t.graphed else None,
             "trace": trace_paths[0] if trace_paths else None,
             "traces": trace_paths,
             "host_marks_steps": t.host_marks or None,
@@ -137,7 +140,8 @@ def _trace_metrics(intervals: list[Interval]) -> dict:
 
 
 def _summary(schedules: dict[str, dict]) -> dict:
-    pairs = [*PAIRS, *((h, p) for h in ("overlap", "hfsdp") for p in PEERS)]
+    pairs = [*PAIRS, *((h, p) for h in ("overlap", "hfsdp", "overlap-graph", "hfsdp-graph")
+                       for p in PEERS), *GRAPH_PAIRS]
     return {f"{a}_vs_{b}": compare(schedules[a], schedules[b]) for a, b in pairs
             if a in schedules and b in schedules}
 

@@ -43,9 +43,11 @@ CONVERGENCE = "Compressed outer reduction: convergence (8 CPU ranks)"
 DILOCO = "DiLoCo loss curves on CPU (8 ranks)"
 DILOCO_STEP = "DiLoCo step time and outer bytes (emulated 16x8, and predicted for H200)"
 TORCHTITAN_GRAPHS = "torchtitan's trainer on one H200 with CUDA graphs"
+GRAPHS = "Step replayed as CUDA graphs (emulated 16x8) on one H200"
+MOE = "Mixture of experts with expert parallelism (emulated 16x8, ep 8) on one H200"
 TABLES = (STEP, TWINS, SLOW_OUTER, COMPRESSED, CONVERGENCE, DILOCO, DILOCO_STEP, MICROBATCHES,
           SHARED_LINKS, CPU_OVERLAP, CHECKPOINT, FLOAT8, FLOAT8_LOSS, FAULT_TOLERANCE, TP,
-          TORCHTITAN, TORCHTITAN_GRAPHS)
+          TORCHTITAN, TORCHTITAN_GRAPHS, GRAPHS, MOE)
 
 # 5 recorded and 3 profiled steps per schedule: the simulator's calibration takes the
 # median host time and least device time over them (hsdp.sim.calibrate).
@@ -189,6 +191,16 @@ def plan() -> list[Run]:
     # the same runs alternated twice (A B C D A B C D): min-max per backend
     runs.append(Run(TORCHTITAN_GRAPHS, "h200/torchtitan", "llama3_1x1_graphs", ("bench",), 1800,
                     env=(("REPEATS", "2"),), program=("scripts/torchtitan_gpu.py",)))
+    # scripts/graphs_gpu.sh and scripts/moe_gpu.sh run the same (one H200)
+    one_gpu = ("bench", "step", "--reduce-dtype", "bf16", "--record-steps", "1",
+               "--trace-steps", "1", "--warmup", "3", "--emulate", "--mesh", "16x8")
+    for q in ("1024", "4096"):
+        runs.append(Run(GRAPHS, "h200/graphs", f"emu16x8_s{q}_graphs",
+                        (*one_gpu, "--seq", q, "--steps", "8", "--schedules",
+                         "overlap,overlap-graph,serial,serial-graph,fsdp2"), 300))
+    runs.append(Run(MOE, "h200/moe", "emu16x8_moe_ep8_s4096",
+                    (*one_gpu, "--arch", "moe", "--ep", "8", "--seq", "4096", "--steps", "15",
+                     "--schedules", "overlap,overlap-graph,serial,hfsdp,fsdp2"), 400))
     return runs
 
 

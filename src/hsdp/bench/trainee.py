@@ -5,6 +5,9 @@ Schedules (same mesh, same seed, same synthetic tokens; each block is a unit, th
 - ``overlap``: hsdp, outer all-reduce on its own stream (``overlap_outer=True``);
 - ``serial``: hsdp, outer all-reduce on the rs stream (the baseline of docs/design.md);
 - ``hfsdp`` / ``hfsdp-serial``: the same with strategy hfsdp;
+- ``overlap-graph`` / ``serial-graph`` / ``hfsdp-graph`` / ``hfsdp-serial-graph``: the
+  same hsdp schedules with forward + backward and the optimizer step captured in CUDA
+  graphs after the first step and replayed (``hsdp.bench.graphed``);
 - ``overlap-q`` / ``hfsdp-q``: ``overlap`` / ``hfsdp`` with the compressed outer reduction
   (``fully_shard(outer_reduce=...)``: ``--outer-reduce``, default int8);
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on the same 2-D mesh (HSDP);
@@ -38,10 +41,12 @@ from torch.distributed.device_mesh import DeviceMesh
 import hsdp
 from hsdp.bench.emulate import DelayedCollectives, SleepClock, emulate
 from hsdp.bench.fsdp2 import fsdp2_collectives, shard_fsdp2
+from hsdp.bench.graphed import EAGER_STEPS, GraphedSteps
 from hsdp.bench.mfsdp import shard_mfsdp
 from hsdp.bench.tp_plan import parallelize_llama, tp_collectives
 from hsdp.float8 import convert_to_float8
-from hsdp.models import ModelConfig, build_model, lm_loss, shard_units
+from hsdp.models import ModelConfig, lm_loss
+from hsdp.models_moe import EPExchange, build_bench_model, shard_divisors, unit_meshes
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.tp_blocks import local_of
 from hsdp.sim.fabric import Fabric
@@ -56,6 +61,7 @@ class BenchSchedule:
     strategy: str | None = None
     overlap: bool | None = None
     compressed: bool = False  # hsdp's outer_reduce
+    graphs: bool = False  # forward + backward and the optimizer step replayed as CUDA graphs
 
 
 SCHEDULES: dict[str, BenchSchedule] = {
@@ -63,6 +69,10 @@ SCHEDULES: dict[str, BenchSchedule] = {
     "serial": BenchSchedule("hsdp", "hsdp", False),
     "hfsdp": BenchSchedule("hsdp", "hfsdp", True),
     "hfsdp-serial": BenchSchedule("hsdp", "hfsdp", False),
+    "overlap-graph": BenchSchedule("hsdp", "hsdp", True, graphs=True),
+    "serial-graph": BenchSchedule("hsdp", "hsdp", False, graphs=True),
+    "hfsdp-graph": BenchSchedule("hsdp", "hfsdp", True, graphs=True),
+    "hfsdp-serial-graph": BenchSchedule("hsdp", "hfsdp", False, graphs=True),
     "overlap-q": BenchSchedule("hsdp", "hsdp", True, True),
     "hfsdp-q": BenchSchedule("hsdp", "hfsdp", True, True),
     "fsdp2": BenchSchedule("fsdp2"), "mfsdp": BenchSchedule("mfsdp")}
@@ -107,6 +117,7 @@ class Trainee:
     # bytes of the collectives issued so far ("<kind>:<axis>"; hsdp and FSDP2) and steps
     collective_bytes: dict[str, int] = field(default_factory=dict)
     steps_run: int = 0
+    graphed: GraphedSteps | None = None  # CUDA graph replay after the first (eager) step
 
     def step(self, batches: list[torch.Tensor], delays: bool = True,
              mark: Callable[[str], None] = _no_mark) -> float:
@@ -114,22 +125,31 @@ class Trainee:
         ``mark(phase)`` is called at the end of each phase of ``PHASES`` (once per
         microbatch for forward and backward). Returns the host time (s) spent issuing the
         step: until the optimizer step and clearing of gradients returned, before waiting
-        for the device."""
-        last = len(batches) - 1
+        for the device. A graphed trainee replays its graphs after ``EAGER_STEPS``."""
+        if self.graphed is not None and self.steps_run >= EAGER_STEPS:
+            host = self.graphed.step(self, batches, delays, mark)
+            self.steps_run += 1
+            return host
         t0 = time.perf_counter()
         with self.comm(delays):
-            for m, tokens in enumerate(batches):
-                with self.microbatch(m == last):
-                    loss = lm_loss(self.model(tokens), tokens) / len(batches)
-                    mark("forward")
-                    loss.backward()
-                    mark("backward")
+            self.forward_backward(batches, mark)
             self.update()
             mark("optimizer")
             host = time.perf_counter() - t0
             self.drain()
         self.steps_run += 1
         return host
+
+    def forward_backward(self, batches: list[torch.Tensor],
+                         mark: Callable[[str], None] = _no_mark) -> None:
+        """Forward and backward of every microbatch (the outer reduction on the last)."""
+        last = len(batches) - 1
+        for m, tokens in enumerate(batches):
+            with self.microbatch(m == last):
+                loss = lm_loss(self.model(tokens), tokens) / len(batches)
+                mark("forward")
+                loss.backward()
+                mark("backward")
 
 
 def build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: DeviceMesh,
@@ -151,6 +171,12 @@ def build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Devi
             sleep = SleepClock.calibrate(device)
         tp_comm = partial(_tp_comm, tp_mesh, trainee.collective_bytes, tp_fabric, sleep)
         trainee.comm = partial(_both, trainee.comm, tp_comm)
+    exchange = getattr(trainee.model, "exchange", None)
+    if exchange is not None and exchange.group is not None:  # an MoE model's
+        exchange.nbytes = trainee.collective_bytes
+        sleep = SleepClock.calibrate(device) if device.type == "cuda" else time.sleep
+        trainee.comm = partial(_both, trainee.comm,
+                               partial(_ep_comm, exchange, fabric, sleep))
     return trainee
 
 
@@ -160,12 +186,11 @@ def _build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Dev
     """``build`` without the TP collectives' interception."""
     torch.manual_seed(0)
     with torch.device(device):
-        model = build_model(model_cfg)
+        model = build_bench_model(model_cfg, mesh)
     if tp_mesh is not None:
         parallelize_llama(model, tp_mesh)
     if float8:
         model = float8_model(model, device)
-    units = shard_units(model)
     cuda = device.type == "cuda"
     schedule = SCHEDULES[name]
     drain = torch.cuda.synchronize if cuda else _nothing
@@ -174,27 +199,32 @@ def _build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Dev
         clock = SleepClock.calibrate(device)
         sleep, error = clock, clock.check()
     if schedule.library == "hsdp":
-        for unit, reshard in [*units, (model, True)]:
-            hsdp.fully_shard(unit, mesh=mesh, strategy=schedule.strategy, mp_policy=mp,
+        for unit, reshard, unit_mesh in [*unit_meshes(model, mesh), (model, True, mesh)]:
+            hsdp.fully_shard(unit, mesh=unit_mesh, strategy=schedule.strategy, mp_policy=mp,
                              overlap_outer=schedule.overlap, reshard_after_forward=reshard,
                              outer_reduce=outer_reduce)
         if emulated:
             error = emulate(model, fabric, device)
-        opt = _adamw(model.parameters())
+        opt = _adamw(model.parameters(), schedule.graphs)
         tracer = model._hsdp_unit.tracer
         runtime_drain = partial(hsdp.synchronize, model)
         trainee = Trainee(name, model, tracer, partial(_delays, model),
-                          partial(hsdp.microbatch, model), partial(_update, opt),
+                          partial(hsdp.microbatch, model),
+                          partial(_update, opt, not schedule.graphs),
                           _chain(runtime_drain, drain), error)
         _count_bytes(model._hsdp_unit.collectives, trainee.collective_bytes)
+        if schedule.graphs:
+            trainee.graphed = GraphedSteps(model._hsdp_unit.collectives)
         return trainee
     tracer = Tracer()
     if schedule.library == "fsdp2":
         dp_mesh = mesh if tp_mesh is None else mesh["outer", "inner"]
+        units = unit_meshes(model, dp_mesh, fsdp2=True)
         shard_fsdp2(model, units, dp_mesh, mp)
         opt = _adamw(model.parameters())
         nbytes: dict[str, int] = {}
-        comm = partial(_peer_comm, partial(fsdp2_collectives, dp_mesh, tracer, nbytes),
+        meshes = list({id(m): m for _, _, m in units}.values())
+        comm = partial(_peer_comm, partial(fsdp2_collectives, meshes, tracer, nbytes),
                        fabric, sleep)
         update = partial(_update, opt)
         if float8:  # torchao's scale refresh for FSDP2, as torchtitan calls it
@@ -215,14 +245,15 @@ def build_unsharded(model_cfg: ModelConfig, mp: hsdp.MixedPrecision, inner: int,
                     tp_mesh: DeviceMesh | None = None) -> Trainee:
     """The reference of the module docstring (no collectives, nothing sharded but the
     optimizer's work); with ``tp_mesh`` the layers under the TP plan, each shard 1/inner
-    of a TP-local parameter (its TP collectives: none under the fake process group)."""
+    of a TP-local parameter (its TP collectives: none under the fake process group); an
+    MoE model with this rank's experts, each shard 1/(inner / ep) of them, no exchange."""
     torch.manual_seed(0)
     with torch.device(device):
-        model = build_model(model_cfg).to(mp.param_dtype or torch.float32)
+        model = build_bench_model(model_cfg, None).to(mp.param_dtype or torch.float32)
         if tp_mesh is not None:
             parallelize_llama(model, tp_mesh)
-        shards = [torch.zeros(math.ceil(local_of(p).numel() / inner))
-                  for p in model.parameters()]
+        shards = [torch.zeros(math.ceil(local_of(p).numel() / n))
+                  for p, n in zip(model.parameters(), shard_divisors(model, inner))]
     if float8:
         model = float8_model(model, device)
     for s in shards:
@@ -272,13 +303,17 @@ def synthetic_batches(vocab: int, mbs: int, seq: int, microbatches: int,
 # --------------------------------------------------------------------------- pieces
 
 
-def _adamw(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=LR, foreach=True)
+def _adamw(params, capturable: bool = False) -> torch.optim.Optimizer:
+    """AdamW (``capturable``: its step count on the device, so that its step can be
+    captured in a CUDA graph)."""
+    return torch.optim.AdamW(params, lr=LR, foreach=True, capturable=capturable)
 
 
-def _update(opt: torch.optim.Optimizer) -> None:
+def _update(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+    """The optimizer step and clearing of gradients (in place for CUDA graphs: a captured
+    backward adds into them)."""
     opt.step()
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=set_to_none)
 
 
 def _nothing() -> None:
@@ -321,6 +356,20 @@ def _delays(model: nn.Module, on: bool) -> Iterator[None]:
         yield
     finally:
         coll.fabric = fabric
+
+
+@contextmanager
+def _ep_comm(exchange: EPExchange, fabric: Fabric | None, sleep: Callable[[float], None],
+             on: bool) -> Iterator[None]:
+    """An MoE model's token exchange delayed by its all-to-all's time on ``fabric``'s inner
+    link (the ep ranks share a node), slept by ``sleep``, only when ``on``."""
+    if on and fabric is not None:
+        exchange.delay = lambda nbytes, ranks: sleep(
+            fabric.seconds("all_to_all", "inner", nbytes, ranks))
+    try:
+        yield
+    finally:
+        exchange.delay = None
 
 
 def _peer_comm(collectives: Callable[..., AbstractContextManager], fabric: Fabric | None,

@@ -31,7 +31,7 @@ KEY = "hsdp_outer_sync"
 FIELDS = ("anchor", "momentum", "pending", "steps", "apply_at")
 
 
-def _groups(model: nn.Module) -> Iterator[tuple[str, ParamGroup]]:
+def anchored_groups(model: nn.Module) -> Iterator[tuple[str, ParamGroup]]:
     """(key, group) of every group of ``model`` with DiLoCo state."""
     names = {id(m): clean_key(n) for n, m in model.named_modules()}
     for unit in units_below(model):
@@ -49,7 +49,7 @@ def _replica_local(model: nn.Module, opt_state: Mapping[torch.Tensor, dict] | No
     """(key, tensor) of what differs between outer replicas: each group's shard ``main``
     and the optimizer's elementwise state of its parameters (the model's and optimizer's
     own entries hold one replica's, as their DTensors are replicated over outer)."""
-    for key, g in _groups(model):
+    for key, g in anchored_groups(model):
         mine = f"{key}/replica{g.comms.outer_rank}"
         yield f"{mine}/main", g.main
         for idx, p in enumerate(g.sharded):
@@ -63,7 +63,7 @@ def outer_sync_state(model: nn.Module, opt_state: Mapping[torch.Tensor, dict] | 
     """This rank's outer state and replica-local values (copies), by key; ``opt_state``:
     the optimizer's state per parameter (the state a first step would create where it
     has none yet, so that a load has tensors to read into)."""
-    out = {f"{key}/{name}": value for key, g in _groups(model)
+    out = {f"{key}/{name}": value for key, g in anchored_groups(model)
            for name, value in g.anchor.state(g.main).items()}
     out.update((k, v.detach().clone()) for k, v in _replica_local(model, opt_state))
     return out
@@ -83,7 +83,7 @@ def load_outer_sync(model: nn.Module, state: dict[str, torch.Tensor] | None,
     whose keys are missing starts afresh. Replica-local values found in ``state``
     replace what the model's and optimizer's entries loaded."""
     state = state or {}
-    for key, g in _groups(model):
+    for key, g in anchored_groups(model):
         found = {name: state.get(f"{key}/{name}") for name in FIELDS}
         g.anchor.load(found if all(v is not None for v in found.values()) else None,
                       g.main.device)

@@ -222,7 +222,7 @@ def _where(ft: FaultTolerance) -> tuple[str, str, str, int]:
     return lighthouse, str(replica_id), host, int(port)
 
 
-def make_manager(ft: FaultTolerance | Any, device_type: str) -> Any:
+def make_manager(ft: FaultTolerance | Any, device_type: str, sync_quorum: bool = False) -> Any:
     """This rank's torchft ``Manager``: ``ft`` itself if it is one (made with
     ``checkpoint_transport=hsdp.RecoveryTransport(...)``), else one made from the settings
     for this replica group (the current torch world), recovering through a
@@ -232,7 +232,8 @@ def make_manager(ft: FaultTolerance | Any, device_type: str) -> Any:
     ``init_sync=False``: hsdp's ranks build the same initial model (same seed, see
     ``materialize.py``), so the replica groups start equal. torchft's step-0 sync would
     make them recover from each other in the first step, whose gradient would then be
-    one group's divided by the number of groups."""
+    one group's divided by the number of groups. ``sync_quorum`` (DiLoCo, which asks
+    for a quorum at each sync and waits for it): ``use_async_quorum=False``."""
     tft = torchft()
     if isinstance(ft, tft.Manager):
         return _bound(ft)
@@ -251,6 +252,7 @@ def make_manager(ft: FaultTolerance | Any, device_type: str) -> Any:
             quorum_timeout=ft.quorum_timeout, connect_timeout=ft.connect_timeout,
             rank=rank, world_size=world, store_addr=host, store_port=port,
             lighthouse_addr=lighthouse, replica_id=replica_id, init_sync=False,
+            use_async_quorum=not sync_quorum,
             checkpoint_transport=RecoveryTransport(pg, device_type, ft.allow_lost_progress)))
 
     # Rank 0 hosts the group's ManagerServer, which connects to the lighthouse; the

@@ -15,6 +15,17 @@ staggered by H / F), on the optimizer's post-step hook:
 With ``delay=d`` > 0 (streaming) step 2 happens ``d`` optimizer steps later, in the
 post-step hook of that step: the all-reduce overlaps the forwards, backwards and inner
 collectives of those steps; the fragment's parameters are then set to the new anchor.
+
+With fault tolerance (``init_mesh(..., fault_tolerance=...)``) each sync is one torchft
+quorum and one commit, as in torchft's own DiLoCo: before step 1, hsdp asks for the
+quorum and waits for it (a recovering replica group receives a live one's state in it,
+anchors and step counts included, and then syncs what the live groups sync); the
+all-reduce runs over the replica groups of the quorum (``CommGroups.grad_outer``); step 2
+applies the outer step only if ``Manager.should_commit()``, else the fragment's
+parameters go back to its anchor and nothing else changes. A group that failed to commit
+while others committed is behind in torchft's step count and recovers from them at the
+next quorum. The outer steps due are applied before the next quorum is asked for
+(``DiLoCo.check_fault_tolerant``: torchft runs one quorum at a time).
 """
 
 from __future__ import annotations
@@ -46,6 +57,10 @@ class OuterSync:
         self.fragments = [[g for u in units[f * per:(f + 1) * per] for g in u.groups
                            if g.anchor is not None] for f in range(config.fragments)]
         self.groups = [g for fragment in self.fragments for g in fragment]
+        # fault tolerance: torchft's replica groups; the Manager's step after hsdp's last
+        # commit (None: none yet), to tell a training loop that commits on its own
+        self.elastic = self.groups[0].comms.elastic if self.groups else None
+        self._committed: int | None = None
         # optimizer -> its number of parameters when check_optimizer accepted it
         self._checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -72,17 +87,21 @@ class OuterSync:
             g.anchor.capture(g.main)
 
     def due(self) -> list[ParamGroup]:
-        """Count one step; the groups of the fragments whose period it completes."""
-        for g in self.groups:
-            g.anchor.steps += 1
+        """The groups of the fragments whose period the step count completes."""
         cfg = self.config
         return [g for f, fragment in enumerate(self.fragments) for g in fragment
                 if g.anchor.steps % cfg.inner_steps == cfg.offset(f)]
 
     def after_step(self, rt: RuntimeContext) -> None:
-        """Issue the all-reduces of the fragments due after this optimizer step, then the
-        outer steps due now (with ``delay=0`` those just issued)."""
+        """Count the step, apply the outer steps due now (issued ``delay`` steps ago),
+        issue the all-reduces of the fragments whose period it completes (with fault
+        tolerance after torchft's quorum), then apply those due at once (``delay=0``)."""
+        for g in self.groups:
+            g.anchor.steps += 1
+        self._apply(rt)
         due = self.due()
+        if due and self.elastic is not None:
+            due = self._quorum(rt)
         if due:
             for g in due:  # on compute: it reads the parameters the optimizer updated
                 g.anchor.take_pseudo_grad(g.main, g.anchor.steps + self.config.delay)
@@ -91,14 +110,41 @@ class OuterSync:
             for g in due:
                 g.anchor.reduced = rt.logged(OpKind.OUTER_SYNC, g,
                                              self.reduce(g, stream, rt.coll, [taken]))
+        self._apply(rt)
+
+    def _quorum(self, rt: RuntimeContext) -> list[ParamGroup]:
+        """torchft's quorum for this sync, waited for (a recovering group receives a live
+        one's state in it); the groups due by the step count it then has."""
+        manager = self.elastic.manager
+        if self._committed is not None and manager.current_step() != self._committed:
+            raise RuntimeError(
+                "hsdp: with init_mesh(outer_sync=DiLoCo(...), fault_tolerance=...) hsdp runs "
+                "torchft's quorum and commit of each sync inside optimizer.step(); the "
+                "training loop must not call manager.start_quorum() / should_commit()")
+        rt.streams.compute.record().synchronize()  # torchft's thread may send the state
+        manager.start_quorum()
+        return self.due()
+
+    def _apply(self, rt: RuntimeContext) -> None:
+        """The outer steps due at this step count (with fault tolerance, only if the sync
+        commits; else the parameters go back to the anchor)."""
         ready = [g for g in self.groups if g.anchor.apply_at == g.anchor.steps]
+        if not ready:
+            return
         for g in ready:
             if g.anchor.reduced is not None:
                 # compute waits: the outer step reads the reduced pseudo-gradient.
                 rt.streams.compute.wait(g.anchor.reduced)
+        commit = True
+        if self.elastic is not None:  # after the all-reduce: torchft synchronizes the device
+            commit = self.elastic.manager.should_commit()
+            self._committed = self.elastic.manager.current_step()
         with torch.no_grad():
             for g in ready:
-                g.anchor.apply(g.main)
+                if commit:
+                    g.anchor.apply(g.main)
+                else:
+                    g.anchor.discard(g.main)
 
     @staticmethod
     def reduce(g: ParamGroup, stream: SideStream, coll: Collectives,
@@ -106,8 +152,8 @@ class OuterSync:
         """``g``'s pseudo-gradient all-reduce on ``stream`` (outer waits: the
         pseudo-gradient was written on compute). Compute does not touch it until it
         waited for the returned event."""
-        return stream.submit(lambda: g.anchor.reduce(coll, g.comms.outer, g.compressed), after,
-                             label(OpKind.OUTER_SYNC, g.label))
+        return stream.submit(lambda: g.anchor.reduce(coll, g.comms.grad_outer, g.compressed),
+                             after, label(OpKind.OUTER_SYNC, g.label))
 
     @staticmethod
     def replay(g: ParamGroup, stream: SideStream, coll: Collectives, after: Sequence[Event],
@@ -118,7 +164,7 @@ class OuterSync:
 
         def run() -> None:
             if g.compressed is None:
-                coll.all_reduce(scratch, g.comms.outer, "outer", avg=True)
+                coll.all_reduce(scratch, g.comms.grad_outer, "outer", avg=True)
             else:  # the same collectives, the residual kept as it was
                 g.compressed.all_reduce(coll, scratch, scratch, g.comms.outer, avg=True)
                 g.compressed.drop()

@@ -39,8 +39,9 @@ class Anchor:
 
     def reduce(self, coll: Collectives, group: object,
                compressed: CompressedOuter | None = None) -> None:
-        """Average the pseudo-gradient over ``group`` (the outer communicator; a SUM and a
-        division where the backend has no AVG); with ``compressed`` (``outer_reduce``) in
+        """Average the pseudo-gradient over ``group`` (the outer communicator, or torchft's
+        replica groups with fault tolerance; a SUM and a division where the backend has no
+        AVG); with ``compressed`` (``outer_reduce``) in
         8 bits, its error-feedback residual committed at once (nothing abandons it)."""
         if compressed is None:
             coll.all_reduce(self.pseudo_grad, group, "outer", avg=True)
@@ -61,6 +62,27 @@ class Anchor:
             update = pg
         self.anchor.sub_(update, alpha=cfg.outer_lr)
         main.copy_(self.anchor)
+        self.pseudo_grad = self.apply_at = self.reduced = None
+
+    def discard(self, main: torch.Tensor) -> None:
+        """A sync that did not commit (fault tolerance): no outer step; the parameters go
+        back to the anchor (as torchft's DiLoCo restores them) and the pseudo-gradient is
+        dropped."""
+        main.copy_(self.anchor)
+        self.pseudo_grad = self.apply_at = self.reduced = None
+
+    def shared(self) -> dict[str, torch.Tensor | int | None]:
+        """What a recovering replica group receives (views; nothing is pending when a
+        quorum asks for it): the anchor, the outer momentum, the step count."""
+        return {"anchor": self.anchor, "momentum": self.momentum, "steps": self.steps}
+
+    def recover(self, state: dict[str, torch.Tensor | int | None],
+                device: torch.device) -> None:
+        """Take a live replica group's ``shared()`` (received: tensors of its own)."""
+        self.anchor = state["anchor"].to(device, torch.float32)
+        momentum = state["momentum"]
+        self.momentum = None if momentum is None else momentum.to(device, torch.float32)
+        self.steps = int(state["steps"])
         self.pseudo_grad = self.apply_at = self.reduced = None
 
     def state(self, main: torch.Tensor) -> dict[str, torch.Tensor]:

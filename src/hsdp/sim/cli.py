@@ -17,7 +17,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from hsdp.models import PRESETS, preset
+from hsdp.models import PRESETS, LlamaConfig, preset
+from hsdp.models_moe import MoEConfig
 from hsdp.report.args import DTYPES, parse_mesh
 from hsdp.report.table import print_table
 from hsdp.sharding.policy import Strategy
@@ -43,6 +44,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for name in MODEL_FIELDS:
         model.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     model.add_argument("--mbs", type=int, default=1, help="sequences per rank per microbatch")
+    model.add_argument("--experts", type=int, default=0,
+                       help="a mixture of experts (hsdp.models_moe; llama models): experts "
+                            "per block, each of width --ffn (default 0: dense)")
+    model.add_argument("--top-k", type=int, default=2, help="experts per token (--experts)")
+    model.add_argument("--ep", type=int, default=1,
+                       help="expert-parallel ranks, a divisor of inner (--experts): the "
+                            "experts' units on hsdp.expert_mesh, the token all-to-all priced "
+                            "on the inner link (hsdp.sim.ep_pricing)")
     p.add_argument("--microbatches", type=int, default=1,
                    help="microbatches per step (outer reduction on the last only)")
     p.add_argument("--mesh", type=parse_mesh, default=(16, 8), help="OUTERxINNER (16x8)")
@@ -132,7 +141,14 @@ def resolve(args: argparse.Namespace) -> tuple[Setup, CostModel]:
         if args.kv_heads is not None and not hasattr(base, "kv_heads"):
             raise ValueError(f"--kv-heads does not apply to {args.model}")
         outer, inner = args.mesh
-        setup = Setup(preset(args.model, **overrides), outer, inner, args.strategy, True,
+        model = preset(args.model, **overrides)
+        if args.experts:
+            if not isinstance(model, LlamaConfig):
+                raise ValueError(f"--experts needs a llama model, not {args.model}")
+            model = MoEConfig(**{f.name: getattr(model, f.name) for f in
+                                 dataclasses.fields(LlamaConfig) if f.init},
+                              experts=args.experts, top_k=args.top_k, ep=args.ep)
+        setup = Setup(model, outer, inner, args.strategy, True,
                       args.microbatches, args.mbs, args.dtype, args.reduce_dtype,
                       tp=args.tp, tp_gbps=args.tp_gbps, float8=args.float8,
                       outer_reduce=args.outer_reduce, outer_sync=args.outer_sync)

@@ -30,13 +30,15 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils.flop_counter import flop_registry
 
 import hsdp
-from hsdp.models import LlamaConfig, ModelConfig, build_model, lm_loss, shard_units
+from hsdp.models import LlamaConfig, ModelConfig, lm_loss
+from hsdp.models_moe import MoEConfig, unit_meshes
 from hsdp.report.args import DTYPES
 from hsdp.report.metrics import Interval, step_metrics
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.policy import Strategy, parse_outer_reduce
 from hsdp.sim.clock import Program, virtual_streams
 from hsdp.sim.costs import CostModel
+from hsdp.sim.ep_pricing import ep_pricer, expert_names, sim_model
 from hsdp.sim.fabric import Link
 from hsdp.sim.tp_pricing import tp_pricer
 from hsdp.topology.mesh_dims import axis_groups
@@ -76,6 +78,9 @@ class Setup:
         if self.tp < 1 or (self.tp > 1 and not isinstance(self.model, LlamaConfig)):
             raise ValueError(f"sim: tp={self.tp}: tp must be >= 1, and tp > 1 needs a llama "
                              f"model (the TP plan of hsdp.sim.tp_pricing)")
+        if isinstance(self.model, MoEConfig) and (self.tp > 1 or self.inner % self.model.ep):
+            raise ValueError(f"sim: an MoE model needs tp 1 and an ep ({self.model.ep}) "
+                             f"dividing inner ({self.inner})")
         if self.float8 and self.tp > 1:
             raise ValueError("sim: float8 with tp > 1 is not modelled (hsdp.sim.tp_pricing prices "
                              "bf16 TP collectives); simulate them apart")
@@ -291,15 +296,15 @@ def shard(model: torch.nn.Module, mesh: DeviceMesh, setup: Setup,
     """``fully_shard`` ``model``'s units (``shard_units``, as ``bench step``) and its root
     with ``setup``'s strategy; returns stable names for the units' labels (the root: the
     model class; Embed, Block<i>, Head)."""
-    kw = dict(mesh=mesh, strategy=setup.strategy, mp_policy=mp,
-              overlap_outer=setup.overlap_outer,
+    kw = dict(strategy=setup.strategy, mp_policy=mp, overlap_outer=setup.overlap_outer,
               outer_reduce=parse_outer_reduce(setup.outer_reduce))
-    for unit, reshard in shard_units(model):
-        hsdp.fully_shard(unit, reshard_after_forward=reshard, **kw)
-    hsdp.fully_shard(model, **kw)
+    for unit, reshard, unit_mesh in unit_meshes(model, mesh):  # an MoE's experts on theirs
+        hsdp.fully_shard(unit, mesh=unit_mesh, reshard_after_forward=reshard, **kw)
+    hsdp.fully_shard(model, mesh=mesh, **kw)
     return {model._hsdp_unit.label: type(model).__name__,
             model.embed._hsdp_unit.label: "Embed", model.head._hsdp_unit.label: "Head"} | {
-        b._hsdp_unit.label: f"Block{i}" for i, b in enumerate(model.blocks)}
+        b._hsdp_unit.label: f"Block{i}" for i, b in enumerate(model.blocks)} | expert_names(
+        model)
 
 
 def period_steps(sync: DiLoCo | None) -> list[tuple[int | None, int, int]]:
@@ -335,7 +340,7 @@ def record(setup: Setup) -> Recording:
     with fake_world(setup.outer * setup.inner):
         mesh = hsdp.init_mesh(setup.outer, setup.inner, "cpu", outer_sync=outer_sync)
         with torch.device(setup.device):
-            model = build_model(cfg)
+            model = sim_model(cfg, mesh)
         if setup.float8:
             model = _float8(model)
         mp = hsdp.MixedPrecision(DTYPES[setup.dtype], DTYPES[setup.reduce_dtype])
@@ -416,6 +421,10 @@ def evaluate(rec: Recording, costs: CostModel) -> SimResult:
         prices = [tp_pricer(p, rec.program, setup.model, setup.mbs,
                             DTYPES[setup.dtype].itemsize, setup.tp,
                             Link(setup.tp_gbps, c.fabric.inner.latency_us))
+                  for p, c in zip(prices, ranks)]
+    if isinstance(setup.model, MoEConfig) and setup.model.ep > 1:
+        prices = [ep_pricer(p, rec.program, setup.model, setup.mbs,
+                            DTYPES[setup.dtype].itemsize, c.fabric.inner)
                   for p, c in zip(prices, ranks)]
     if len(prices) == 1:
         timings = [rec.program.evaluate(prices[0], rec.start, shared_sms=True)]

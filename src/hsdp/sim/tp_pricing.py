@@ -59,18 +59,14 @@ def unit_collectives(model: LlamaConfig, mbs: int, dtype_bytes: int
     }
 
 
-def tp_pricer(price: Price, program: Program, model: LlamaConfig, mbs: int,
-              dtype_bytes: int, tp: int, link: Link) -> Price:
-    """``price`` of the data-parallel program for one rank of a tp group on ``link``
-    (module docstring): a phase instance's TP collectives spread evenly over its compute
-    ops; those of an instance without compute ops of its own (the head's backward runs
-    inside the root's) go to the next compute op."""
-    fabric = Fabric(link, link)
-    seconds = {cls: sum(fabric.seconds(kind, "inner", n, tp) for kind, n in colls)
-               for cls, colls in unit_collectives(model, mbs, dtype_bytes).items()}
+def spread_over_phases(program: Program, seconds: dict[str, float]) -> dict[int, float]:
+    """``id(compute op) -> seconds`` it carries of ``seconds`` per phase class (collectives
+    that block compute while they run): each phase instance's spread evenly over its
+    compute ops; those of an instance without compute ops of its own (the head's backward
+    runs inside the root's) go to the next compute op."""
     ops_in = Counter(op.phase for op in program.ops if op.kind == "compute" and op.phase >= 0)
-    per_op: dict[int, float] = {}  # phase's begin op -> TP seconds per compute op
-    extra: dict[int, float] = {}  # id(compute op) -> the TP seconds it carries
+    per_op: dict[int, float] = {}  # phase's begin op -> seconds per compute op
+    extra: dict[int, float] = {}
     pending = 0.0
     for i, op in enumerate(program.ops):
         if op.kind == "begin":
@@ -82,6 +78,17 @@ def tp_pricer(price: Price, program: Program, model: LlamaConfig, mbs: int,
         elif op.kind == "compute":
             extra[id(op)] = per_op.get(op.phase, 0.0) + pending
             pending = 0.0
+    return extra
+
+
+def tp_pricer(price: Price, program: Program, model: LlamaConfig, mbs: int,
+              dtype_bytes: int, tp: int, link: Link) -> Price:
+    """``price`` of the data-parallel program for one rank of a tp group on ``link``
+    (module docstring), the TP collectives ``spread_over_phases``."""
+    fabric = Fabric(link, link)
+    seconds = {cls: sum(fabric.seconds(kind, "inner", n, tp) for kind, n in colls)
+               for cls, colls in unit_collectives(model, mbs, dtype_bytes).items()}
+    extra = spread_over_phases(program, seconds)
 
     def priced(op: ProgramOp) -> tuple[float, ...]:
         if op.kind == "side":

@@ -29,6 +29,7 @@ from hsdp.topology.communicators import (
     default_timeout,
     host_group,
     mesh_groups,
+    on_first_use,
     registered_groups,
 )
 from hsdp.topology.mesh_dims import (
@@ -52,7 +53,7 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
     (tp fastest, as torchtitan): give ``mesh["tp"]`` to torch's ``parallelize_module``,
     then the whole mesh to ``hsdp.fully_shard``. With ``fault_tolerance`` (strategy hsdp,
     no tp), each replica group is its own torch world and the outer gradient all-reduce
-    goes through torchft (docs/guide/fault_tolerance.md).
+    goes through torchft (docs/guide/fault_tolerance.md); with ``outer_sync``, each sync.
 
     Sizes left out come from the launch: outer = nodes, inner = ranks per node (torchrun's
     ``LOCAL_WORLD_SIZE``, SLURM's tasks per node, else the ranks' hosts) / tp; one given,
@@ -74,7 +75,9 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
 
     ``outer_sync=hsdp.DiLoCo(...)``: the outer axis synchronizes every ``inner_steps``
     optimizer steps instead of every step (docs/guide/across_datacenters.md); only
-    ``strategy="hsdp"``, not with ``fault_tolerance``.
+    ``strategy="hsdp"``. With ``fault_tolerance`` each sync is one torchft quorum and
+    commit, driven by hsdp inside ``optimizer.step()`` (the Manager then runs its quorum
+    synchronously).
     """
     nccl = _check_arguments(outer, inner, tp, nccl, timeout)
     _check_outer_sync(outer_sync, fault_tolerance)
@@ -89,7 +92,8 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
         if tp > 1:
             raise FaultToleranceError("init_mesh: fault_tolerance with tp > 1 is not "
                                       "supported; use tp=1 or no fault tolerance")
-        return _init_replica_group(outer, inner, device_type, nccl, timeout, fault_tolerance)
+        return _init_replica_group(outer, inner, device_type, nccl, timeout, fault_tolerance,
+                                   outer_sync)
     outer, inner = _sizes_on_hosts(outer, inner, tp, allow_inner_across_hosts)
     if dist.get_world_size() != outer * inner * tp:
         raise ValueError(
@@ -118,15 +122,22 @@ def _mesh_of_world(outer: int, inner: int, tp: int, device_type: str,
 
 
 def _check_outer_sync(outer_sync: object, fault_tolerance: object) -> None:
-    """Raise on a bad ``outer_sync`` or one combined with what it cannot serve yet."""
+    """Raise on a bad ``outer_sync`` or one fault tolerance cannot serve: a delay that
+    would overlap two syncs' quorums, a torchft Manager made with an asynchronous quorum
+    (the sync waits for its quorum, and a recovering group must receive the state first:
+    torchft's own DiLoCo refuses it too)."""
     if outer_sync is not None and not isinstance(outer_sync, DiLoCo):
         raise TypeError(f"init_mesh: outer_sync must be an hsdp.DiLoCo or None, got "
                         f"{outer_sync!r}")
-    if outer_sync is not None and fault_tolerance is not None:
+    if outer_sync is None or fault_tolerance is None:
+        return
+    outer_sync.check_fault_tolerant()
+    if getattr(fault_tolerance, "_use_async_quorum", False):  # torchft 0.2.0's attribute
         raise FaultToleranceError(
-            "init_mesh: outer_sync=DiLoCo(...) with fault_tolerance is not supported yet: "
-            "the outer synchronization would need torchft's quorum at each fragment's sync "
-            "and the anchors in its recovery state. Use one or the other")
+            "init_mesh: outer_sync=DiLoCo(...) with a torchft Manager made with "
+            "use_async_quorum=True: each sync waits for its quorum (a recovering group "
+            "receives the anchors before the outer step); make it with "
+            "use_async_quorum=False, or pass hsdp.FaultTolerance(...)")
 
 
 def _check_arguments(outer: int | None, inner: int | None, tp: int,
@@ -153,9 +164,10 @@ def _check_arguments(outer: int | None, inner: int | None, tp: int,
 
 def _init_replica_group(outer: int | None, inner: int | None, device_type: str,
                         nccl: dict[str, NcclConfig], timeout: timedelta | None,
-                        fault_tolerance: FaultTolerance | Any) -> DeviceMesh:
+                        fault_tolerance: FaultTolerance | Any,
+                        outer_sync: DiLoCo | None) -> DeviceMesh:
     """init_mesh with fault tolerance: this replica group's (1, inner) mesh, whose outer
-    gradient all-reduce goes through torchft."""
+    gradient all-reduce (with ``outer_sync``: each sync's) goes through torchft."""
     world = dist.get_world_size()
     inner = world if inner is None else inner
     if inner != world:
@@ -171,11 +183,17 @@ def _init_replica_group(outer: int | None, inner: int | None, device_type: str,
     key = (device_type, tuple(range(inner)), (1, inner))
     cached = mesh_groups().get(key)
     if cached is not None and cached.elastic is not None:
+        if cached.outer_sync != outer_sync:
+            raise FaultToleranceError(
+                f"init_mesh: this replica group's fault-tolerant mesh was made with "
+                f"outer_sync={cached.outer_sync}; its torchft Manager cannot serve "
+                f"outer_sync={outer_sync} too: one outer schedule per job")
         return cached.mesh
     mesh = init_device_mesh(device_type, (1, inner), mesh_dim_names=DIM_NAMES)
-    manager = make_manager(fault_tolerance, device_type)
+    manager = make_manager(fault_tolerance, device_type, sync_quorum=outer_sync is not None)
     mesh_groups()[mesh_key(mesh)] = replace(create_groups(mesh, nccl, timeout),
-                                  elastic=ElasticOuter(manager))
+                                            elastic=ElasticOuter(manager),
+                                            outer_sync=outer_sync)
     return mesh
 
 
@@ -242,7 +260,8 @@ def _init_default_group(timeout: timedelta | None) -> None:
     dist.init_process_group(**({} if timeout is None else {"timeout": timeout}))
 
 
-_EXPERT_MESHES: dict[tuple, DeviceMesh] = {}  # expert_mesh's, by mesh and ep
+_EXPERT_MESHES: dict[tuple, DeviceMesh] = {}  # expert_mesh's of this world, by mesh and ep
+on_first_use(_EXPERT_MESHES.clear)  # a new world: their groups went with the old one
 
 
 def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
@@ -270,6 +289,7 @@ def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
         raise ValueError(f"hsdp.expert_mesh: ep={ep!r} must be a positive divisor of the "
                          f"inner size {inner} (the experts are split inside an inner group)")
     key = (*mesh_key(mesh), EP_DIM_NAMES, ep)
+    mesh_groups()  # forgets the last world's expert meshes if this is another
     if key not in _EXPERT_MESHES:
         _EXPERT_MESHES[key] = DeviceMesh(mesh.device_type,
                                          mesh.mesh.reshape(outer, inner // ep, ep),

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from hsdp.ft.errors import FaultToleranceError
+
 
 def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
@@ -62,6 +64,20 @@ class DiLoCo:
     def offset(self, fragment: int) -> int:
         """The step (mod H) after which ``fragment`` synchronizes."""
         return (fragment + 1) * self.inner_steps // self.fragments % self.inner_steps
+
+    def check_fault_tolerant(self) -> None:
+        """Raise unless each sync's outer step is applied by the time the next fragment
+        synchronizes (``delay`` <= the fewest steps between two syncs): with fault
+        tolerance each sync is one torchft quorum and one commit, and torchft runs one
+        quorum at a time."""
+        starts = sorted({self.offset(f) for f in range(self.fragments)})
+        gap = min(b - a for a, b in zip(starts, starts[1:] + [starts[0] + self.inner_steps]))
+        if self.delay > gap:
+            raise FaultToleranceError(
+                f"init_mesh: outer_sync=DiLoCo(inner_steps={self.inner_steps}, fragments="
+                f"{self.fragments}, delay={self.delay}) with fault_tolerance: each sync is "
+                f"one torchft quorum and commit, torchft runs one at a time, and a fragment "
+                f"syncs as soon as {gap} step(s) after the previous one; use delay <= {gap}")
 
     def check_units(self, units: int) -> None:
         """Raise unless the fragments divide ``units`` (the model's fully_shard units)."""

@@ -254,10 +254,12 @@ def parity_job(rank: int, world: int, path: str) -> dict[str, float | bool | lis
     out["fsdp2 norms"] = train(fsdp2, rows, _per_mesh_clip)
     fsdp2_params = full_params(fsdp2)
     out["fsdp2 vs ref"] = rel(fsdp2_params, want)
-    # ep 4: one rank per expert inner group (the experts replicated over outer only)
+    # ep 4: one rank per expert inner group (the experts replicated over outer only);
+    # ep 1: every expert on every rank, sharded over the whole inner group
     for strategy, ep, mb, clip, ac in (("hsdp", 2, 1, _hsdp_clip, False),
                                        ("hfsdp", 2, 2, _per_mesh_clip, True),
-                                       ("hsdp", 4, 1, _hsdp_clip, False)):
+                                       ("hsdp", 4, 1, _hsdp_clip, False),
+                                       ("hsdp", 1, 1, _hsdp_clip, False)):
         model = hsdp_model(mesh, ep, strategy, ac)
         name = f"{strategy} ep={ep} mb={mb} ac={ac} {clip.__name__}"
         out[f"{name} norms"] = train(model, rows, clip, mb)

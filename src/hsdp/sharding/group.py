@@ -163,7 +163,7 @@ class ParamGroup:
             p._hsdp_moved_to = (self, idx)
         self.tp_specs = [unsharded_spec(p, self.param_dtype) if isinstance(p, DTensor)
                          else None for p in params]
-        self._tp = [placement_of(p) if self.comms.tp_size > 1 else None for p in params]
+        self._tp = [placement_of(p) if self.comms.mesh.ndim > 2 else None for p in params]
         self._shapes = [tuple(p.shape) for p in params]  # whole (over TP too)
         return [local_of(p) for p in params]
 

@@ -122,8 +122,9 @@ def _block(shape: tuple[int, ...], dim: int, n: int, rank: int) -> TPBlock:
 
 def block_of(dspec: DTensorSpec) -> TPBlock | None:
     """This rank's TP block of a parameter sharded by hsdp on a 3-D mesh (``dspec``: its
-    shards' spec); None when its tp ranks hold it whole (no TP, or Replicate)."""
-    if dspec.mesh.ndim <= TP_DIM:
+    shards' spec); None when its tp ranks hold it whole (no TP, a tp (or ep) dim of one
+    rank, or Replicate)."""
+    if dspec.mesh.ndim <= TP_DIM or dspec.mesh.size(TP_DIM) == 1:
         return None
     pl = dspec.placements[TP_DIM]
     if not pl.is_shard():

@@ -179,8 +179,8 @@ def test_zero_grad_in_place_counts_as_cleared(fake_world_8, monkeypatch):
     carried = []
     hide = GradientState.hide_grads
 
-    def spy(grads: GradientState, capturing: bool = False) -> None:
-        hide(grads, capturing)
+    def spy(grads: GradientState, capturing: bool = False, single: bool = False) -> None:
+        hide(grads, capturing, single)
         carried.append(grads.carry is not None)
 
     monkeypatch.setattr(GradientState, "hide_grads", spy)

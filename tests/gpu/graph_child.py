@@ -104,13 +104,21 @@ def parity() -> dict:
     dist.init_process_group("nccl", device_id=DEV)
     mesh = hsdp.init_mesh(1, 1, "cuda")
     out = {}
-    for strategy in ("hsdp", "hfsdp"):
+    # hsdp with a bf16 reduction and an all-reduce hook (which keeps the outer all-reduce
+    # on one outer rank): a captured step of one backward adds the uncleared gradients in
+    # place, in the all-reduce's cast (per_micro: each backward a step, adding to the last)
+    for strategy, reduce in (("hsdp", None), ("hfsdp", None), ("hsdp", torch.bfloat16)):
         for n_micro in (1, 3):
             for per_micro, capture_opt in ((False, False), (False, True), (True, False)):
                 torch.manual_seed(0)
                 ref = GPT(CFG).to(DEV)
-                models = [_shard(copy.deepcopy(ref), mesh, strategy=strategy)
+                models = [_shard(copy.deepcopy(ref), mesh, strategy=strategy,
+                                 mp_policy=hsdp.MixedPrecision(reduce_dtype=reduce))
                           for _ in range(2)]
+                if reduce is not None:
+                    for m in models:
+                        for unit in (*m.blocks, m):
+                            unit.set_all_reduce_hook(lambda t: None)
                 opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
                 graphed = Graphed(models[1], opts[1], n_micro, per_micro, capture_opt)
                 loss_diff = 0.0
@@ -124,8 +132,9 @@ def parity() -> dict:
                 with torch.no_grad():
                     equal = all(torch.equal(p.full_tensor(), q.full_tensor())
                                 for p, q in zip(*(m.parameters() for m in models)))
-                key = f"{strategy}/micro{n_micro}/{'per_micro' if per_micro else 'one_graph'}" + (
-                    "/opt_graph" if capture_opt else "")
+                key = (f"{strategy}{'-bf16' if reduce else ''}/micro{n_micro}/"
+                       f"{'per_micro' if per_micro else 'one_graph'}"
+                       f"{'/opt_graph' if capture_opt else ''}")
                 out[key] = {"bit_equal": equal, "max_loss_diff": loss_diff,
                             "steps_agreed": models[1]._hsdp_unit.runtime.graphs.steps}
                 hsdp.synchronize(models[1])

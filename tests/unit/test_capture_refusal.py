@@ -188,3 +188,44 @@ def test_nested_optimizers_check_a_replayed_step_once(world_1, monkeypatch):
         opt.step()
         opt.zero_grad(set_to_none=False)
     assert net._hsdp_unit.runtime.graphs.steps == 3
+
+
+def test_a_captured_step_adds_uncleared_gradients_where_they_lie(world_1, monkeypatch):
+    """A captured step of one backward whose gradients reach ``accum`` through the outer
+    all-reduce of the bf16 reduce-scatter result (an all-reduce hook keeps it on a 1x1
+    mesh): the uncleared gradients are added by that all-reduce where they lie, never
+    copied; the root, fp32 reduced, copies them as before. Gradients left set on some
+    steps, cleared on others: the same parameters as eager, bit for bit."""
+    mp = hsdp.MixedPrecision(reduce_dtype=torch.bfloat16)
+    eager, captured = _net(world_1, mp_policy=mp), _net(world_1, mp_policy=mp)
+    for m in (eager, captured):
+        for unit in (m[0], m[2]):
+            unit.set_all_reduce_hook(lambda t: None)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (eager, captured)]
+    xs = [torch.randn(6, 8, generator=torch.Generator().manual_seed(s)) for s in range(5)]
+    for m, opt in zip((eager, captured), opts):  # gradients and optimizer state exist
+        _step(m, opt, xs[0])
+    kept: dict[int, list] = {}
+    hide = hsdp.sharding.grad_state.GradientState.hide_grads
+
+    def spy(grads, capturing=False, single=False):
+        hide(grads, capturing, single)
+        kept.setdefault(id(grads), []).append((grads.carry is None, grads.carry_in_buf))
+
+    monkeypatch.setattr(hsdp.sharding.grad_state.GradientState, "hide_grads", spy)
+    compute = captured._hsdp_unit.runtime.ctx.streams.compute
+    for k, x in enumerate(xs[1:]):
+        for m, opt in zip((eager, captured), opts):
+            with monkeypatch.context() as mc:
+                if m is captured:
+                    mc.setattr(compute, "capturing", lambda: True)
+                m(x).square().mean().backward()
+            opt.step()
+            if k % 2:  # even steps leave the gradients set
+                opt.zero_grad(set_to_none=False)
+    for a, b in zip(eager.parameters(), captured.parameters()):
+        assert torch.equal(a.detach().full_tensor(), b.detach().full_tensor())
+    in_place = [g.grads for u in (captured[0], captured[2]) for g in u._hsdp_unit.groups]
+    root = [g.grads for g in captured._hsdp_unit.groups]
+    assert all(kept[id(g)][-4:] == [(True, True)] * 4 for g in in_place), kept
+    assert all(kept[id(g)][-4:] == [(False, False)] * 4 for g in root), kept

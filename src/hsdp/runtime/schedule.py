@@ -194,7 +194,7 @@ class Schedule:
         if self.ctx.step.first_microbatch:  # uncleared gradients are accumulated into, as in torch
             for u in self.ctx.units:
                 for g in u.with_grads:
-                    g.grads.hide_grads(self.ctx.step.capturing)
+                    g.grads.hide_grads(self.ctx.step.capturing, self.ctx.step.is_last)
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
     def _pre_backward(self, unit: Unit) -> None:

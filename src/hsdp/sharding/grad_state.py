@@ -66,6 +66,7 @@ class GradientState:
         self.local_grads: torch.Tensor | None = None  # unsynced microbatches' gradients
         self._to_outer: torch.Tensor | None = None  # reduce_scatter's result for outer_reduce
         self.carry: torch.Tensor | None = None  # [C]: uncleared .grads (see hide_grads)
+        self.carry_in_buf = False  # ... left in grad_buf instead, added by outer_reduce
         self.carried: list[bool] = []  # which parameters had a .grad then
         self.reduced = False
         # Hooks on the group's own tensors reach it weakly: a strong reference is a cycle
@@ -209,7 +210,9 @@ class GradientState:
                 coll.all_reduce(src, self.b.comms.grad_outer, "outer", avg=avg)
                 if self.all_reduce_hook is not None:
                     self.all_reduce_hook(src)
-                if src is not self.accum:
+                if self.carry_in_buf:  # accum holds the uncleared .grads (hide_grads)
+                    self.accum.add_(src)
+                elif src is not self.accum:
                     self.accum.copy_(src)
         return stream.submit(run, after, label(self.outer_reduction, self.b.label))
 
@@ -255,6 +258,7 @@ class GradientState:
         self.local_grads = None
         self._to_outer = None
         self.carry = None
+        self.carry_in_buf = False
         if self.compressed is not None:
             self.compressed.drop()
         self.reset_backward()
@@ -266,10 +270,11 @@ class GradientState:
             self.compressed.commit()
         if self._placeholder_grads:  # zero, whatever the user did to them last step
             torch._foreach_zero_(self._placeholder_grads)
-        if self.carry is not None:  # the gradients left set before this step's backward
-            self.grad_buf.add_(self.carry)
+        if self.carry is not None or self.carry_in_buf:  # .grads left set before the step
+            if self.carry is not None:
+                self.grad_buf.add_(self.carry)
             used = [u or c for u, c in zip(used, self.carried)]
-            self.carry = None
+            self.carry, self.carry_in_buf = None, False
         self.expose_used(used)
         self.used = [False] * len(self.used)
 
@@ -280,23 +285,27 @@ class GradientState:
             for p, v, u in zip(self.b.sharded, self._grad_views, used):
                 p.grad = v if u else None
 
-    def hide_grads(self, capturing: bool = False) -> None:
+    def hide_grads(self, capturing: bool = False, single: bool = False) -> None:
         """Take the sharded ``.grad``s off before a step's first backward. What they hold,
         if they were not cleared (still set, not all zero), is kept in ``carry`` and added
         to the new reduced gradients by ``expose_grads``, as torch accumulates into a
         ``.grad`` left set. Reads the values (a device sync) only when some are set, and
         ``capturing`` (a CUDA graph) not: the graph then always adds them (zeros, when
-        cleared in place), whatever they hold at each replay."""
+        cleared in place), whatever they hold at each replay. ``single``: this backward
+        is the step's only one; then, where the step's gradients reach ``accum`` in one
+        write (``_adds_in_place``), they stay in ``grad_buf`` and that write adds to them
+        (the same sums, without a copy of them)."""
         with direct():
             grads = [p.grad for p in self.b.sharded]
             for p in self.b.sharded:
                 p.grad = None
-        self.carry = None
+        self.carry, self.carry_in_buf = None, False
         if all(g is None for g in grads):
             return
+        in_buf = capturing and single and self.grads_live and self._adds_in_place()
         # Our views live in grad_buf; read it only while it is live (a .grad autograd put
         # on a shard may be set while the buffers are freed).
-        carry = (self.grad_buf.clone() if self.grads_live
+        carry = (self.grad_buf if in_buf else self.grad_buf.clone() if self.grads_live
                  else torch.zeros_like(self.grad_buf))
         for idx, (g, view, (a, n)) in enumerate(zip(grads, self._grad_views, self.b.slices)):
             if g is None:
@@ -307,8 +316,18 @@ class GradientState:
                         f"a .grad of group {self.b.label} replaced by another tensor",
                         "clear gradients in place (zero_grad(set_to_none=False))")
                 carry[a:a + n].copy_(self._foreign_grad(idx, g))
-        if capturing or carry.any():
+        if in_buf:
+            self.carry_in_buf, self.carried = True, [g is not None for g in grads]
+        elif capturing or carry.any():
             self.carry, self.carried = carry, [g is not None for g in grads]
+
+    def _adds_in_place(self) -> bool:
+        """Whether a step of one backward writes its gradients into ``accum`` once, at the
+        end: hsdp's exact outer all-reduce of the reduce-scatter's own reduce-dtype result,
+        cast into ``accum`` (``reduce_scatter``'s ``outer_next``), which can add instead."""
+        b = self.b
+        return (self.compressed is None and not b.shard_outer
+                and b.reduce_dtype != self.accum.dtype and self.has_outer_reduction)
 
     def _foreign_grad(self, idx: int, g: torch.Tensor) -> torch.Tensor:
         """The local piece of a ``.grad`` the user set on sharded parameter ``idx``."""

@@ -45,9 +45,10 @@ DILOCO_STEP = "DiLoCo step time and outer bytes (emulated 16x8, and predicted fo
 TORCHTITAN_GRAPHS = "torchtitan's trainer on one H200 with CUDA graphs"
 GRAPHS = "Step replayed as CUDA graphs (emulated 16x8) on one H200"
 MOE = "Mixture of experts with expert parallelism (emulated 16x8, ep 8) on one H200"
+PIPELINE = "Pipeline parallelism: the outer reduction in the drain (simulated, Llama 3 405B)"
 TABLES = (STEP, TWINS, SLOW_OUTER, COMPRESSED, CONVERGENCE, DILOCO, DILOCO_STEP, MICROBATCHES,
           SHARED_LINKS, CPU_OVERLAP, CHECKPOINT, FLOAT8, FLOAT8_LOSS, FAULT_TOLERANCE, TP,
-          TORCHTITAN, TORCHTITAN_GRAPHS, GRAPHS, MOE)
+          TORCHTITAN, TORCHTITAN_GRAPHS, GRAPHS, MOE, PIPELINE)
 
 # 5 recorded and 3 profiled steps per schedule: the simulator's calibration takes the
 # median host time and least device time over them (hsdp.sim.calibrate).
@@ -201,6 +202,11 @@ def plan() -> list[Run]:
     runs.append(Run(MOE, "h200/moe", "emu16x8_moe_ep8_s4096",
                     (*one_gpu, "--arch", "moe", "--ep", "8", "--seq", "4096", "--steps", "15",
                      "--schedules", "overlap,overlap-graph,serial,hfsdp,fsdp2"), 400))
+    for gbps in ("47", "12.5"):  # the simulator alone (no device)
+        runs.append(Run(PIPELINE, "cpu/pipeline", f"sim_405b_pp8_tp8_outer{gbps}",
+                        ("--nodes", "16,32,64,128", "--pp", "8", "--tp", "8", "--microbatches",
+                         "16", "--strategy", "hfsdp", "--outer-gbps", gbps), 300,
+                        program=("-m", "hsdp.sim.pipeline")))
     return runs
 
 

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from hsdp.models import preset
 from hsdp.report.table import print_table
@@ -105,15 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--outer-gbps", type=float, default=47.0)
     p.add_argument("--tp-gbps", type=float, default=370.0)
     p.add_argument("--tflops", type=float, default=600.0)
+    p.add_argument("--json", type=Path, help="write each setup's result here")
     a = p.parse_args(argv)
     layers = math.ceil(126 / a.pp)
     costs = CostModel(Fabric(Link(370.0, 20.0), Link(a.outer_gbps, 20.0)), a.tflops)
-    rows = []
+    rows, results = [], {}
     for nodes in (int(n) for n in a.nodes.split(",")):
         dp = nodes * 8 // (a.pp * a.tp)
         stage = Setup(preset("llama-70b", layers=layers, **LLAMA_405B), dp, 1, a.strategy,
                       microbatches=a.microbatches, tp=a.tp, tp_gbps=a.tp_gbps)
-        r = simulate_pipeline(stage, costs, a.pp)
+        r = results[nodes] = simulate_pipeline(stage, costs, a.pp)
         o, s = r["overlap"], r["serial"]
         rows.append([str(nodes), str(dp), f"{o['step_ms']:.0f}", f"{s['step_ms']:.0f}",
                      f"{r['saving_ms']:.0f} ({r['saving_pct']:.1f}%)", f"{o['bubble_ms']:.0f}",
@@ -123,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{a.strategy} over dp (outer), {a.microbatches} microbatches, 1F1B",
                 ["nodes", "dp", "overlap ms", "serial ms", "overlap buys", "bubble ms",
                  "outer tail ms (o / s)", "stages hiding it (o / s)"], rows)
+    if a.json is not None:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)},
+                                      "nodes": results}, default=str))
     return 0
 
 

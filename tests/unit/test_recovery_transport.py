@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -248,3 +249,38 @@ def test_a_manager_recovering_through_another_transport_is_refused():
     with pytest.raises(FaultToleranceError, match="recovers through object; make it with "
                                                   "checkpoint_transport=hsdp.RecoveryTransport"):
         make_manager(manager, "cpu")
+
+
+def test_a_recovery_failing_before_the_transfer_fails_the_others_at_once():
+    """Recovering rank 0's torchft fails before the transfer (asking the dead sender for
+    its metadata) and reports the error; rank 1 received everything and waits for rank
+    0's outcome: it fails with rank 0's error at once, not after twice the timeout (by
+    which time rank 0's commit vote had timed out waiting for it, ending the group)."""
+    tft = pytest.importorskip("torchft")
+    store, wire = dist.HashStore(), Wire()
+    _send(wire, _state(5))
+    early = RecoveryTransport(End(Wire(), 1))
+    manager = tft.Manager.__new__(tft.Manager)  # the wiring of make_manager's report_error
+    manager._checkpoint_transport, manager._client = early, object()
+    manager._quorum_id, manager._commit_failures, manager._errored = 3, 0, None
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        make_manager(manager, "cpu")
+    finally:
+        dist.destroy_process_group()
+    early.bind(lambda: f"{manager._quorum_id}/{manager._commit_failures}", store=store,
+               rank=0, world=2)
+    late = RecoveryTransport(End(wire, 1))
+    late.bind(lambda: "3/0", store=store, rank=1, world=2)
+    early.expect(5)
+    manager.report_error(RuntimeError("transport error"))
+    assert manager.errored() is not None  # torchft's own report still made
+    start = time.monotonic()
+    with pytest.raises(FaultToleranceError, match=r"failed on 1 of this group's 2 ranks \(rank "
+                                                  r"0: RuntimeError: transport error \(before"):
+        late.recv_checkpoint(0, "hsdp", 5, T)
+    assert time.monotonic() - start < T.total_seconds()
+    # rank 0's torchft does not call recv_checkpoint after the failure; if it did, it
+    # would post nothing new and fail with the group
+    with pytest.raises(FaultToleranceError, match="rank 0: RuntimeError: transport error"):
+        early.recv_checkpoint(0, "hsdp", 5, T / 10)

@@ -296,6 +296,15 @@ def _bound(manager: Any) -> Any:
     # under new keys (torchft 0.2.0's attribute names)
     transport.bind(lambda: f"{manager._quorum_id}/{manager._commit_failures}")
     manager._client = _QuorumWatch(manager._client, transport)
+    report = manager.report_error
+
+    def report_error(exc: Exception) -> None:
+        # WHY: a recovery that failed on this rank before the transfer is told to the
+        # group's ranks waiting in it (RecoveryTransport.fail_early)
+        transport.fail_early(exc)
+        report(exc)
+
+    manager.report_error = report_error
     return manager
 
 

@@ -54,6 +54,8 @@ class RecoveryTransport:
         self._device = torch.device(device_type)
         self.allow_lost_progress = allow_lost_progress
         self.awaited_step: int | None = None  # the newest step a recovery was to bring
+        self._heal_step: int | None = None  # this quorum's step, until this rank posts
+        self._failed_early: tuple[str, int] | None = None  # (attempt, step) posted failed
         self._store: Any = None
         self._attempt: Callable[[], str] | None = None
         self._rank, self._world = 0, 1
@@ -96,11 +98,14 @@ class RecoveryTransport:
                         timeout: timedelta) -> Any:
         """The state ``src_rank`` sends at ``step``, once every rank of this group has
         received the same step intact; else ``FaultToleranceError`` on every rank."""
-        try:
-            state, digest = self._receive(src_rank, step, timeout)
-            mine = {"ok": True, "step": step, "src": src_rank, "digest": digest}
-        except Exception as exc:  # posted, then raised on every rank by the agreement
-            state, mine = None, {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        if self._failed_early == (self._key(), step):  # already posted: no second outcome
+            state, mine = None, None
+        else:
+            try:
+                state, digest = self._receive(src_rank, step, timeout)
+                mine = {"ok": True, "step": step, "src": src_rank, "digest": digest}
+            except Exception as exc:  # posted, then raised on every rank by the agreement
+                state, mine = None, {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         outcomes = self._agree(mine, step, timeout)
         failed = [f"rank {r}: {o['error']}" for r, o in enumerate(outcomes) if not o["ok"]]
         received = {(o["step"], o["src"]) for o in outcomes if o["ok"]}
@@ -118,6 +123,21 @@ class RecoveryTransport:
     def expect(self, step: int) -> None:
         """A quorum asks this group to recover ``step`` (before any of the transfer)."""
         self.awaited_step = max(step, self.awaited_step or step)
+        self._heal_step = step
+
+    def fail_early(self, exc: BaseException) -> None:
+        """torchft's recovery failed on this rank before ``recv_checkpoint`` (e.g. asking a
+        dead sender for its metadata): post the failure for this quorum's attempt, so that
+        the group's other ranks, waiting in ``recv_checkpoint``, fail now with it rather
+        than after twice the timeout (by which time this rank's commit vote would have
+        timed out waiting for them)."""
+        step, self._heal_step = self._heal_step, None
+        if step is None or self._attempt is None:
+            return  # no recovery pending on this rank: nothing to tell
+        self._failed_early = (self._key(), step)
+        error = f"{type(exc).__name__}: {exc} (before the transfer)"
+        self._store.set(f"{self._prefix(step)}{self._rank}",
+                        json.dumps({"ok": False, "error": error}))
 
     def check_progress(self, step: int) -> None:
         """Before this group trains at ``step`` (taking part, not recovering): refuse if a
@@ -172,15 +192,24 @@ class RecoveryTransport:
         rank's device (the sender's index may not exist here)."""
         return storage if location == "cpu" else storage.to(device=self._device)
 
-    def _agree(self, mine: dict, step: int, timeout: timedelta) -> list[dict]:
-        """Every rank's outcome of receiving ``step`` (``mine`` for this one), through the
-        group's store; a rank that posts nothing within twice the timeout (its own
-        transfer's bound) failed."""
+    def _key(self) -> str:
+        assert self._attempt is not None
+        return str(self._attempt())
+
+    def _prefix(self, step: int) -> str:
+        return f"hsdp/ft/recovery/{self._key()}/{step}/"
+
+    def _agree(self, mine: dict | None, step: int, timeout: timedelta) -> list[dict]:
+        """Every rank's outcome of receiving ``step`` (``mine`` for this one; None: posted
+        already by ``fail_early``), through the group's store; a rank that posts nothing
+        within twice the timeout (its own transfer's bound) failed."""
         if self._attempt is None:
             raise FaultToleranceError("hsdp: RecoveryTransport used before bind(); pass "
                                       "it to init_mesh through its torchft Manager")
-        prefix = f"hsdp/ft/recovery/{self._attempt()}/{step}/"
-        self._store.set(f"{prefix}{self._rank}", json.dumps(mine))
+        self._heal_step = None
+        prefix = self._prefix(step)
+        if mine is not None:
+            self._store.set(f"{prefix}{self._rank}", json.dumps(mine))
         keys = [f"{prefix}{r}" for r in range(self._world)]
         try:
             self._store.wait(keys, timeout * 2)

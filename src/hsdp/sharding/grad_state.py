@@ -315,7 +315,7 @@ class GradientState:
                     raise capture_refusal(
                         f"a .grad of group {self.b.label} replaced by another tensor",
                         "clear gradients in place (zero_grad(set_to_none=False))")
-                carry[a:a + n].copy_(self._foreign_grad(idx, g))
+                carry[a:a + n].copy_(_foreign_local(self.b, idx, g))
         if in_buf:
             self.carry_in_buf, self.carried = True, [g is not None for g in grads]
         elif capturing or carry.any():
@@ -329,14 +329,15 @@ class GradientState:
         return (self.compressed is None and not b.shard_outer
                 and b.reduce_dtype != self.accum.dtype and self.has_outer_reduction)
 
-    def _foreign_grad(self, idx: int, g: torch.Tensor) -> torch.Tensor:
-        """The local piece of a ``.grad`` the user set on sharded parameter ``idx``."""
-        p = self.b.sharded[idx]
-        if not same_layout(g, p):
-            module, name = self.b.slots[idx][0]
-            raise RuntimeError(
-                f"hsdp: the .grad of {type(module).__name__}.{name} was replaced by a tensor "
-                f"not laid out like its shard (shape {tuple(g.shape)}), so the next backward "
-                f"cannot accumulate into it. Clear it (optimizer.zero_grad()) or set it to a "
-                f"tensor like the parameter (torch.zeros_like(p)).")
-        return g._local_tensor.reshape(-1)[:self.b.slices[idx][1]]
+
+def _foreign_local(b: GroupBuffers, idx: int, g: torch.Tensor) -> torch.Tensor:
+    """The local piece of a ``.grad`` the user set on sharded parameter ``idx`` of ``b``."""
+    p = b.sharded[idx]
+    if not same_layout(g, p):
+        module, name = b.slots[idx][0]
+        raise RuntimeError(
+            f"hsdp: the .grad of {type(module).__name__}.{name} was replaced by a tensor "
+            f"not laid out like its shard (shape {tuple(g.shape)}), so the next backward "
+            f"cannot accumulate into it. Clear it (optimizer.zero_grad()) or set it to a "
+            f"tensor like the parameter (torch.zeros_like(p)).")
+    return g._local_tensor.reshape(-1)[:b.slices[idx][1]]

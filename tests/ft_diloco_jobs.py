@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from diloco_jobs import _error
 from ft_jobs import _touch, _wait_for, _wait_for_joiner, batch, build_model, make_optimizer
 
 import hsdp
@@ -27,14 +28,6 @@ from hsdp.checkpoint.outer_sync_state import outer_sync_state
 # 3 units, so 3 fragments: the root's (no parameters) never syncs, the two linears' sync
 # after steps 1, 5, 9, ... and 3, 7, 11, ..., each applied one step later
 DILOCO = hsdp.DiLoCo(inner_steps=4, fragments=3, outer_lr=0.7, momentum=0.9, delay=1)
-
-
-def _error(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the message is the result
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def _mesh(cfg: dict) -> Any:

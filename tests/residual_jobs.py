@@ -12,6 +12,7 @@ import math
 import os
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from parity_jobs import ROWS_PER_RANK, _batches
 
@@ -177,4 +178,55 @@ def save_job(rank: int, world: int, root: str) -> dict[str, object]:
         out[f"{fmt}-stepped"] = {
             "finite": all(bool(v.isfinite().all()) for v in _residuals(model).values()),
             "next_norm_finite": math.isfinite(norm)}
+    return out
+
+
+def _groups(model: nn.Module) -> list:
+    return [g for m in model.modules() if "_hsdp_unit" in vars(m)
+            for g in m._hsdp_unit.groups]
+
+
+def _residual_rows(g: object) -> torch.Tensor:
+    """The mean over the outer ranks of group ``g``'s committed residuals, at the
+    positions of this rank's reduced gradient (hsdp: the inner shard; hfsdp: its row)."""
+    mean = g.compressed.residual_flat()
+    dist.all_reduce(mean, group=g.comms.host_outer)  # not the outer stream's
+    mean /= g.comms.outer_size
+    if not g.shard_outer:
+        return mean
+    return g.compressed.rows.split(mean)[g.comms.outer_rank]
+
+
+def accumulation_job(rank: int, world: int) -> dict[str, float]:
+    """Error feedback telescopes over a step's accumulated backwards: after a step, each
+    reduced gradient plus the outer mean of the new residual is the exact reduction's
+    gradient plus the outer mean of the residual the step started from (what each
+    quantization dropped re-enters once). A step 0, then a backward cleared by zero_grad
+    without a step (its residual discarded), two backwards accumulated, a step; SGD with
+    lr 0 keeps the parameters of the compressed and the exact run equal. Per strategy:
+    the largest violation relative to the largest gradient, and the residual's size
+    relative to it (what double counting it would add)."""
+    mesh = hsdp.init_mesh(2, world // 2, "cpu")
+    out = {}
+    for strategy in ("hsdp", "hfsdp"):
+        sides = []
+        for fmt in ("int8", "exact"):
+            model = _build(mesh, strategy, FORMATS[fmt])
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)
+            run_plan(model, opt, rank, world, [*CLEAN, ("backward", 1), ("zero", True)])
+            hsdp.synchronize(model)
+            start = [_residual_rows(g) for g in _groups(model)] if fmt == "int8" else None
+            _backward(model, rank, world, 2, None)
+            _backward(model, rank, world, 3, None)
+            opt.step()
+            hsdp.synchronize(model)
+            grads = [g.grads.grad_buf.clone() for g in _groups(model)]
+            end = [_residual_rows(g) for g in _groups(model)] if fmt == "int8" else None
+            sides.append((grads, start, end))
+        (grads, start, end), (exact, _, _) = sides
+        scale = max(e.abs().max().item() for e in exact)
+        out[strategy] = (
+            max(((q + r1 - e - r0).abs().max().item()
+                 for q, r1, e, r0 in zip(grads, end, exact, start))) / scale,
+            max(r0.abs().max().item() for r0 in start) / scale)
     return out

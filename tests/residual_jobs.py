@@ -213,9 +213,10 @@ def accumulation_job(rank: int, world: int) -> dict[str, float]:
         for fmt in ("int8", "exact"):
             model = _build(mesh, strategy, FORMATS[fmt])
             opt = torch.optim.SGD(model.parameters(), lr=0.0)
-            run_plan(model, opt, rank, world, [*CLEAN, ("backward", 1), ("zero", True)])
+            run_plan(model, opt, rank, world, CLEAN)
             hsdp.synchronize(model)
             start = [_residual_rows(g) for g in _groups(model)] if fmt == "int8" else None
+            run_plan(model, opt, rank, world, [("backward", 1), ("zero", True)])
             _backward(model, rank, world, 2, None)
             _backward(model, rank, world, 3, None)
             opt.step()

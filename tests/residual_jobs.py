@@ -178,6 +178,15 @@ def save_job(rank: int, world: int, root: str) -> dict[str, object]:
         out[f"{fmt}-stepped"] = {
             "finite": all(bool(v.isfinite().all()) for v in _residuals(model).values()),
             "next_norm_finite": math.isfinite(norm)}
+    # a 1e30 outlier stepped anyway (clip_grad_norm_ alone scales the gradients to zero)
+    model = _build(mesh, "hsdp", FORMATS["int8"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run_plan(model, opt, rank, world, CLEAN)
+    _backward(model, rank, world, 2, 1e30)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    out["outlier-stepped-largest"] = max(v.abs().max().item()
+                                         for v in _residuals(model).values())
     return out
 
 

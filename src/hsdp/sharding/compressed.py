@@ -26,8 +26,9 @@ abandoned step and its replayed collectives) discard it (``drop``). A backward t
 accumulates into the pending gradients starts from the pending residual, so the errors
 of the step's backwards telescope. A block with a NaN or inf (in the gradient, or in
 what a reduction made of it) dequantizes non-finite, so the reduced gradient shows it;
-its new residual keeps the block's value from before the reduction: the residual is
-always finite.
+its new residual, like one with a value whose square overflows fp32 (``LIMIT``: a 1e30
+outlier's rounding), keeps the block's value from before the reduction: the residual is
+always finite, and no value of it alone makes a later step's norm inf.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ import torch.distributed as dist
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.policy import OuterReduce
 from hsdp.sharding.quant import Rows, dequantize, dequantize_sum, quantize
+
+# The largest residual value kept: its square is finite in fp32. Past it every norm over
+# it is inf, so a step with it is skipped or clipped to nothing, and carrying it would
+# make the next steps' norms inf too.
+LIMIT = torch.finfo(torch.float32).max ** 0.5
 
 
 class CompressedOuter:
@@ -110,11 +116,12 @@ class CompressedOuter:
 
     def _keep(self, error: torch.Tensor | None) -> None:
         """``error`` (None without error feedback) becomes the pending residual; in a
-        block with a non-finite value, the base's values (no host sync: a masked copy)."""
+        block with a value past ``LIMIT`` or NaN, the base's values (no host sync: a
+        masked copy)."""
         if error is not None:
             blocks = error.view(self.rows.n, -1, self.config.block)
             bad = torch.linalg.vector_norm(blocks, float("inf"), dim=-1,
-                                           keepdim=True).isfinite().logical_not_()
+                                           keepdim=True).le(LIMIT).logical_not_()
             base = self._base
             if base is None:
                 blocks.masked_fill_(bad, 0.0)

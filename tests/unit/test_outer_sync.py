@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hsdp
+from hsdp.topology.outer_sync import parse_outer_sync
 
 
 def _sync_steps(cfg: hsdp.DiLoCo, fragment: int, steps: int) -> list[int]:
@@ -40,6 +41,20 @@ def test_fragments_must_divide_the_units() -> None:
 def test_bad_settings_raise(kwargs: dict) -> None:
     with pytest.raises(ValueError, match="hsdp.DiLoCo: "):
         hsdp.DiLoCo(**kwargs)
+
+
+@pytest.mark.parametrize("text", ["diloco:outer_lr=inf", "diloco:outer_lr=1e400"])
+@pytest.mark.parametrize("how", ["constructor", "command line"])
+def test_a_non_finite_outer_lr_is_refused(text: str, how: str) -> None:
+    """inf (1e400 is inf too) would make every parameter inf or NaN at the first sync."""
+    lr = float(text.partition("=")[2])
+    with pytest.raises(ValueError, match="outer_lr must be finite, got inf: the first outer"):
+        hsdp.DiLoCo(outer_lr=lr) if how == "constructor" else parse_outer_sync(text)
+
+
+def test_an_int_outer_lr_too_large_for_a_float_is_refused() -> None:
+    with pytest.raises(ValueError, match="outer_lr must be finite, got 1000"):
+        hsdp.DiLoCo(outer_lr=10 ** 400)
 
 
 def test_nesterov_must_be_a_bool() -> None:

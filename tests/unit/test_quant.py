@@ -46,6 +46,19 @@ def test_quantize_zeros_and_block_maximum_are_exact(fmt: str) -> None:
     assert torch.equal(y, x)
 
 
+def test_blocks_at_the_ends_of_fp32_dequantize_finite_and_no_farther_than_zero() -> None:
+    """A finite block never dequantizes to inf (fp32's maximum: int8's scale rounded up
+    did), and no value lands farther from itself than zero is (a block of subnormals: a
+    subnormal scale put ``|x| / scale`` past 127, where int8 wraps around)."""
+    for fmt in ("int8", "fp8_e4m3"):
+        for amax in (torch.finfo(torch.float32).max, 2.7e-43, 9.4e-43):
+            x = torch.zeros(1, 16)
+            x[0, :3] = torch.tensor([amax, -amax / 3, amax / 7])
+            y = dequantize(quantize(x, fmt, 16), fmt, 16, 16)
+            assert y.isfinite().all(), (fmt, amax)
+            assert ((y - x).abs() <= x.abs()).all(), (fmt, amax)
+
+
 def test_outer_reduce_validates_its_fields() -> None:
     with pytest.raises(ValueError, match="unknown dtype 'int4'"):
         hsdp.OuterReduce("int4")

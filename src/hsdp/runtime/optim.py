@@ -91,6 +91,8 @@ class OptimizerSteps:
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.ctx.streams.compute.end(f"OPTIMIZER:{self.ctx.root.label}")
+        for g in self.ctx.trainable:  # the gradients were applied (a skipped step: not)
+            g.grads.applied()
         if self.ctx.outer_sync is not None:
             self.ctx.outer_sync.after_step(self.ctx)
         key = (id(optimizer.state), len(optimizer.state))

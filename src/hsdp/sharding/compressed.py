@@ -17,9 +17,18 @@ reduce-scatter, twice that for the all-reduce (bf16's ring all-reduce: ``4 (n-1)
 Error feedback: what the first quantization dropped stays in this rank's residual; what
 the second (hsdp) dropped from the row this rank owns is added to its residual's row too,
 times ``n`` for a mean (the row's next reduction divides it by ``n`` again), so every
-dropped bit re-enters the next step's reduction once. The new residual replaces the old
-one only when the step's gradients are handed to the optimizer (``commit``); an abandoned
-step (and its replayed collectives) leaves it unchanged (``drop``).
+dropped bit re-enters the next step's reduction once.
+
+The residual is training state only once the optimizer applied the gradients it belongs
+to: a reduction's new residual is pending (``_pending``) until an optimizer step
+(``commit``); gradients discarded before one (cleared by ``zero_grad``, a skipped step, an
+abandoned step and its replayed collectives) discard it (``drop``). A backward that
+accumulates into the pending gradients starts from the pending residual, so the errors
+of the step's backwards telescope. A block with a NaN or inf (in the gradient, or in
+what a reduction made of it) dequantizes non-finite, so the reduced gradient shows it;
+its new residual, like one with a value whose square overflows fp32 (``LIMIT``: a 1e30
+outlier's rounding), keeps the block's value from before the reduction: the residual is
+always finite, and no value of it alone makes a later step's norm inf.
 """
 
 from __future__ import annotations
@@ -30,6 +39,11 @@ import torch.distributed as dist
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.policy import OuterReduce
 from hsdp.sharding.quant import Rows, dequantize, dequantize_sum, quantize
+
+# The largest residual value kept: its square is finite in fp32. Past it every norm over
+# it is inf, so a step with it is skipped or clipped to nothing, and carrying it would
+# make the next steps' norms inf too.
+LIMIT = torch.finfo(torch.float32).max ** 0.5
 
 
 class CompressedOuter:
@@ -44,7 +58,7 @@ class CompressedOuter:
         self.rows = Rows(numel, n, config.block)
         self.rank = rank
         self.residual: torch.Tensor | None = None  # [n, m]; None: zeros
-        self._next: torch.Tensor | None = None  # this step's, until commit
+        self._pending: torch.Tensor | None = None  # the exposed gradients', until commit
 
     def _quantize(self, x: torch.Tensor) -> torch.Tensor:
         return quantize(x, self.config.dtype, self.config.block)
@@ -58,8 +72,8 @@ class CompressedOuter:
         error rows, else None)."""
         feedback = self.config.error_feedback
         x = self.rows.split(src)
-        if feedback and self.residual is not None:
-            x.add_(self.residual)
+        if feedback and self._base is not None:
+            x.add_(self._base)
         packed = self._quantize(x)
         received = torch.empty_like(packed)
         coll.all_to_all(received, packed, group, "outer")
@@ -94,17 +108,36 @@ class CompressedOuter:
         self.rows.join_into(out, rows)
         self._keep(error)
 
+    @property
+    def _base(self) -> torch.Tensor | None:
+        """The residual a reduction starts from: the pending one (a backward accumulating
+        into gradients not yet applied), else the committed one (None: zeros)."""
+        return self._pending if self._pending is not None else self.residual
+
     def _keep(self, error: torch.Tensor | None) -> None:
-        self._next = error
+        """``error`` (None without error feedback) becomes the pending residual; in a
+        block with a value past ``LIMIT`` or NaN, the base's values (no host sync: a
+        masked copy)."""
+        if error is not None:
+            blocks = error.view(self.rows.n, -1, self.config.block)
+            bad = torch.linalg.vector_norm(blocks, float("inf"), dim=-1,
+                                           keepdim=True).le(LIMIT).logical_not_()
+            base = self._base
+            if base is None:
+                blocks.masked_fill_(bad, 0.0)
+            else:
+                torch.where(bad, base.view_as(blocks), blocks, out=blocks)
+        self._pending = error
 
     def commit(self) -> None:
-        """The step's gradients went to the optimizer: its residual becomes the state."""
-        if self._next is not None:
-            self.residual, self._next = self._next, None
+        """The optimizer applied the gradients: their residual becomes the state."""
+        if self._pending is not None:
+            self.residual, self._pending = self._pending, None
 
     def drop(self) -> None:
-        """The step was abandoned: keep the residual it started from."""
-        self._next = None
+        """The gradients were discarded before an optimizer step: back to the committed
+        residual."""
+        self._pending = None
 
     def residual_flat(self) -> torch.Tensor:
         """The residual over the inner shard (``numel`` fp32 elements; zeros if none)."""
@@ -114,7 +147,7 @@ class CompressedOuter:
 
     def load_residual(self, flat: torch.Tensor | None) -> None:
         """Set the residual from ``residual_flat``'s form (None: zeros)."""
-        self._next = None
+        self._pending = None
         if flat is None or not self.config.error_feedback:
             self.residual = None
             return

@@ -266,8 +266,6 @@ class GradientState:
     def expose_grads(self, used: Sequence[bool]) -> None:
         """Hand the reduced gradients to the optimizer; a parameter that no rank used
         keeps ``.grad = None`` (as with DDP)."""
-        if self.compressed is not None:  # the step counts: its residual is the state now
-            self.compressed.commit()
         if self._placeholder_grads:  # zero, whatever the user did to them last step
             torch._foreach_zero_(self._placeholder_grads)
         if self.carry is not None or self.carry_in_buf:  # .grads left set before the step
@@ -277,6 +275,13 @@ class GradientState:
             self.carry, self.carry_in_buf = None, False
         self.expose_used(used)
         self.used = [False] * len(self.used)
+
+    def applied(self) -> None:
+        """An optimizer stepped: if the reduced gradients were still set (not cleared by
+        ``zero_grad(set_to_none=True)``), the compressed reduction's residual of them is
+        the state now (``compressed.py``)."""
+        if self.compressed is not None and self.grads_exposed():
+            self.compressed.commit()
 
     def expose_used(self, used: Sequence[bool]) -> None:
         """Set the ``.grad`` of each parameter some rank used to its view of the reduced
@@ -294,13 +299,15 @@ class GradientState:
         cleared in place), whatever they hold at each replay. ``single``: this backward
         is the step's only one; then, where the step's gradients reach ``accum`` in one
         write (``_adds_in_place``), they stay in ``grad_buf`` and that write adds to them
-        (the same sums, without a copy of them)."""
+        (the same sums, without a copy of them). Gradients not carried (cleared, or all
+        zero) were discarded without an optimizer step, and their residual with them."""
         with direct():
             grads = [p.grad for p in self.b.sharded]
             for p in self.b.sharded:
                 p.grad = None
         self.carry, self.carry_in_buf = None, False
         if all(g is None for g in grads):
+            self._discarded()
             return
         in_buf = capturing and single and self.grads_live and self._adds_in_place()
         # Our views live in grad_buf; read it only while it is live (a .grad autograd put
@@ -320,6 +327,15 @@ class GradientState:
             self.carry_in_buf, self.carried = True, [g is not None for g in grads]
         elif capturing or carry.any():
             self.carry, self.carried = carry, [g is not None for g in grads]
+        else:
+            self._discarded()
+
+    def _discarded(self) -> None:
+        """The last reduced gradients were cleared without an optimizer step: so is their
+        compressed reduction's residual (a carried gradient keeps it, for the next
+        backward to start from)."""
+        if self.compressed is not None:
+            self.compressed.drop()
 
     def _adds_in_place(self) -> bool:
         """Whether a step of one backward writes its gradients into ``accum`` once, at the

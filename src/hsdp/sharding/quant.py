@@ -16,6 +16,20 @@ from dataclasses import dataclass
 import torch
 
 _FORMATS = {"int8": (torch.int8, 127.0), "fp8_e4m3": (torch.float8_e4m3fn, 448.0)}
+_TINY = torch.finfo(torch.float32).tiny  # the smallest scale: |x| / scale stays in range
+
+
+def _largest_scale(qmax: float) -> float:
+    """The largest fp32 scale whose ``qmax`` multiple is finite: a finite block
+    dequantizes finite (``max / qmax`` rounded up would overflow)."""
+    zero = torch.zeros((), dtype=torch.float32)
+    scale = torch.tensor(torch.finfo(torch.float32).max / qmax, dtype=torch.float32)
+    while not torch.isfinite(scale * qmax):
+        scale = torch.nextafter(scale, zero)
+    return scale.item()
+
+
+_SCALE_RANGE = {fmt: (_TINY, _largest_scale(qmax)) for fmt, (_, qmax) in _FORMATS.items()}
 
 
 @dataclass(frozen=True)
@@ -66,12 +80,15 @@ def quantize(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
     """Rows ``x`` (fp32 ``[r, m]``, ``m`` a multiple of ``block``) packed: uint8
     ``[r, m + 4 * m / block]``. Few passes over ``x`` (this runs per unit and step on the
     outer stream): the block maxima in one reduction, one scaling, (int8) one rounding,
-    one cast; no clamp is needed, ``|x| / scale`` is at most the format's maximum."""
+    one cast; no clamp is needed, ``|x| / scale`` is at most the format's maximum. Finite
+    scales are kept within ``_SCALE_RANGE`` (a denormal one would push ``|x| / scale``
+    past the format, one near fp32's maximum would dequantize to inf); a block with a
+    NaN or inf has a NaN or inf scale, so the whole block dequantizes non-finite."""
     dtype, qmax = _FORMATS[fmt]
     r, m = x.shape
     xb = x.view(r, m // block, block)
     scale = torch.linalg.vector_norm(xb, float("inf"), dim=-1, keepdim=True).div_(qmax)
-    scale.masked_fill_(scale == 0, 1.0)
+    scale = torch.where(scale.isfinite(), scale.clamp(*_SCALE_RANGE[fmt]), scale)
     q = xb / scale
     if dtype == torch.int8:
         q.round_()

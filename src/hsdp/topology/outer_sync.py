@@ -8,6 +8,7 @@ averages each fragment's pseudo-gradient over ``outer`` and takes an outer optim
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from hsdp.ft.errors import FaultToleranceError
@@ -15,6 +16,14 @@ from hsdp.ft.errors import FaultToleranceError
 
 def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _finite(value: int | float) -> bool:
+    """Whether ``value`` is a finite float (an int too large for one is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,9 @@ class DiLoCo:
         lr = self.outer_lr
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
             raise ValueError(f"hsdp.DiLoCo: outer_lr must be a number > 0, got {lr!r}")
+        if not _finite(lr):
+            raise ValueError(f"hsdp.DiLoCo: outer_lr must be finite, got {lr!r}: the first "
+                             f"outer step would set every parameter to inf or NaN")
         m = self.momentum
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1:
             raise ValueError(f"hsdp.DiLoCo: momentum must be a number in [0, 1), got {m!r}")

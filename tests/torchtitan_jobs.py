@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from titan_cpu_configs import fsdp2_on_gloo
@@ -405,10 +406,10 @@ def titan_loop(parts: list[nn.Module], step_fn: Callable[[int], float], folder: 
 
 
 def _hsdp_model(dims: ParallelDims, strategy: str, ac: bool = True,
-                arch: Arch = LLAMA) -> nn.Module:
+                arch: Arch = LLAMA, **kw: object) -> nn.Module:
     model = _parallelize(hsdp_titan.parallelize_llama, _meta_model(arch=arch), dims, ac,
                          "default",
-                         strategy=strategy, overlap_outer=strategy == "hsdp")
+                         strategy=strategy, overlap_outer=strategy == "hsdp", **kw)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     with torch.no_grad():
@@ -463,6 +464,36 @@ def checkpoint_job(rank: int, world: int, root: str) -> dict[str, float | bool]:
     hsdp.synchronize(model)
     model, _ = _titan_run(_fsdp2_model(dims), rank, world, f"{root}/hsdp", resume=True)
     out["hsdp ckpt -> fsdp2"] = _rel(_full_params(model), full["hsdp"])
+    return out
+
+
+def extra_state_job(rank: int, world: int, root: str) -> dict[str, bool]:
+    """torchtitan's ``CheckpointManager`` on hsdp models with an int8 outer reduction
+    (error feedback) and with DiLoCo saved mid-period (step ``SAVE_AT``, period 3): does
+    the resumed run equal the uninterrupted one bit for bit (losses and parameters), and
+    does the checkpoint hold hsdp's residual / DiLoCo keys?"""
+    titan_dims_module.device_type = "cpu"
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=world,
+                        spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    out: dict[str, bool] = {}
+    cases = {"int8": ({"outer_reduce": "int8"}, "hsdp_outer_residual"),
+             "diloco": ({"outer_sync": "diloco:inner_steps=3,outer_lr=0.7,momentum=0.9"},
+                        "hsdp_outer_sync")}
+    for name, (kw, key) in cases.items():
+        folder = f"{root}/{name}"
+        model, losses = _titan_run(_hsdp_model(dims, "hsdp", **kw), rank, world, folder,
+                                   resume=False)
+        full = _full_params(model)
+        hsdp.synchronize(model)
+        model, resumed = _titan_run(_hsdp_model(dims, "hsdp", **kw), rank, world, folder,
+                                    resume=True)
+        out[f"{name} resume equal"] = resumed == losses[SAVE_AT:] and all(
+            torch.equal(a, b) for a, b in zip(_full_params(model), full))
+        saved = dcp.FileSystemReader(f"{folder}/checkpoint/step-{SAVE_AT}").read_metadata()
+        out[f"{name} keys saved"] = any(k.startswith(f"optimizer.{key}.")
+                                        for k in saved.state_dict_metadata)
+        hsdp.synchronize(model)
     return out
 
 

@@ -27,11 +27,12 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.tensor import DTensor
 
 from hsdp.checkpoint import dirs, integrity
+from hsdp.checkpoint.extra_state import Loaded, apply
 from hsdp.checkpoint.full_state import clean_keys, model_keys, quiesce
 from hsdp.checkpoint.load_targets import check_model, optim_targets
-from hsdp.checkpoint.outer_residual import KEY, from_read, load_residuals, to_read
+from hsdp.checkpoint.outer_residual import KEY, from_read, to_read
 from hsdp.checkpoint.outer_sync_state import KEY as SYNC_KEY
-from hsdp.checkpoint.outer_sync_state import in_checkpoint, load_outer_sync
+from hsdp.checkpoint.outer_sync_state import in_checkpoint
 from hsdp.checkpoint.state_dicts import name_of, optim_state_dict, optimizer_input, param_names
 from hsdp.checkpoint.sync import CheckpointError, Meeting
 from hsdp.sharding.chunks import attach_chunks
@@ -296,16 +297,23 @@ def load(path: str | os.PathLike, model: nn.Module,
                               f"are unchanged. {_failures(e)}") from e
     where = f"hsdp.load: the checkpoint at {path}"
     if optimizer is not None:  # the groups, read from the checkpoint, are checked too
-        meeting.verdict(group, "groups",
-                        lambda: optimizer_input(model, optimizer, read["optim"], where))
+        loaded = meeting.verdict(group, "groups",
+                                 lambda: _checked_read(model, optimizer, read["optim"], where))
     state = _commit(state, read)
     model.load_state_dict(model_keys(model, state["model"]))
     if optimizer is not None:
         optimizer.load_state_dict(optimizer_input(model, optimizer, state["optim"], where))
         adopt_state(optimizer.state)
-        load_residuals(model, from_read(model, state["optim"][KEY])
-                       if KEY in state["optim"] else None)
-        load_outer_sync(model, state["optim"].get(SYNC_KEY), optimizer)
+        apply(model, loaded, optimizer.state)
+
+
+def _checked_read(model: nn.Module, optimizer: torch.optim.Optimizer, read: dict[str, Any],
+                  where: str) -> Loaded:
+    """The residuals (this rank's, or converted from another layout's) and DiLoCo state
+    that ``read`` (the optimizer's part, read) gives, once its parameter groups are
+    checked against the optimizer's: before anything is written."""
+    optimizer_input(model, optimizer, read, where)
+    return Loaded(from_read(model, read[KEY]) if KEY in read else None, read.get(SYNC_KEY))
 
 
 def _load_targets(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None

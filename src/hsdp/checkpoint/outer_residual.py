@@ -98,13 +98,13 @@ def from_read(model: nn.Module, read: dict[str, torch.Tensor]) -> dict[str, torc
     out = {}
     sizes = {k: v.numel() for k, v in read.items()}
     for key, g in _groups(model):
-        if key in read:
+        n = g.compressed.rows.numel
+        if key in read and read[key].numel() == n:
             out[key] = read[key]
             continue
-        others = _others(key, g, sizes)
+        others = _others(key, g, sizes)  # this key of another size: another strategy's
         if not others:
             continue
-        n = g.compressed.rows.numel
         lo = g.comms.inner_rank * n
         acc = torch.zeros(n)
         for other, numel in others.items():

@@ -78,17 +78,18 @@ def in_checkpoint(state: dict[str, torch.Tensor], saved: dict[str, object],
 
 
 def load_outer_sync(model: nn.Module, state: dict[str, torch.Tensor] | None,
-                    optimizer: torch.optim.Optimizer | None = None) -> None:
+                    opt_state: Mapping[torch.Tensor, dict] | None = None) -> None:
     """Set this rank's outer state from ``state`` (``outer_sync_state``'s form); a group
     whose keys are missing starts afresh. Replica-local values found in ``state``
-    replace what the model's and optimizer's entries loaded."""
+    replace what the model's and optimizer's entries loaded (``opt_state``: the
+    optimizer state by parameter)."""
     state = state or {}
     for key, g in anchored_groups(model):
         found = {name: state.get(f"{key}/{name}") for name in FIELDS}
         g.anchor.load(found if all(v is not None for v in found.values()) else None,
                       g.main.device)
     with torch.no_grad():
-        local = _replica_local(model, None if optimizer is None else optimizer.state)
+        local = _replica_local(model, opt_state)
         for key, target in list(local):
             if key in state:
                 target.copy_(state[key])

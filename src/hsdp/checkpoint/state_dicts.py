@@ -17,12 +17,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import hsdp.checkpoint.torch_state_dict  # noqa: F401  (torch's full-state-dict loads on Pieces)
+from hsdp.checkpoint.extra_state import apply, extra_state, prepare, split
 from hsdp.checkpoint.full_state import clean_key, clean_keys, model_keys, quiesce
 from hsdp.checkpoint.lazy_state import initial_state, supported
 from hsdp.checkpoint.load_targets import check_groups
-from hsdp.checkpoint.outer_residual import KEY, load_residuals, residual_state
-from hsdp.checkpoint.outer_sync_state import KEY as SYNC_KEY
-from hsdp.checkpoint.outer_sync_state import load_outer_sync, outer_sync_state
 from hsdp.sharding.group import owner
 from hsdp.sharding.pieces import Piece, adopt_state
 from hsdp.sharding.write_guard import before_write
@@ -142,14 +140,8 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
     groups = [{**{k: v for k, v in pg.items() if k != "params"},
                "params": [name_of(names, p) for p in pg["params"]]}
               for pg in optimizer.param_groups]
-    optim_sd = {"state": state, "param_groups": groups}
-    residuals = residual_state(model)  # compressed outer reduction: training state too
-    if residuals:
-        optim_sd[KEY] = residuals
-    outer_sync = outer_sync_state(model, held)  # DiLoCo: anchors, replica-local state
-    if outer_sync:
-        optim_sd[SYNC_KEY] = outer_sync
-    return optim_sd
+    # the compressed outer reduction's residuals, DiLoCo's state: training state too
+    return {"state": state, "param_groups": groups, **extra_state(model, held)}
 
 
 def name_of(names: dict[int, str], p: torch.Tensor) -> str:
@@ -177,19 +169,21 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
                    model_state_dict: ModelState,
                    optim_state_dict: OptimState | None = None) -> None:
     """Load what ``torch.distributed.checkpoint.load`` read into ``get_state_dict``'s
-    dicts: the model's values (already in place when loaded into those views) and the
-    optimizer's state and hyperparameters. The optimizer's parameter groups are checked
+    dicts: the model's values (already in place when loaded into those views), the
+    optimizer's state and hyperparameters, and hsdp's residuals and DiLoCo state
+    (``extra_state``). The optimizer's parameter groups and hsdp's state are checked
     first: a mismatch raises ``ValueError`` before the model is written."""
     quiesce(model, "set_state_dict")
     groups = None
     if optimizer is not None and optim_state_dict:
-        groups = optimizer_input(model, optimizer, optim_state_dict, "hsdp.set_state_dict")
+        where = "hsdp.set_state_dict"
+        groups = optimizer_input(model, optimizer, optim_state_dict, where)
+        loaded = prepare(model, split(optim_state_dict)[1], optimizer.state, where)
     model.load_state_dict(model_keys(model, model_state_dict))
     if groups is not None:
         optimizer.load_state_dict(groups)
         adopt_state(optimizer.state)
-        load_residuals(model, optim_state_dict.get(KEY))
-        load_outer_sync(model, optim_state_dict.get(SYNC_KEY), optimizer)
+        apply(model, loaded, optimizer.state)
 
 
 def optimizer_input(model: nn.Module, optimizer: torch.optim.Optimizer,

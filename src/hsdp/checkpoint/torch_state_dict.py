@@ -13,6 +13,13 @@ full dict is checked against the model (shapes; in a strict load, keys the model
 rank 0 (or on each rank that holds it) and a mismatch raises on every rank: torch checks
 each tensor only once it arrives, after earlier ones were written, and raises a strict
 load's unexpected key on rank 0 alone while the other ranks go on.
+
+hsdp's residuals and DiLoCo state (``extra_state.py``) travel in the optimizer state dicts
+that ``get_optimizer_state_dict`` / ``get_state_dict`` return (torch's code keeps only
+``state`` and ``param_groups`` of ``optimizer.state_dict()``) and are set by
+``set_optimizer_state_dict`` / ``set_state_dict``, checked before the optimizer is
+written. A full optimizer state dict (the same on every rank) cannot hold them, as they
+are each rank's own: asking for one of a model that has them raises.
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._state_dict_utils as sd_utils
 import torch.distributed.checkpoint.state_dict as torch_sd
+import torch.nn as nn
 
+from hsdp.checkpoint import extra_state
+from hsdp.checkpoint.full_state import quiesce
 from hsdp.sharding.pieces import Piece
 from hsdp.sharding.tp_blocks import block_of
 
@@ -112,6 +122,43 @@ def _wrap_broadcast_state_dict(original: Callable) -> Callable:
     return broadcast_state_dict
 
 
+def _wrap_get_optim_state_dict(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def get_optim_state_dict(model: nn.Module, optimizers: tuple, info: Any) -> dict:
+        out = original(model, optimizers, info)
+        if not info.handle_optim:
+            return out
+        quiesce(model, "get_optimizer_state_dict")
+        extras = extra_state.extra_state(model, extra_state.merged_state(optimizers))
+        if extras and info.full_state_dict:
+            raise ValueError(
+                f"hsdp: a full optimizer state dict (StateDictOptions(full_state_dict=True)) "
+                f"cannot hold this model's {' and '.join(extras)} (each rank's own: "
+                f"error-feedback residuals, DiLoCo state); use the sharded one (the "
+                f"default) with torch.distributed.checkpoint, or hsdp.save")
+        out.update(extra_state.flat(extras) if info.flatten_optimizer_state_dict else extras)
+        return out
+
+    return get_optim_state_dict
+
+
+def _wrap_load_optim_state_dict(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def load_optim_state_dict(model: nn.Module, optimizers: tuple, state_dict: dict,
+                              info: Any) -> None:
+        if not info.handle_optim:
+            return original(model, optimizers, state_dict, info)
+        quiesce(model, "set_optimizer_state_dict")
+        rest, extras = extra_state.split(state_dict)
+        live = extra_state.merged_state(optimizers)
+        loaded = extra_state.prepare(model, extras, live, "set_optimizer_state_dict")
+        original(model, optimizers, rest, info)
+        extra_state.apply(model, loaded, extra_state.merged_state(optimizers))
+        return None
+
+    return load_optim_state_dict
+
+
 def _install() -> None:
     if getattr(sd_utils._distribute_tensors, "_hsdp", False):
         return
@@ -120,7 +167,9 @@ def _install() -> None:
             (sd_utils, "_distribute_state_dict", _wrap_distribute_state_dict),
             # state_dict.py calls the name it imported
             (torch_sd, "_distribute_state_dict", _wrap_distribute_state_dict),
-            (torch_sd, "_broadcast_state_dict", _wrap_broadcast_state_dict)):
+            (torch_sd, "_broadcast_state_dict", _wrap_broadcast_state_dict),
+            (torch_sd, "_get_optim_state_dict", _wrap_get_optim_state_dict),
+            (torch_sd, "_load_optim_state_dict", _wrap_load_optim_state_dict)):
         wrapped = wrap(getattr(module, name))
         wrapped._hsdp = True
         setattr(module, name, wrapped)

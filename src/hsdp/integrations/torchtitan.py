@@ -23,6 +23,9 @@ the global token count itself); with DiLoCo, sums over the replica's ranks times
 number of replicas (each replica's gradient is its own mean, on torchtitan's scale).
 torchao float8 linears (torchtitan's float8 converter, or ``torchtitan_float8``'s with
 float8 all-gather) train under hsdp; other torchao modules (MX, NVFP4) are refused.
+torchtitan's ``CheckpointManager`` saves and loads hsdp's residuals and DiLoCo state with
+the optimizer's state (``OptimizersContainer``'s state dict, here given hsdp's entries:
+``checkpoint/extra_state.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.components.loss import ChunkedLossWrapper
+from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig
@@ -49,6 +53,7 @@ from torchtitan.models.llama3 import config_registry as _llama3_configs
 from torchtitan.protocols.module import Module as TitanModule
 
 import hsdp
+from hsdp.checkpoint import extra_state
 from hsdp.checkpoint.state_dicts import load_state_dict_hook
 from hsdp.integrations.torchtitan_pipeline import check_pipeline, pipeline_llama
 from hsdp.sharding.policy import Strategy, parse_outer_reduce
@@ -265,6 +270,41 @@ def _adopt_meta_init(model: nn.Module) -> None:
     if cls not in _META_CLASSES:
         _META_CLASSES[cls] = type(cls.__name__, (_MetaInit, cls), {})
     model.__class__ = _META_CLASSES[cls]
+
+
+def _carry_extra_state(container: type) -> None:
+    """torchtitan's optimizer container (flat, FQN-keyed state dicts built from each
+    optimizer's ``state`` and ``param_groups`` alone) with hsdp's residuals and DiLoCo
+    state of each model part added as flat keys, and set after its load (checked before
+    it: another layout's raise with nothing changed). A model without them: unchanged."""
+    get, load = container.state_dict, container.load_state_dict
+    if getattr(get, "_hsdp", False):
+        return
+
+    @functools.wraps(get)
+    def state_dict(self: OptimizersContainer) -> dict:
+        out = get(self)
+        live = extra_state.merged_state(self.optimizers)
+        for model in self.model_parts:
+            out.update(extra_state.flat(extra_state.extra_state(model, live)))
+        return out
+
+    @functools.wraps(load)
+    def load_state_dict(self: OptimizersContainer, state_dict: dict) -> None:
+        rest, extras = extra_state.split(state_dict)
+        live = extra_state.merged_state(self.optimizers)
+        loaded = [extra_state.prepare(m, extras, live, "torchtitan's checkpoint load")
+                  for m in self.model_parts]
+        load(self, rest)
+        live = extra_state.merged_state(self.optimizers)
+        for model, done in zip(self.model_parts, loaded):
+            extra_state.apply(model, done, live)
+
+    state_dict._hsdp = True
+    container.state_dict, container.load_state_dict = state_dict, load_state_dict
+
+
+_carry_extra_state(OptimizersContainer)
 
 
 def with_hsdp(config_fn: Callable) -> Callable:

@@ -25,8 +25,9 @@ class Chunks:
     ``length`` is 0)."""
 
     def __init__(self, shape: tuple[int, ...], start: int, length: int,
-                 block: TPBlock | None = None) -> None:
+                 block: TPBlock | None = None, writes: bool = True) -> None:
         self.size = torch.Size(shape)
+        self.writes = writes
         flat = tuple(shape) if block is None else block.local_shape
         self.boxes = boxes(flat, start, start + length)
         self.offsets = [torch.Size(b.offsets if block is None else block.shift(b.offsets))
@@ -37,6 +38,8 @@ class Chunks:
                 for o, b in zip(self.offsets, self.boxes)]
 
     def write_items(self, fqn: str, local: torch.Tensor) -> list[WriteItem]:
+        if not self.writes:
+            return []
         props = TensorProperties.create_from_tensor(local)
         return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=c, properties=props,
@@ -50,11 +53,27 @@ class Chunks:
         raise ValueError(f"hsdp: no local chunk of {index.fqn} at offset {index.offset}")
 
 
+_WRITES = "_hsdp_writes"  # on a DTensorSpec: False where another replica's pieces are saved
+
+
+def save_from_other_replica(dspec: DTensorSpec) -> None:
+    """DCP saves none of the pieces laid out by ``dspec`` from this rank: another outer
+    replica's stand for them (DiLoCo: outer rank 0's, chosen so, not by DCP's dedup,
+    which picks a writer per chunk and would mix replicas that differ between syncs).
+    Loading reads into them as before."""
+    setattr(dspec, _WRITES, False)
+
+
+def writes(dspec: DTensorSpec) -> bool:
+    """Whether DCP saves this rank's pieces laid out by ``dspec``."""
+    return getattr(dspec, _WRITES, True)
+
+
 def attach_chunks(local: torch.Tensor, dspec: DTensorSpec, start: int, length: int) -> None:
     """Give ``local`` (elements ``[start, start + length)`` of the flattened tensor, or TP
     block, of the shards whose spec is ``dspec``; more elements when it is a placeholder)
     DCP's chunk hooks, which a DTensor consults before its own placements."""
-    chunks = Chunks(tuple(dspec.shape), start, length, block_of(dspec))
+    chunks = Chunks(tuple(dspec.shape), start, length, block_of(dspec), writes(dspec))
     ref = weakref.ref(local)  # no reference cycle through the tensor's own attributes
     local.__create_chunk_list__ = chunks.chunk_list
     local.__create_write_items__ = lambda fqn, _obj: chunks.write_items(fqn, ref())

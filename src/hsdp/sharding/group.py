@@ -41,7 +41,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from hsdp.sharding.anchor import Anchor
-from hsdp.sharding.chunks import attach_chunks
+from hsdp.sharding.chunks import attach_chunks, save_from_other_replica
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.compressed import CompressedOuter
 from hsdp.sharding.float8_weights import Float8Weights, float8_dtype
@@ -176,6 +176,9 @@ class ParamGroup:
         self.shard_starts: list[int] = []  # first element of each parameter held here
         self.specs = [spec(self.comms.mesh, self.shard_outer, shape, self.orig_dtype, tp)
                       for shape, tp in zip(self._shapes, self._tp)]
+        if self.anchor is not None and not self.shard_outer and self.comms.outer_rank:
+            for s in self.specs:  # DiLoCo: checkpoints hold outer replica 0's values
+                save_from_other_replica(s)
         owned = self.layout.pieces(owned_lo, owned_hi)
         # Hooks on the group's own tensors reach it weakly: a strong reference is a cycle
         # through autograd's C++ that gc cannot see (the model, and with it the process

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from hsdp.sharding.chunks import Chunks, attach_chunks
+from hsdp.sharding.chunks import Chunks, attach_chunks, writes
 from hsdp.sharding.local_ops import ELEMENTWISE, READS, on_locals
 from hsdp.sharding.reductions import DECLINED, SPECIAL, special
 from hsdp.sharding.tp_blocks import block_of
@@ -225,7 +225,8 @@ class Piece(DTensor):
     # would say torch.chunk rows): for every Piece, also the optimizer state that torch's
     # ops made from one (whose local tensor has no chunk hooks, see ``attach_chunks``).
     def _chunks(self) -> Chunks:
-        return Chunks(tuple(self._spec.shape), *self._hsdp_range, block_of(self._spec))
+        return Chunks(tuple(self._spec.shape), *self._hsdp_range, block_of(self._spec),
+                      writes(self._spec))
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return self._chunks().chunk_list()

@@ -32,6 +32,8 @@ class Claim:
 
     def _take(self) -> tuple[str, str, str | None]:
         save_id = integrity.new_save_id()
+        dirs.check_path(self.path)  # a path hsdp may not write is refused before the lock
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self._lock = SaveLock.acquire(self.path, save_id)
         if self._lock.broke is not None:
             log.warning("hsdp.save: broke the stale lock of %s (%s)", self.path,
@@ -52,7 +54,7 @@ class Claim:
             if holder is not None:
                 raise CheckpointError(
                     f"hsdp.save: the lock on {self.path} was broken while this save wrote "
-                    f"(now held by {holder}): this process did not touch it for "
+                    f"({holder}): this process had not touched it for over "
                     f"{STALE_S:g} s (was it stopped?). This save is not published; "
                     f"{self.path} is left to the other save")
             if not os.path.isfile(os.path.join(self.staging, integrity.SEAL)):

@@ -149,17 +149,17 @@ class SaveLock:
             self.broke = f"{_describe(info, age)}: {why}"
 
     def held(self) -> str | None:
-        """None while this save still holds the lock, else what holds it now."""
+        """None while this save still holds the lock, else what is there now."""
         info = _read(self.file)
         if info is not None and info.get("save_id") == self.save_id:
             return None
         if info is None:
-            return "nobody (its lock file was removed)"
+            return "the lock file is gone"
         try:
             age = time.time() - os.stat(self.file).st_mtime
         except FileNotFoundError:
             age = 0.0
-        return _describe(info, age)
+        return f"it now names {_describe(info, age)}"
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):

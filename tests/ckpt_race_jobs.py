@@ -1,9 +1,10 @@
 """Two jobs saving to one checkpoint path at once (``test_checkpoint_race.py``): job "a"
 and job "b" are two separate gloo worlds of 2 ranks (as two torchrun jobs, or two torchft
 replica groups, are). Hooks place b's save deterministically inside a's: between a's write
-and its publish, during a's write, and after a's lock went stale (a process that was
-stopped); then the same with torch DCP's ``dcp.save``. The jobs meet through flag files
-in the shared directory; each returns, per rank, what it saw.
+and its publish, during a's write, and after a's lock went stale (a stopped process)
+between its write and its publish or while it wrote; then the same with torch DCP's
+``dcp.save``. The jobs meet through flag files in the shared directory; each returns, per
+rank, what it saw.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ except ImportError:
     save_lock = None
 
 SIDE = Side(1, 2)
+CASES = ("publish", "write", "stale", "stale_write")
 WAIT_S = 300.0
 
 
@@ -103,7 +105,7 @@ def race_job(rank: int, world: int, root: str, role: str) -> dict[str, object]:
     states = {r: torch.load(os.path.join(root, f"state_{r}_{rank}.pt")) for r in "ab"}
     run = _job_a if role == "a" else _job_b
     out = run(flags, root, model, opt)
-    for case in ("publish", "write", "stale"):
+    for case in CASES:
         out[f"{case}_loads"] = _loads_as(os.path.join(root, case), states)
         out[f"{case}_target"] = os.path.realpath(os.path.join(root, case))
     out["dcp_loads"] = _dcp_loads_as(os.path.join(root, "dcp"), states)
@@ -151,6 +153,18 @@ def _job_a(flags: Flags, root: str, model, opt) -> dict[str, object]:
     undo()
     flags.raise_("a_done_stale")
 
+    # a stops touching its lock while its ranks write; b breaks it, removes a's unfinished
+    # files and publishes its own: a's write fails and says the path was switched
+    def stopped_writing() -> None:
+        if dist.get_rank() == 0:
+            open(os.path.join(root, "a_writing_stale_write"), "w").close()
+        flags.wait("b_tried_stale_write")
+
+    undo = _patched(writer, "write_data", stopped_writing)
+    out["stale_write"] = _outcome(hsdp.save, os.path.join(root, "stale_write"), model, opt)
+    undo()
+    flags.raise_("a_done_stale_write")
+
     # torch DCP: b's dcp.save between a's data and a's metadata
     def finishing() -> None:
         open(os.path.join(root, "a_written_dcp"), "w").close()
@@ -166,11 +180,11 @@ def _job_a(flags: Flags, root: str, model, opt) -> dict[str, object]:
 
 def _job_b(flags: Flags, root: str, model, opt) -> dict[str, object]:
     out: dict[str, object] = {}
-    for case in ("publish", "write", "stale"):
-        flags.wait({"publish": "a_written", "write": "a_writing",
-                    "stale": "a_written_stale"}[case])
-        if case == "stale" and dist.get_rank() == 0 and save_lock is not None:
-            lock = save_lock.lock_file(os.path.join(root, "stale"))
+    for case in CASES:
+        flags.wait({"publish": "a_written", "write": "a_writing", "stale": "a_written_stale",
+                    "stale_write": "a_writing_stale_write"}[case])
+        if case.startswith("stale") and dist.get_rank() == 0 and save_lock is not None:
+            lock = save_lock.lock_file(os.path.join(root, case))
             then = time.time() - 2 * save_lock.STALE_S  # a's last heartbeat, long ago
             os.utime(lock, (then, then))
         out[case] = _outcome(hsdp.save, os.path.join(root, case), model, opt)

@@ -26,7 +26,9 @@ def race(tmp_path_factory) -> dict[str, list[dict]]:
 @pytest.mark.parametrize("case", ["publish", "write"])
 def test_a_second_save_to_a_path_being_saved_is_refused(race: dict, case: str) -> None:
     """b saves between a's write and its publish, or while a writes: b is refused on every
-    rank naming a's job, a publishes, and the path loads as a's checkpoint."""
+    rank naming a's job, a publishes, the path loads as a's checkpoint, no lock is left.
+    (Before: both returned OK and the path pointed at files b had removed; or a failed
+    saying the previous checkpoint was unchanged while b had replaced it.)"""
     for r in race["b"]:
         assert r[case].startswith("CheckpointBusyError") and "being saved by another job" \
             in r[case] and "pid" in r[case] and ".lock" in r[case], r[case]
@@ -34,6 +36,7 @@ def test_a_second_save_to_a_path_being_saved_is_refused(race: dict, case: str) -
         assert r[case] == "ok", r[case]
     for r in race["a"] + race["b"]:
         assert r[f"{case}_loads"] == "a", r[f"{case}_loads"]
+        assert r["lock_left"] == [], r["lock_left"]
 
 
 def test_a_stale_lock_is_broken_and_its_save_is_not_published(race: dict) -> None:
@@ -49,14 +52,17 @@ def test_a_stale_lock_is_broken_and_its_save_is_not_published(race: dict) -> Non
         assert r["stale_loads"] == "b", r["stale_loads"]
 
 
-def test_no_lock_is_left_behind(race: dict) -> None:
+def test_a_failed_save_says_the_path_changed_when_it_did(race: dict) -> None:
+    """a's lock went stale while it wrote: b broke it and published; a's error says the
+    path was switched by another save, never that the previous checkpoint is unchanged.
+    The peer, torch DCP, in the same race: both dcp.save return and the directory loads
+    b's data under a's metadata (last writer wins, nothing refused)."""
+    for r in race["b"]:
+        assert r["stale_write"] == "ok", r["stale_write"]
+    for r in race["a"]:
+        msg = r["stale_write"]
+        assert msg.startswith("CheckpointError") and "switched meanwhile by another save" \
+            in msg and "unchanged" not in msg, msg
     for r in race["a"] + race["b"]:
-        assert r["lock_left"] == [], r["lock_left"]
-
-
-def test_torch_dcp_in_the_same_race(race: dict) -> None:
-    """The peer: two dcp.save to one directory both return, and it loads (b's data under a's
-    metadata, the files having the same names and layout): last writer wins, no lock."""
-    for r in race["a"] + race["b"]:
-        assert r["dcp"] == "ok", r["dcp"]
-        assert r["dcp_loads"] in ("a", "b"), r["dcp_loads"]
+        assert r["stale_write_loads"] == "b", r["stale_write_loads"]
+        assert r["dcp"] == "ok" and r["dcp_loads"] == "b", (r["dcp"], r["dcp_loads"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 
@@ -19,6 +20,7 @@ from parity_jobs import _rel_err
 
 import hsdp
 import hsdp.checkpoint.dcp
+from hsdp.checkpoint.dirs import MARKER
 
 SIDE = Side(2, 2)
 
@@ -108,6 +110,7 @@ def paths_job(rank: int, world: int, root: str) -> dict[str, object]:
 
     _on_rank0(prepare_staged)
     before = _listing(staged)
+    dist.barrier()  # every rank has listed it before rank 0 creates anything there
     out["staged_save"] = _outcome(lambda: hsdp.save(os.path.join(staged, "ck"), model, opt))
     after = _listing(staged)
     out["staged_untouched"] = all(after.get(k) == v for k, v in before.items())
@@ -257,4 +260,63 @@ def stall_job(rank: int, world: int, root: str) -> dict[str, object]:
     out["error"] = _outcome(lambda: hsdp.save(os.path.join(root, "second"), model, opt))
     out["seconds"] = time.monotonic() - t0
     store.set(f"stall-done{rank}", "1")
+    return out
+
+
+def unmarked_job(rank: int, world: int, root: str) -> dict[str, object]:
+    """A checkpoint hsdp wrote is hsdp's by its content: without the directory marker a
+    flipped byte, a shard of another save, an edited ``.metadata`` are refused as with
+    it, and without its seal (or with an altered one) it is refused too. Each case: the
+    load raises on every rank and changes nothing."""
+    import shutil
+
+    from ckpt_invariance_jobs import _copy, _swap_two_ranges
+
+    out: dict[str, object] = {}
+    model = _build(SIDE, 0)
+    opt = _optimizer(model, "sgd")
+    _steps(model, opt, range(K), rank, world)
+    hsdp.save(os.path.join(root, "a"), model, opt)
+    saved = hsdp.full_state_dict(model)
+    _steps(model, opt, range(K, K + 1), rank, world)
+    hsdp.save(os.path.join(root, "b"), model, opt)
+    a, b = (os.path.realpath(os.path.join(root, n)) for n in ("a", "b"))
+    fresh = _build(SIDE, 1)
+    fresh_opt = _optimizer(fresh, "sgd")
+    _steps(fresh, fresh_opt, range(1), rank, world)
+    snapshot, momenta = hsdp.full_state_dict(fresh), _momenta(fresh_opt)
+    backup = os.path.join(root, "a-backup")
+    _on_rank0(lambda: shutil.copytree(a, backup))
+
+    def flip() -> None:
+        with open(os.path.join(a, "__1_0.distcp"), "r+b") as f:
+            f.seek(os.path.getsize(f.name) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x10]))
+
+    def remove(*names: str) -> Callable[[], None]:
+        return lambda: [os.remove(os.path.join(a, n)) for n in names]
+
+    def edit_seal() -> None:
+        with open(os.path.join(a, ".hsdp-seal.json"), "w") as f:
+            f.write('{"save_id": "x"}')
+
+    sums = [f".hsdp-checksums.{r}.json" for r in range(world)]
+    cases = {"flipped": flip,
+             "foreign_shard": lambda: [_copy(os.path.join(b, n), os.path.join(a, n))
+                                       for n in ("__1_0.distcp", ".hsdp-checksums.1.json")],
+             "swapped": lambda: _swap_two_ranges(os.path.join(a, ".metadata")),
+             "no_seal": remove(".hsdp-seal.json"),
+             "no_seal_no_sums": remove(".hsdp-seal.json", *sums),
+             "altered_seal": edit_seal}
+    for case, damage in cases.items():
+        _on_rank0(lambda damage=damage: (os.remove(os.path.join(a, MARKER)), damage()))
+        out[case] = _outcome(hsdp.load, os.path.join(root, "a"), fresh, fresh_opt)
+        out[f"{case}_unchanged"] = (_same(hsdp.full_state_dict(fresh), snapshot) and all(
+            torch.equal(x, y) for x, y in zip(_momenta(fresh_opt), momenta)))
+        _on_rank0(lambda: (shutil.rmtree(a), shutil.copytree(backup, a)))
+    _on_rank0(remove(MARKER))
+    out["unmarked_loads"] = _outcome(hsdp.load, os.path.join(root, "a"), fresh, fresh_opt)
+    out["unmarked_equal"] = _same(hsdp.full_state_dict(fresh), saved)
     return out

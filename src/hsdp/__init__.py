@@ -10,7 +10,7 @@ from hsdp.checkpoint.dcp import load, save
 from hsdp.checkpoint.full_state import full_state_dict, load_full_state_dict
 from hsdp.checkpoint.replica_state import fault_tolerance
 from hsdp.checkpoint.state_dicts import get_state_dict, set_state_dict
-from hsdp.checkpoint.sync import CheckpointError
+from hsdp.checkpoint.sync import CheckpointBusyError, CheckpointError
 from hsdp.clip import clip_grad_norm_
 from hsdp.ft.errors import FaultToleranceError
 from hsdp.ft.outer import FaultTolerance
@@ -26,6 +26,7 @@ from hsdp.topology.outer_sync import DiLoCo
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointBusyError",
     "CheckpointError",
     "DiLoCo",
     "FaultTolerance",

@@ -17,6 +17,7 @@ from ckpt_safety_jobs import (
     corrupt_job,
     paths_job,
     stall_job,
+    unmarked_job,
 )
 from dist_utils import run_jobs, run_ranks
 
@@ -37,6 +38,7 @@ def jobs(tmp_path_factory, async_root: Path) -> dict[str, list[dict]]:
     return run_jobs(WORLD, {
         "paths": (paths_job, (str(tmp_path_factory.mktemp("paths")),)),
         "corrupt": (corrupt_job, (str(tmp_path_factory.mktemp("corrupt")),)),
+        "unmarked": (unmarked_job, (str(tmp_path_factory.mktemp("unmarked")),)),
         "async": (async_job, (str(async_root),))})
 
 
@@ -88,6 +90,23 @@ def test_a_damaged_file_fails_the_whole_load_naming_it(corrupt: list[dict], what
         assert r[what].startswith("CheckpointError") and name in r[what], r[what]
         assert r[f"{what}_unchanged"], r
         assert r["ref"] < TOL, r["ref"]  # restored, it resumes to the one-process run
+
+
+@pytest.mark.parametrize("case,message", [
+    ("flipped", "__1_0.distcp: corrupt"),
+    ("foreign_shard", ".hsdp-checksums.1.json is from another checkpoint"),
+    ("swapped", ".metadata does not match the checksum in .hsdp-seal.json"),
+    ("no_seal", "its seal .hsdp-seal.json is missing"),
+    ("no_seal_no_sums", "its seal .hsdp-seal.json is missing"),
+    ("altered_seal", ".hsdp-seal.json is not an hsdp seal")])
+def test_an_hsdp_checkpoint_is_recognised_without_its_marker(
+        jobs: dict[str, list[dict]], case: str, message: str) -> None:
+    """The empty marker file deleted: the checksums, the seal and the save ids are still
+    checked (hsdp's save id is in the metadata), and a missing or altered seal is refused."""
+    for r in jobs["unmarked"]:
+        assert r[case].startswith("CheckpointError") and message in r[case], r[case]
+        assert r[f"{case}_unchanged"], r
+        assert r["unmarked_loads"] == "ok" and r["unmarked_equal"], r
 
 
 def _read_model(path: str) -> dict[str, torch.Tensor]:

@@ -12,8 +12,6 @@ import dataclasses
 import os
 import sys
 import threading
-import uuid
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -26,13 +24,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.tensor import DTensor
 
-from hsdp.checkpoint import dirs, integrity
+from hsdp.checkpoint import integrity
 from hsdp.checkpoint.extra_state import Loaded, apply
 from hsdp.checkpoint.full_state import clean_keys, model_keys, quiesce
 from hsdp.checkpoint.load_targets import check_model, optim_targets
 from hsdp.checkpoint.outer_residual import KEY, from_read, to_read
 from hsdp.checkpoint.outer_sync_state import KEY as SYNC_KEY
 from hsdp.checkpoint.outer_sync_state import in_checkpoint
+from hsdp.checkpoint.publication import Claim
 from hsdp.checkpoint.state_dicts import name_of, optim_state_dict, optimizer_input, param_names
 from hsdp.checkpoint.sync import CheckpointError, Meeting
 from hsdp.sharding.chunks import attach_chunks
@@ -47,17 +46,18 @@ class SaveHandle:
     ``CheckpointError`` on every rank. ``hsdp.synchronize``, the next ``save``,
     ``destroy_process_group()`` and the interpreter's exit finish it too."""
 
-    def __init__(self, meeting: Meeting, future: Future, publish: Callable[[], None]) -> None:
+    def __init__(self, meeting: Meeting, future: Future, claim: Claim) -> None:
         self.path = meeting.path
-        self._meeting = meeting
+        self._meeting, self._claim = meeting, claim
         self._published = threading.Event()
         self._error: BaseException | None = None
 
         def done(f: Future) -> None:  # on DCP's upload thread: publish without a wait()
             try:
                 f.result()
-                publish()
+                claim.publish()
             except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+                claim.release()
                 self._error = e
             self._published.set()
 
@@ -75,7 +75,7 @@ class SaveHandle:
         self._published.wait()
         failure = self._meeting.first_failure(host_group(), "published", self._error)
         if failure is not None:
-            raise _save_failed(self.path, failure) from self._error
+            raise self._claim.failed(failure) from self._error
 
 
 _PENDING: list[SaveHandle] = []
@@ -221,7 +221,9 @@ def save(path: str | os.PathLike, model: nn.Module,
     symlink hsdp made) is switched to it atomically once every rank has written, so an
     interrupted save leaves the previous checkpoint at ``path`` intact. hsdp replaces and
     removes only what it made (see ``checkpoint/dirs.py``): anything else at ``path`` raises
-    ``FileExistsError`` on every rank before anything is written.
+    ``FileExistsError`` on every rank before anything is written. One save at a time per
+    path, across jobs (``checkpoint/save_lock.py``): while another job saves to ``path``,
+    this one raises ``CheckpointBusyError`` on every rank and writes nothing.
 
     ``async_save=True``: the state is copied to CPU, then written in the background while
     training goes on; returns a handle whose ``wait()`` (on every rank) blocks until the
@@ -231,30 +233,28 @@ def save(path: str | os.PathLike, model: nn.Module,
     path = os.path.abspath(os.fspath(path))
     group = host_group()
     meeting = Meeting("hsdp.save", path)
-    staging, save_id = meeting.agree(group, "start",
-                                     lambda: (dirs.claim(path), uuid.uuid4().hex))
-    quiesce(model, "save")
-    state = {"model": clean_keys(model.state_dict()),
-             "optim": {} if optimizer is None else optim_state_dict(model, optimizer,
-                                                                   strict=False)}
-    writer = CheckpointWriter(staging, meeting, save_id)
-
-    def publish() -> None:
-        if dist.get_rank() == 0:
-            dirs.publish(path, staging)
-
-    if async_save:  # DCP's upload thread gets a group of its own (see host_group)
-        handle = SaveHandle(meeting, dcp.async_save(state, storage_writer=writer,
-                                                    process_group=host_group("async save")),
-                            publish)
-        _PENDING.append(handle)
-        return handle
+    claim = Claim(path)
     try:
-        with meeting.at("written", arrive=False):  # the writer arrives once it has written
-            dcp.save(state, storage_writer=writer, process_group=group)
-    except CheckpointException as e:  # a BaseException: keep it catchable as an error
-        raise _save_failed(path, _failures(e)) from e
-    meeting.agree(group, "published", publish)
+        claim.begin(meeting, group)
+        quiesce(model, "save")
+        state = {"model": clean_keys(model.state_dict()),
+                 "optim": {} if optimizer is None else optim_state_dict(model, optimizer,
+                                                                       strict=False)}
+        writer = CheckpointWriter(claim.staging, meeting, claim.save_id)
+        if async_save:  # DCP's upload thread gets a group of its own (see host_group)
+            handle = SaveHandle(meeting, dcp.async_save(
+                state, storage_writer=writer, process_group=host_group("async save")), claim)
+            _PENDING.append(handle)
+            return handle
+        try:
+            with meeting.at("written", arrive=False):  # the writer arrives once written
+                dcp.save(state, storage_writer=writer, process_group=group)
+        except CheckpointException as e:  # a BaseException: keep it catchable as an error
+            raise claim.failed(_failures(e)) from e
+        meeting.agree(group, "published", claim.publish)
+    except BaseException:
+        claim.release()  # rank 0: the path's lock, unless publish gave it back
+        raise
     return None
 
 
@@ -262,11 +262,6 @@ def _failures(error: CheckpointException) -> str:
     """Each failed rank's error (DCP's message only says which ranks failed)."""
     return "; ".join(f"rank {rank}: {exc}" for rank, (exc, _) in
                      sorted(error.failures.items())) or str(error)
-
-
-def _save_failed(path: str, error: BaseException | str) -> CheckpointError:
-    return CheckpointError(f"hsdp.save: writing {path} failed; the checkpoint previously at "
-                           f"that path (if any) is unchanged. {error}")
 
 
 def load(path: str | os.PathLike, model: nn.Module,

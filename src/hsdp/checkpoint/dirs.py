@@ -45,9 +45,15 @@ def check_path(path: str) -> None:
             f"move it away")
 
 
+def target(path: str) -> str | None:
+    """What the link ``path`` points at (None: no link there)."""
+    return os.readlink(path) if os.path.islink(path) else None
+
+
 def claim(path: str) -> str:
     """Check ``path``, drop what interrupted saves to it left, and create a new, empty
-    staging directory (with the marker) next to it; returns the staging directory."""
+    staging directory (with the marker) next to it; returns the staging directory. The
+    caller holds ``path``'s lock (``save_lock.py``): no other save is writing to it."""
     check_path(path)
     parent, base = os.path.split(path)
     os.makedirs(parent, exist_ok=True)

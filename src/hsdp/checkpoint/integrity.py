@@ -14,6 +14,11 @@ load swapped tensors. So every save has an id (``save_id``), written into DCP's 
 metadata, ``seal`` writes ``.hsdp-seal.json``: the id, the number of ranks and the SHA-256
 of ``.metadata``. ``open_checkpoint`` checks all of it (and reads and unpickles
 ``.metadata`` once: DCP's reader is handed the result).
+
+A checkpoint is hsdp's by its content, not by a file one could delete: its metadata's save
+id is an hsdp one (``hsdp-`` and 32 hex digits; DCP's own are dashed UUIDs), or any of
+hsdp's files (seal, checksums, directory marker) is there. Such a checkpoint must have a
+seal and checksums that match; one without is refused.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import hashlib
 import json
 import os
 import pickle
+import re
+import uuid
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -36,6 +43,12 @@ _SUMS = ".hsdp-checksums"
 SEAL = ".hsdp-seal.json"
 METADATA = ".metadata"  # DCP's file name for it
 _BLOCK = 16 << 20
+_HSDP_ID = re.compile(r"(hsdp-)?[0-9a-f]{32}")  # without the prefix: an older hsdp's
+
+
+def new_save_id() -> str:
+    """The id of a new save, which marks its metadata as hsdp's."""
+    return f"hsdp-{uuid.uuid4().hex}"
 
 
 def _key(info: Any) -> str:
@@ -90,21 +103,48 @@ def open_checkpoint(directory: str) -> Opened:
     when there is no ``.metadata``."""
     with open(os.path.join(directory, METADATA), "rb") as f:
         raw = f.read()
-    ours = os.path.isfile(os.path.join(directory, MARKER))
-    sealed = _read_json(os.path.join(directory, SEAL)) if ours else None
-    if sealed is not None and hashlib.sha256(raw).hexdigest() != sealed["metadata_sha256"]:
-        raise ValueError(f"{METADATA} does not match the checksum in {SEAL} (edited, or from "
-                         f"another checkpoint)")
+    seal_file = os.path.join(directory, SEAL)
+    sealed = _read_json(seal_file) if os.path.lexists(seal_file) else None
+    if sealed is not None:  # checked before anything is unpickled
+        sealed = _seal_fields(sealed)
+        if hashlib.sha256(raw).hexdigest() != sealed["metadata_sha256"]:
+            raise ValueError(f"{METADATA} does not match the checksum in {SEAL} (edited, or "
+                             f"from another checkpoint)")
     metadata = pickle.loads(raw)  # noqa: S301 - DCP's format (see checkpoints.md)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
+    save_id = metadata.storage_meta.save_id
     if sealed is None:
-        return Opened(metadata, {}, False)
-    save_id = sealed["save_id"]
-    if metadata.storage_meta.save_id != save_id:
-        raise ValueError(f"{METADATA} is from save {metadata.storage_meta.save_id}, {SEAL} "
-                         f"from save {save_id}")
+        evidence = _hsdp_evidence(directory, save_id)
+        if evidence is None:
+            return Opened(metadata, {}, False)
+        raise ValueError(f"hsdp.save wrote this checkpoint ({evidence}) but its seal {SEAL} "
+                         f"is missing: its files cannot be checked to belong together "
+                         f"(removed, or an incomplete copy); copy the whole directory again")
+    if save_id != sealed["save_id"]:
+        raise ValueError(f"{METADATA} is from save {save_id}, {SEAL} from save "
+                         f"{sealed['save_id']}")
     return Opened(metadata, _load_sums(directory, save_id, sealed["ranks"]), True)
+
+
+def _seal_fields(sealed: Any) -> dict[str, Any]:
+    """The seal, with its fields checked."""
+    if (not isinstance(sealed, dict) or not isinstance(sealed.get("save_id"), str)
+            or not isinstance(sealed.get("ranks"), int)
+            or not isinstance(sealed.get("metadata_sha256"), str)):
+        raise ValueError(f"{SEAL} is not an hsdp seal (altered?): {sealed!r:.200}")
+    return sealed
+
+
+def _hsdp_evidence(directory: str, save_id: Any) -> str | None:
+    """What says hsdp wrote the checkpoint in ``directory`` (None: nothing)."""
+    if isinstance(save_id, str) and _HSDP_ID.fullmatch(save_id):
+        return f"the save id {save_id} in its {METADATA}"
+    sums = glob.glob(os.path.join(glob.escape(directory), f"{_SUMS}.*.json"))
+    for name in [os.path.join(directory, MARKER)] + sorted(sums):
+        if os.path.lexists(name):
+            return f"it holds {os.path.basename(name)}"
+    return None
 
 
 def _read_json(name: str) -> dict[str, Any]:

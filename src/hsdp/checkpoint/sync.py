@@ -27,6 +27,11 @@ class CheckpointError(RuntimeError):
     An ``Exception``, unlike DCP's ``CheckpointException``; raised on every rank."""
 
 
+class CheckpointBusyError(CheckpointError):
+    """``hsdp.save``: another job is saving to the same path (``save_lock.py``); this save
+    wrote nothing. Raised on every rank."""
+
+
 class Meeting:
     """The meeting points of one ``what`` (``"hsdp.save"`` / ``"hsdp.load"``) of ``path``."""
 

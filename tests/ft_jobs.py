@@ -18,6 +18,7 @@ import urllib.request
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -171,6 +172,9 @@ def _hsdp(cfg: dict) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
         hsdp.fully_shard(layer, mesh=mesh)
     hsdp.fully_shard(model, mesh=mesh)
     opt, sched = make_optimizer(model)
+    if cfg.get("numpy_lr"):  # a schedule computed with numpy: state weights_only rejects
+        for g in opt.param_groups:
+            g["lr"] = np.float64(g["lr"])
     return model, opt, sched, hsdp.fault_tolerance(model, opt, sched)
 
 
@@ -272,7 +276,7 @@ def record(cfg: dict, step: int, model: nn.Module, opt: torch.optim.Optimizer,
     momenta = {n: opt.state[p]["momentum_buffer"].full_tensor()
                for n, p in model.named_parameters()}
     if cfg["rank"] == 0:
-        torch.save({"params": params, "momenta": momenta, "lr": opt.param_groups[0]["lr"],
+        torch.save({"params": params, "momenta": momenta, "lr": float(opt.param_groups[0]["lr"]),
                     "participants": participants, "took_part": took_part},
                    os.path.join(cfg["out"], f"{cfg['tag']}_step{step}.pt"))
 

@@ -115,6 +115,24 @@ def mesh_args_job(rank: int, world: int) -> dict:
     return out
 
 
+def expert_mesh_args_job(rank: int, world: int) -> dict:
+    """On a (1, 4) mesh: rank 0 asks for the expert mesh of ep=2, the others for ep=4;
+    then all for ep=2 (the world is still usable); then rank 3 does not call it."""
+    mesh = hsdp.init_mesh(1, 4, "cpu", timeout=timedelta(seconds=TIMEOUT_S))
+    out: dict = {}
+    for case, ep in (("ep", 2 if rank == 0 else 4), ("agreed", 2), ("absent", 2)):
+        t0 = time.monotonic()
+        try:
+            if not (case == "absent" and rank == 3):
+                out["shape after"] = tuple(hsdp.expert_mesh(mesh, ep).shape)
+            out[case] = "built"
+        except (RuntimeError, ValueError) as exc:
+            out[case] = str(exc)
+        out[f"{case} seconds"] = time.monotonic() - t0
+        dist.barrier()
+    return out
+
+
 def clip_stall_job(rank: int, world: int) -> dict:
     """Rank 3 stalls after step 1's backward; the others call clip_grad_norm_."""
     mesh = hsdp.init_mesh(2, 2, "cpu", timeout=timedelta(seconds=TIMEOUT_S))

@@ -1,5 +1,5 @@
 """Ranks must agree before hsdp acts (docs/guide/failure_semantics.md), on 4 gloo ranks (2x2):
-init_mesh's arguments, the model given to fully_shard, a peer stalled in
+init_mesh's and expert_mesh's arguments, the model given to fully_shard, a peer stalled in
 clip_grad_norm_; and a world re-created in one process gets new groups and leaks nothing.
 Job bodies: ``world_jobs.py``."""
 
@@ -11,6 +11,7 @@ from world_jobs import (
     MISMATCHES,
     TIMEOUT_S,
     clip_stall_job,
+    expert_mesh_args_job,
     mesh_args_job,
     model_mismatch_job,
     reinit_job,
@@ -57,6 +58,23 @@ def test_ranks_disagreeing_on_init_mesh_raise_within_the_timeout():
         assert "ranks 1-3: init_mesh(outer=1, inner=4" in msg, (r, msg)
         assert res["shape seconds"] < TIMEOUT_S + 2, (r, res)
         assert res["agreed"] == "built" and res["shape after"] == (2, 2), (r, res)
+    for r, res in enumerate(results[:3]):
+        assert res["absent"].startswith("hsdp:") and "rank(s) [3]" in res["absent"], (r, res)
+        assert res["absent seconds"] < 2 * TIMEOUT_S + 2, (r, res)
+    assert results[3]["absent"] == "built"
+
+
+def test_ranks_disagreeing_on_expert_mesh_raise_within_the_timeout():
+    """Once, rank 0 (ep=2) hung building its groups past 150 s while the others (ep=4)
+    got a raw DistStoreError."""
+    results = run_ranks(expert_mesh_args_job, WORLD, timeout=JOB_TIMEOUT_S)
+    for r, res in enumerate(results):
+        msg = res["ep"]
+        assert msg.startswith("hsdp: the ranks called expert_mesh with different"), (r, msg)
+        assert "rank 0: expert_mesh(mesh of dims ('outer', 'inner'), shape (1, 4), ep=2)" \
+            in msg and "ranks 1-3: expert_mesh(" in msg and "ep=4)" in msg, (r, msg)
+        assert res["ep seconds"] < TIMEOUT_S + 2, (r, res)
+        assert res["agreed"] == "built" and res["shape after"] == (1, 2, 2), (r, res)
     for r, res in enumerate(results[:3]):
         assert res["absent"].startswith("hsdp:") and "rank(s) [3]" in res["absent"], (r, res)
         assert res["absent seconds"] < 2 * TIMEOUT_S + 2, (r, res)

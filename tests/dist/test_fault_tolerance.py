@@ -11,7 +11,9 @@ fault-tolerant mesh is refused on every rank. The same scenario runs with the pe
 FSDP2 over each group's ranks with torchft wired by hand (``library="fsdp2"``). A third:
 the live group dies while it sends its state to a joining one (its rank 0 alone, or both):
 the joining group's ranks agree the recovery failed, apply and commit nothing, and refuse
-to train on from step 0 unless ``allow_lost_progress``.
+to train on from step 0 unless ``allow_lost_progress``. A fourth: the live group's state
+holds a type ``weights_only`` refuses: the joining group stops with an error naming it, the
+live group goes on committing.
 """
 
 from __future__ import annotations
@@ -220,3 +222,41 @@ def test_lighthouse_unreachable(tmp_path):
     assert logs.count("FaultToleranceError: hsdp: replica group 0 cannot reach the torchft "
                       "lighthouse") == 2, logs
     assert "torchft_lighthouse --min_replicas 1" in logs
+
+
+@pytest.mark.full
+def test_unloadable_state_stops_the_joiner_not_the_live_group(tmp_path):
+    """The live group's recovery state holds a type ``torch.load(weights_only=True)``
+    refuses (a numpy learning rate). The joining group's ranks raise at once, naming the
+    type and why (retrying cannot succeed), instead of retrying at every quorum; the live
+    group goes on alone and commits every step."""
+    out = str(tmp_path)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60000,
+                                  quorum_tick_ms=50, heartbeat_timeout_ms=1000)
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        common = dict(lighthouse=lighthouse.address(), numpy_lr=True)
+        live = _launch(out, "g0", 0, gates={JOIN_AT: "ready_g1"}, await_joiner=True,
+                       **common)
+        while not os.path.exists(os.path.join(out, f"g0_step{JOIN_AT - 1}.pt")):
+            assert time.monotonic() < deadline and None in [p.poll() for p in live], \
+                _logs(out)
+            time.sleep(0.05)
+        joiner = _launch(out, "g1", 1, **common)
+        joined = _wait(joiner, deadline, out)
+        live_codes = _wait(live, deadline, out)
+    finally:
+        lighthouse.shutdown()
+    logs = _logs(out)
+    assert joined == [1, 1] and live_codes == [0, 0], logs
+    for r in range(2):
+        g1 = open(os.path.join(out, f"g1_{r}.log")).read()
+        assert (f"FaultToleranceError: hsdp: this replica group cannot recover step {JOIN_AT}"
+                in g1 and "numpy._core.multiarray.scalar" in g1
+                and "torch.serialization.add_safe_globals" in g1), g1[-3000:]
+        assert "lost during the transfer" not in g1, g1[-3000:]
+    assert not _records(out, "g1")  # nothing applied, nothing committed
+    assert sorted(_records(out, "g0")) == list(range(STEPS)), logs
+    # the live group redid at most the step of the failed recovery
+    g0 = open(os.path.join(out, "g0_0.log")).read()
+    assert g0.count("should_commit completed should_commit=false") <= 1, g0[-3000:]

@@ -162,6 +162,7 @@ class ElasticOuter:
         # torchft 0.2.0 keeps its reconfigurable group here (the one passed as pg=...)
         self._pg = manager._pg
         self._watchdog: CollectiveWatchdog | None = None
+        self._left = False  # shut down after an unrecoverable recovery
         tft = torchft()
         if isinstance(self._pg, tft.ProcessGroupNCCL) and self._pg._use_abort:
             from torchft.futures import _TIMEOUT_MANAGER
@@ -172,8 +173,15 @@ class ElasticOuter:
     def size(self) -> int:
         """The replica groups that take part in this step (waits for the quorum). Raises
         ``FaultToleranceError`` if this group would train at an older step than a failed
-        recovery was to bring (``RecoveryTransport.check_progress``)."""
+        recovery was to bring (``RecoveryTransport.check_progress``), or if no recovery
+        can succeed (``RecoveryTransport.unrecoverable``): this group then leaves torchft
+        (its Manager shut down), so that the live groups' quorums go on without it."""
         n = self.manager.num_participants()
+        if self.recovery.unrecoverable is not None:
+            if not self._left:
+                self._left = True
+                self.manager.shutdown(wait=False)
+            raise FaultToleranceError(self.recovery.unrecoverable)
         if self.manager.is_participating():
             self.recovery.check_progress(self.manager.current_step())
         return n

@@ -16,6 +16,8 @@ import hashlib
 import io
 import json
 import logging
+import pickle
+import re
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -29,6 +31,25 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 << 20  # a device copy of at most this much is alive while sending
 _HEADER = 2 + 32  # step, payload bytes, the SHA-256 digest (one int64 per byte)
+
+
+class _Refused(Exception):
+    """The live group's state holds what ``torch.load(weights_only=True)`` refuses."""
+
+
+def _refusal(exc: pickle.UnpicklingError) -> str:
+    """Why ``weights_only`` refused the state, naming the type and the ways out."""
+    named = re.search(r"GLOBAL (\S+) was not an allowed global", str(exc))
+    what = named.group(1) if named else "an object"
+    detail = "" if named else f" ({str(exc).strip().splitlines()[-1]})"
+    allow = named.group(1) if named else "<the type>"
+    return (f"the live group's state holds {what}{detail}, which torch.load(weights_only="
+            f"True) does not load (tensors, numbers, strings and containers only: no peer's "
+            f"code runs here), so no retry can succeed and this group stops. Keep what "
+            f"recovery sends (optimizer param_groups and state, the LR scheduler's "
+            f"state_dict, functions registered with the Manager) to those types (e.g. "
+            f"float(lr), not a numpy scalar), or, if you trust every replica group, allow "
+            f"it on every rank with torch.serialization.add_safe_globals([{allow}])")
 
 
 class RecoveryTransport:
@@ -45,8 +66,11 @@ class RecoveryTransport:
     recovery at the next quorum. ``check_progress`` then refuses to train on from an older
     step than the one a failed recovery was to bring (every live group was lost during the
     transfer), unless ``allow_lost_progress``; ``expect`` learns that step from each
-    quorum. ``bind`` gives it the group's store and names each attempt (``init_mesh``
-    does both)."""
+    quorum. A state that ``weights_only`` refuses on any rank can never be received:
+    ``unrecoverable`` then says why, and the group gives up (``ElasticOuter.size``)
+    instead of retrying at every quorum, which would fail the live groups' steps too.
+    ``bind`` gives it the group's store and names each attempt (``init_mesh`` does
+    both)."""
 
     def __init__(self, pg: Any, device_type: str = "cpu",
                  allow_lost_progress: bool = False) -> None:
@@ -56,6 +80,7 @@ class RecoveryTransport:
         self.awaited_step: int | None = None  # the newest step a recovery was to bring
         self._heal_step: int | None = None  # this quorum's step, until this rank posts
         self._failed_early: tuple[str, int] | None = None  # (attempt, step) posted failed
+        self.unrecoverable: str | None = None  # why no recovery can succeed, once known
         self._store: Any = None
         self._attempt: Callable[[], str] | None = None
         self._rank, self._world = 0, 1
@@ -104,9 +129,16 @@ class RecoveryTransport:
             try:
                 state, digest = self._receive(src_rank, step, timeout)
                 mine = {"ok": True, "step": step, "src": src_rank, "digest": digest}
+            except _Refused as exc:  # the same state at every retry: give up
+                state, mine = None, {"ok": False, "error": str(exc), "refused": True}
             except Exception as exc:  # posted, then raised on every rank by the agreement
                 state, mine = None, {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         outcomes = self._agree(mine, step, timeout)
+        refused = [o["error"] for o in outcomes if o.get("refused")]
+        if refused:
+            self.unrecoverable = (f"hsdp: this replica group cannot recover step {step} "
+                                  f"from replica rank {src_rank}: {refused[0]}")
+            raise FaultToleranceError(self.unrecoverable)
         failed = [f"rank {r}: {o['error']}" for r, o in enumerate(outcomes) if not o["ok"]]
         received = {(o["step"], o["src"]) for o in outcomes if o["ok"]}
         if not failed and len(received) > 1:
@@ -184,7 +216,10 @@ class RecoveryTransport:
         if digest.digest() != bytes(header[2:].tolist()):
             raise FaultToleranceError(f"the state from replica rank {src_rank} does not "
                                       f"match its SHA-256 digest")
-        state = torch.load(io.BytesIO(data), weights_only=True, map_location=self._place)
+        try:
+            state = torch.load(io.BytesIO(data), weights_only=True, map_location=self._place)
+        except pickle.UnpicklingError as exc:  # torch's weights_only refusal
+            raise _Refused(_refusal(exc)) from exc
         return state, digest.hexdigest()
 
     def _place(self, storage: Any, location: str) -> Any:

@@ -8,11 +8,17 @@ while nothing fails). After a communication error, ``gone_message`` posts a prob
 per rank) and collects the answers for ``PROBE_S``: ranks that do not answer died or hang
 with the interpreter held. A default store that no longer answers means its host died
 (rank 0 under torchrun's defaults). ``stop`` wakes this rank's responder through its own
-key, before the world's store goes (``streams/teardown.py``).
+key, before the world's store goes: at ``destroy_process_group`` (``streams/teardown.py``)
+and at the interpreter's exit (an ``atexit`` hook). **WHY at exit too**: a process that
+ends without ``destroy_process_group`` would finalize the interpreter with the responder
+still in the store's C++ wait; when rank 0's store then closes, the wait raises into a
+thread that may no longer take the GIL, and the process aborts (SIGABRT, a failed job
+under torchrun) instead of exiting 0.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import threading
 import time
@@ -25,6 +31,7 @@ _WAIT = timedelta(days=365)  # a responder waits until probed or stopped
 _KEY = "hsdp/liveness"
 
 _responder: _Responder | None = None
+_exit_hook = False  # whether ``stop`` runs at the interpreter's exit
 _found: dict[tuple[int, int], str] = {}  # (rank, world) -> the message once a rank was gone
 
 
@@ -62,9 +69,12 @@ class _Responder(threading.Thread):
 def start() -> None:
     """Answer probes from this world's ranks (once per world; no-op without a store that
     can be shared across threads, or for the fake backend)."""
-    global _responder
+    global _responder, _exit_hook
     if not dist.is_initialized() or dist.get_backend() == "fake":
         return
+    if not _exit_hook:  # before the interpreter's teardown (atexit: before finalization)
+        atexit.register(stop)
+        _exit_hook = True
     rank, world = dist.get_rank(), dist.get_world_size()
     if _responder is not None and _responder.is_alive() and \
             (_responder.rank, _responder.world) == (rank, world):

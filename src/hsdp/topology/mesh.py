@@ -272,7 +272,9 @@ def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     (``Shard(0)``: each ep rank holds ``1/ep`` of them) and ``fully_shard`` the experts'
     module on it, inside the block's unit on ``mesh``: each expert is then sharded over
     the ``inner // ep`` ranks holding the same experts and replicated over outer. Every
-    rank must call it (collective the first time per mesh)."""
+    rank must call it with the same mesh and ``ep`` (compared first: every rank raises if
+    they differ; collective the first time per mesh)."""
+    _agree_on_expert_mesh(mesh, ep)
     mesh = as_hsdp_mesh(mesh)
     names = tuple(mesh.mesh_dim_names or ())
     groups = registered_groups(mesh) if names == DIM_NAMES else None
@@ -295,3 +297,17 @@ def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
                                          mesh.mesh.reshape(outer, inner // ep, ep),
                                          mesh_dim_names=EP_DIM_NAMES)
     return _EXPERT_MESHES[key]
+
+
+def _agree_on_expert_mesh(mesh: DeviceMesh, ep: int) -> None:
+    """Raise on every rank, within the mesh's timeout, if the ranks called expert_mesh
+    with different meshes or ``ep``: their expert groups would not match and building
+    them would hang."""
+    if isinstance(mesh, DeviceMesh):
+        groups = registered_groups(mesh)
+        timeout = groups.timeout if groups is not None else default_timeout()
+        what = f"dims {mesh.mesh_dim_names}, shape {tuple(mesh.mesh.shape)}"
+    else:
+        timeout, what = default_timeout(), type(mesh).__name__
+    agree_in_store("expert_mesh", f"expert_mesh(mesh of {what}, ep={ep!r})", timeout,
+                   "Call hsdp.expert_mesh with the same mesh and ep on every rank.")

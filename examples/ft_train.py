@@ -42,7 +42,7 @@ def batch(step: int, replica: str, inner_rank: int,
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--outer", type=int, required=True, help="replica groups launched")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--step-s", type=float, default=0.1, help="seconds added to each step")

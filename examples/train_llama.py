@@ -190,7 +190,7 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--mesh", default=None, help="OUTERxINNER (default: 1 x world size)")
     p.add_argument("--strategy", default="hsdp", choices=["hsdp", "hfsdp"])
     p.add_argument("--steps", type=int, default=20)

@@ -175,7 +175,7 @@ def _write(out: Path, results: dict[str, dict[int, dict]], seeds: list[int],
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--runs", default="hsdp-f8,fsdp2-f8,hsdp-bf16,fsdp2-bf16")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--steps", type=int, default=100)

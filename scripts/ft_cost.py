@@ -102,7 +102,7 @@ def instrument(manager: Any, mesh: Any, phases: Phases) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--ft", choices=("on", "off"), required=True)
     p.add_argument("--seq", type=int, required=True)
     p.add_argument("--layers", type=int, default=8)

@@ -49,7 +49,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--mesh", default="16x8", help="OUTERxINNER (fake process group)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=64)

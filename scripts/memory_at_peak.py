@@ -82,7 +82,7 @@ def resident(name: str, snap: dict, device: int, top: int) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     add_arguments(p)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--resident", action="store_true", help="what is held between steps")

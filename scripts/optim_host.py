@@ -48,7 +48,7 @@ OPTIMIZERS: dict[str, Callable] = {
 
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--hidden", type=int, default=None,

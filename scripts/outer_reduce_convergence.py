@@ -93,7 +93,7 @@ def plot(curves: dict[str, list[float]], png: str, window: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--meshes", default="4x2,2x4", help="OUTERxINNER[:strategy],...")

@@ -42,7 +42,7 @@ def _time(repeat: int, fn, *args) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=218_112_000 // 8)
     ap.add_argument("--outer", type=int, default=16)
     ap.add_argument("--units", type=int, default=10, help="units per step")

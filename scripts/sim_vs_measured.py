@@ -223,7 +223,7 @@ def write_predictions(out: Path, profile_path: Path, machine: str) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--machine", nargs="+", action="append", metavar=("PROFILE", "JSON"),
                    help="a machine profile and the `bench step` JSONs it predicts (again "
                         "per machine); default: the committed ones (module doc)")

@@ -206,7 +206,7 @@ def _pivot(rows: list[dict], row_key: str, col_key: str, value: str) -> list[str
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--from", dest="sources", nargs="+", default=None,
                    help="saved sweep JSONs, one per model in MODELS' order")
     p.add_argument("--out", default=str(ROOT / "docs" / "when_overlap_pays.md"))

@@ -5,6 +5,7 @@ trained against a single-process reference (and FSDP2 where it has the same call
 from __future__ import annotations
 
 import copy
+import json
 import threading
 import warnings
 from collections.abc import Callable
@@ -31,11 +32,11 @@ from hsdp.models import GPTConfig
 
 
 def _error(call: Callable[[], object]) -> str:
-    """The message ``call`` raised ("" when it did not raise)."""
+    """The message ``call`` raised, its notes after it ("" when it did not raise)."""
     try:
         call()
     except Exception as e:  # noqa: BLE001 - the test compares the message
-        return f"{type(e).__name__}: {e}"
+        return "\n".join([f"{type(e).__name__}: {e}", *getattr(e, "__notes__", ())])
     return ""
 
 
@@ -127,7 +128,7 @@ def case_deferred_outer(rank: int, world: int, mesh, method: str) -> dict[str, o
 
 
 class _Encoder(nn.Module):
-    """A model with a second entry point that uses the root unit's parameters directly."""
+    """A model with second entry points that use the root unit's parameters directly."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -140,36 +141,53 @@ class _Encoder(nn.Module):
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x @ self.lin.weight.t() + self.lin.bias)
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
 
 def case_forward_method(rank: int, world: int, mesh, strategy: str) -> dict[str, object]:
-    """Training through ``encode`` (not forward): unregistered (torch's
-    register_fsdp_forward_method is a no-op on hsdp modules) it fails; registered with
-    hsdp.register_forward_method it trains like the reference."""
-    from torch.distributed.fsdp import register_fsdp_forward_method
+    """Training through ``encode`` (not forward), registered with torch's
+    ``torch.distributed.fsdp.register_fsdp_forward_method`` as FSDP2 users do: it trains
+    like the reference and like FSDP2 registered the same way. torch's function as it was
+    before hsdp sharded a module (a reference imported early) does nothing on hsdp modules:
+    the errors of the unregistered methods name ``hsdp.register_forward_method``."""
+    import torch.distributed.fsdp as torch_fsdp
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
     torch.manual_seed(0)
     ref = _Encoder()
-    model = copy.deepcopy(ref)
+    model, fsdp2 = copy.deepcopy(ref), copy.deepcopy(ref)
     hsdp.fully_shard(model.head, mesh=mesh, strategy=strategy)
     hsdp.fully_shard(model, mesh=mesh, strategy=strategy)
-    register_fsdp_forward_method(model, "encode")
+    early = torch_fsdp.register_fsdp_forward_method.__wrapped__  # torch's own
+    early(model, "encode")
+    early(model, "project")
     x0 = torch.randn(world * ROWS_PER_RANK, 6)
     unregistered = _error(lambda: model.encode(x0))
+    project = _error(lambda: model.project(x0))
     outside = _error(lambda: model.head(torch.randn(2, 5)))  # a unit's forward on its own
-    hsdp.register_forward_method(model, "encode")
-    opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for m in (ref, model)]
+    torch_fsdp.register_fsdp_forward_method(model, "encode")
+    fsdp2_shard(fsdp2.head, mesh=mesh)
+    fsdp2_shard(fsdp2, mesh=mesh)
+    torch_fsdp.register_fsdp_forward_method(fsdp2, "encode")
+    models = (ref, model, fsdp2)
+    opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for m in models]
     for step in range(STEPS):
         x = torch.randn(world * ROWS_PER_RANK, 6, generator=torch.Generator().manual_seed(step))
         ref.encode(x).square().mean().backward()
-        model.encode(x[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK]).square().mean() \
-            .backward()
+        for m in models[1:]:
+            m.encode(x[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK]).square().mean() \
+                .backward()
         for opt in opts:
             opt.step()
             opt.zero_grad()
     y = model(x0)  # forward still works after
-    return {"unregistered": unregistered, "outside": outside,
-            "ref": rel_err(hsdp.full_state_dict(model),
-                           {k: v.detach() for k, v in ref.state_dict().items()}),
+    mine = hsdp.full_state_dict(model)
+    return {"unregistered": unregistered, "project": project, "outside": outside,
+            "ref": rel_err(mine, {k: v.detach() for k, v in ref.state_dict().items()}),
+            "fsdp2": rel_err(mine, {k: v.full_tensor().detach()
+                                    for k, v in fsdp2.state_dict().items()}),
+            "sharded_after": all(type(p).__name__ == "Piece" for p in model.parameters()),
             "forward": rel_err({"y": y.detach()}, {"y": ref(x0).detach()}),
             "missing": _error(lambda: hsdp.register_forward_method(model, "decode"))}
 
@@ -223,7 +241,8 @@ def case_refusals(rank: int, world: int, mesh) -> dict[str, str]:
     """FSDP2 habits that hsdp refuses, each with an error naming what to do: CPU offload
     (its default ``OffloadPolicy()`` is accepted), and transformers' ``save_pretrained``
     of the sharded model without a ``state_dict``; with ``hsdp.full_state_dict``'s it
-    writes the weights ("" where transformers is not installed)."""
+    writes the weights, and config.json names the model's own class, as for the unsharded
+    model ("" where transformers is not installed)."""
     import importlib.util
     import os
     import tempfile
@@ -235,7 +254,8 @@ def case_refusals(rank: int, world: int, mesh) -> dict[str, str]:
                _pair(cfg)[1], mesh=mesh, offload_policy=CPUOffloadPolicy())),
            "no_offload": _error(lambda: hsdp.fully_shard(
                _pair(cfg)[1], mesh=mesh, offload_policy=OffloadPolicy())),
-           "save_pretrained": "", "saved": ""}
+           "save_pretrained": "", "saved": "", "architectures": None,
+           "class_after": ""}
     if importlib.util.find_spec("transformers") is None:
         return out
     import transformers
@@ -252,6 +272,10 @@ def case_refusals(rank: int, world: int, mesh) -> dict[str, str]:
         if rank == 0:
             llama.save_pretrained(d, state_dict=full)
         out["saved"] = str(os.path.exists(os.path.join(d, "model.safetensors")) or rank > 0)
+        if rank == 0:
+            with open(os.path.join(d, "config.json")) as f:
+                out["architectures"] = json.load(f)["architectures"]
+    out["class_after"] = type(llama).__name__
     return out
 
 

@@ -10,6 +10,8 @@ import sys
 # That module defines ``add_arguments(parser)`` and ``run(args) -> int``; the first line
 # of its docstring is the help text. To add ``bench step`` or ``demo``, write the module
 # and add ``("bench", "step"): "hsdp.bench.step"`` or ``("demo",): "hsdp.demo"`` here.
+# Options are never abbreviated (allow_abbrev=False in every parser): a prefix that is
+# one option today (``--out``) becomes ambiguous, or another option, once one is added.
 COMMANDS: dict[tuple[str, ...], str] = {
     ("bench", "ckpt"): "hsdp.bench.ckpt",
     ("bench", "collectives"): "hsdp.bench.collectives",
@@ -23,12 +25,13 @@ COMMANDS: dict[tuple[str, ...], str] = {
 
 def build_parser(commands: dict[tuple[str, ...], str] = COMMANDS) -> argparse.ArgumentParser:
     """The ``hsdp`` parser, with one (nested) subcommand per entry of ``commands``."""
-    parser = argparse.ArgumentParser(prog="hsdp", description=__doc__)
+    parser = argparse.ArgumentParser(prog="hsdp", description=__doc__, allow_abbrev=False)
     groups = {(): parser.add_subparsers(dest="command", metavar="COMMAND", required=True)}
 
     def group(words: tuple[str, ...]) -> argparse._SubParsersAction:
         if words not in groups:
-            p = group(words[:-1]).add_parser(words[-1], help=f"{' '.join(words)} commands")
+            p = group(words[:-1]).add_parser(words[-1], help=f"{' '.join(words)} commands",
+                                             allow_abbrev=False)
             groups[words] = p.add_subparsers(dest=" ".join(words), metavar="COMMAND",
                                              required=True)
         return groups[words]
@@ -38,7 +41,7 @@ def build_parser(commands: dict[tuple[str, ...], str] = COMMANDS) -> argparse.Ar
         doc = module.__doc__ or ""
         p = group(words[:-1]).add_parser(
             words[-1], help=doc.strip().split("\n")[0], description=doc,
-            formatter_class=argparse.RawDescriptionHelpFormatter)
+            formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
         module.add_arguments(p)
         p.set_defaults(run=module.run)
     return parser

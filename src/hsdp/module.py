@@ -5,6 +5,7 @@ the sharding."""
 from __future__ import annotations
 
 import functools
+import importlib
 import types
 from collections.abc import Callable
 from typing import Any
@@ -23,8 +24,9 @@ def adopt(module: nn.Module) -> None:
     """Make ``module`` an ``HSDPModule`` (in place); a compiled call (``module.compile()``
     made before fully_shard) becomes a compiled forward, so that hsdp's hooks stay eager."""
     cls = type(module)
+    _route_torch_registration()
     if cls not in _CLASSES:
-        extra = ({"save_pretrained": _save_pretrained(cls.save_pretrained)}
+        extra = ({"save_pretrained": _save_pretrained(cls)}
                  if callable(getattr(cls, "save_pretrained", None)) else {})
         _CLASSES[cls] = type(f"HSDP{cls.__name__}", (HSDPModule, cls), extra)
     module.__class__ = _CLASSES[cls]
@@ -40,10 +42,14 @@ def adopt(module: nn.Module) -> None:
         module.forward = ctx(types.MethodType(cls.forward, module))
 
 
-def _save_pretrained(save: Callable[..., Any]) -> Callable[..., Any]:
+def _save_pretrained(cls: type) -> Callable[..., Any]:
     """A ``save_pretrained`` (transformers' and the like) for the sharded model: with a
-    ``state_dict`` given, the class's own; without, refused (it would read the model's
-    parameters, which are this rank's shards)."""
+    ``state_dict`` given, ``cls``'s own, run while the sharded class bears ``cls``'s name
+    (transformers writes the class name into config.json's ``architectures``, stripping
+    only FSDP2's prefix); without, refused (it would read the model's parameters, which
+    are this rank's shards)."""
+    save = cls.save_pretrained
+
     @functools.wraps(save)
     def save_pretrained(self: nn.Module, *args: Any, state_dict: Any = None,
                         **kwargs: Any) -> Any:
@@ -53,7 +59,12 @@ def _save_pretrained(save: Callable[..., Any]) -> Callable[..., Any]:
                 f"this rank's shards. Gather the weights, then save on one rank: full = "
                 f"hsdp.full_state_dict(model, rank0_only=True) on every rank, then on rank 0 "
                 f"model.save_pretrained(path, state_dict=full)")
-        return save(self, *args, state_dict=state_dict, **kwargs)
+        sharded = type(self)
+        sharded.__name__ = cls.__name__
+        try:
+            return save(self, *args, state_dict=state_dict, **kwargs)
+        finally:
+            sharded.__name__ = f"HSDP{cls.__name__}"
     return save_pretrained
 
 
@@ -217,10 +228,10 @@ class HSDPModule:
 
 def register_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>`` run like its forward: parameters gathered before it,
-    resharded after it (FSDP2's ``register_fsdp_forward_method``, which is a no-op on hsdp
-    modules). ``module`` must be fully_shard-ed; a unit inside a model runs it as its
-    forward does, within the model's forward. Called from the module's own forward, it
-    runs as it is."""
+    resharded after it (FSDP2's ``register_fsdp_forward_method``, which calls this on hsdp
+    modules once one is fully_shard-ed). ``module`` must be fully_shard-ed; a unit inside
+    a model runs it as its forward does, within the model's forward. Called from the
+    module's own forward, it runs as it is."""
     unit = vars(module).get("_hsdp_unit")
     if unit is None:
         raise ValueError(f"hsdp.register_forward_method: {type(module).__name__} is not a "
@@ -243,6 +254,33 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
         return unit._post_forward_hook(module, args, kwargs, out)
 
     setattr(module, method_name, as_forward)
+
+
+_TORCH_HOMES = ("torch.distributed.fsdp", "torch.distributed.fsdp._fully_shard",
+                "torch.distributed.fsdp._fully_shard._fully_shard")
+
+
+def _route_torch_registration() -> None:
+    """Make torch's ``register_fsdp_forward_method`` (a no-op on modules that are not FSDP2's)
+    do ``register_forward_method`` on hsdp modules; installed where torch defines and exports
+    it when the first module is fully_shard-ed (importing hsdp patches nothing). A
+    reference taken before that still does nothing: the error of the method's first call
+    then names ``hsdp.register_forward_method``."""
+    homes = [importlib.import_module(name) for name in _TORCH_HOMES]
+    original = homes[-1].register_fsdp_forward_method
+    if getattr(original, "_hsdp_routes", False):
+        return
+
+    @functools.wraps(original)
+    def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+        if "_hsdp_unit" in vars(module):
+            register_forward_method(module, method_name)
+        else:
+            original(module, method_name)
+
+    register_fsdp_forward_method._hsdp_routes = True
+    for home in homes:
+        home.register_fsdp_forward_method = register_fsdp_forward_method
 
 
 def _units(modules: list[nn.Module]) -> list[Unit]:

@@ -56,6 +56,9 @@ def check_result(path: Path, out_dir: Path, schedules: list[str], recorded: int 
         for key in METRICS:  # fsdp2 included: its collectives are wrapped and traced
             assert s[key] >= 0 and math.isfinite(s[key]), (name, key, s[key])
         assert s["lower_bound_ms"] > 0
+        # the bound and the step it is of (the profiled one), never above it
+        assert 0 < s["lower_bound_ms"] <= s["traced_step_ms"] + 1e-9, (name, s)
+        assert s["traced_step_ms"] == s["metrics"]["span_ms"]
         assert s["traces"][0] == s["trace"] and len(s["traces"]) == traced
         assert [Path(t).name for t in s["traces"]] == [
             f"trace_{name}{f'.{k}' if k > 1 else ''}.json.gz" for k in range(1, traced + 1)]

@@ -348,15 +348,51 @@ def test_outer_sync_from_the_environment(monkeypatch):
 def test_cuda_graphs_stay_on_in_hsdps_configs(monkeypatch):
     """torchtitan captures forward + backward in a CUDA graph on CUDA unless
     ``training.disable_cuda_graphs``; hsdp can be captured (docs/guide/cuda_graphs.md), so
-    its configs keep torchtitan's default and ``parallelize_llama`` accepts it."""
+    its configs keep torchtitan's default and ``parallelize_llama`` accepts it. Without CUDA
+    they turn it off: torchtitan refuses CUDA graphs with pipeline or expert parallelism
+    even on CPU (the guides' CPU commands would fail)."""
     from torchtitan.config import ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
 
     from hsdp.integrations import torchtitan as hsdp_titan
 
-    assert not hsdp_titan.llama3_debugmodel().training.disable_cuda_graphs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert hsdp_titan.deepseek_v3_debugmodel().training.disable_cuda_graphs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not hsdp_titan.llama3_debugmodel().training.disable_cuda_graphs
     dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=4,
                         spmd_backend="partial_dtensor")
     hsdp_titan._check_supported(_meta_model(), dims, TrainingConfig(disable_cuda_graphs=False),
                                 ParallelismConfig(spmd_backend="partial_dtensor"), None)
+
+
+def test_log_says_hsdp_is_active_with_its_mesh_and_outer_settings(monkeypatch, caplog):
+    """torchtitan's log gets one line from hsdp's ``parallelize_llama`` (rank 0): hsdp is the
+    data-parallel backend, its mesh, outer reduction and outer sync (DiLoCo)."""
+    import logging
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+
+    from hsdp.integrations import torchtitan as hsdp_titan
+
+    monkeypatch.setenv("HSDP_OUTER_REDUCE", "int8")
+    monkeypatch.setenv("HSDP_OUTER_SYNC", "diloco:inner_steps=5,fragments=1")
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=4,
+                            spmd_backend="partial_dtensor")
+        with caplog.at_level(logging.INFO):
+            hsdp_titan.parallelize_llama(
+                _meta_model(), parallel_dims=dims, training=TrainingConfig(),
+                parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+                compile_config=CompileConfig(), ac_config=None, dump_folder="")
+    finally:
+        dist.destroy_process_group()
+    lines = [r.getMessage() for r in caplog.records if "hsdp" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "hsdp active" in lines[0] and "mesh outer 2 x inner 2" in lines[0], lines
+    assert "outer_reduce OuterReduce(dtype='int8'" in lines[0], lines
+    assert "outer_sync DiLoCo(inner_steps=5, fragments=1" in lines[0], lines

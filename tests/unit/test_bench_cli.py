@@ -1,5 +1,6 @@
 """The ``python -m hsdp`` dispatcher: nested subcommands from one registration line each."""
 
+import argparse
 import sys
 import types
 
@@ -32,3 +33,27 @@ def test_missing_subcommand_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench"])
     assert e.value.code == 2
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """``parser`` and every subcommand parser below it."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [parser, *(q for a in subs for p in dict.fromkeys(a.choices.values())
+                      for q in _parsers(p))]
+
+
+def test_no_parser_takes_abbreviated_options():
+    """Every parser of ``python -m hsdp`` refuses option prefixes (``--out`` once matched
+    three ``--outer-*`` options of ``hsdp sim`` and failed ``sim calibrate ... --out``)."""
+    parsers = _parsers(build_parser())
+    assert len(parsers) > len(COMMANDS), len(parsers)
+    assert [p.prog for p in parsers if p.allow_abbrev] == []
+
+
+def test_sim_calibrate_takes_its_documented_options():
+    """docs/guide/tools.md: ``sim calibrate s.json --collectives c.json --machine h200x2
+    --out p.json``."""
+    args = build_parser().parse_args(["sim", "calibrate", "s.json", "--collectives", "c.json",
+                                      "--machine", "h200x2", "--out", "p.json"])
+    assert (args.step, args.collectives, args.machine, args.out) == (
+        "s.json", ["c.json"], "h200x2", "p.json")

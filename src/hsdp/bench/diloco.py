@@ -10,7 +10,11 @@ model (trainee of ``hsdp.bench.trainee``; AdamW) for ``--warmup`` steps, then ti
 a whole period of H steps), the streams drained only at the end of each, as training runs
 them: the step time is a block's mean, the fastest block's (other load on the machine
 only ever slows a block down); outer bytes per step are what this rank's outer
-collectives moved in them.
+collectives moved in them (0 for the rows without outer communication: they stand for a
+model that has none, though the emulation still issues its collectives over free links).
+The measurement runs on CPU: a CPU's step, with the links scaled by ``--link-scale``,
+checks the schedules and the simulator against each other; it is not a GPU's step time
+(``--sim-only --profile`` predicts a GPU's).
 
 Beside each row, ``hsdp sim``'s prediction of the same setup (``hsdp.sim.engine``: the
 runtime on the virtual clock; a DiLoCo period timed by ``period_steps``): its compute
@@ -62,6 +66,9 @@ ROWS: dict[str, tuple[str, str, str]] = {
 CPU_MODEL = LlamaConfig(vocab=4096, hidden=512, heads=8, kv_heads=4, ffn=1408, layers=5,
                         seq=8)
 FREE = Link(1e12, 0.0)  # a link taking no time
+CPU_CAVEAT = ("CPU: measured on this machine's CPU (one process posing as rank 0, links x"
+              "{scale:g}); the step times check the schedules and the simulator against "
+              "each other, they are not a GPU's (--sim-only --profile predicts a GPU's)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="emulate links K times the given bandwidth and 1/K the latency "
                         "(K < 1: a slow CPU step against a GPU's communication ratio; the "
                         "table keeps the given GB/s)")
-    p.add_argument("--rows", default=",".join(ROWS), help="comma-separated among the rows")
+    p.add_argument("--rows", default=",".join(ROWS),
+                   help=f"comma-separated among: {', '.join(ROWS)} (default: all)")
     p.add_argument("--steps", type=int, default=5, help="timed steps of a synchronous row")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="timed blocks per row (whole "
@@ -125,7 +133,7 @@ def measure(model: ModelConfig, outer: int, inner: int, row: str, fabric: Fabric
     samples = [_timed_steps(t, batches, steps, delays) for _ in range(args.repeats)]
     nbytes = _outer_bytes(t.collective_bytes) - outer_before
     return {"t_step_ms": min(samples), "samples_ms": samples, "steps": steps,
-            "outer_bytes_per_step": nbytes / (steps * args.repeats)}
+            "outer_bytes_per_step": counted_outer_bytes(row, nbytes / (steps * args.repeats))}
 
 
 def _timed_steps(t: Trainee, batches: list[torch.Tensor], steps: int, delays: bool) -> float:
@@ -145,15 +153,22 @@ def _outer_bytes(nbytes: dict[str, int]) -> int:
     return sum(v for k, v in nbytes.items() if k.endswith(":outer"))
 
 
+def counted_outer_bytes(row: str, nbytes: float) -> float:
+    """``nbytes`` where ``row`` has outer communication; 0 where it stands for a model
+    without (its collectives run over free links)."""
+    return nbytes if ROWS[row][2] == "both" else 0.0
+
+
 def row_fabric(row: str, inner: Link, outer: Link) -> Fabric:
     """The links of ``row``: those it does not count take no time."""
     links = ROWS[row][2]
     return Fabric(FREE if links == "none" else inner, outer if links == "both" else FREE)
 
 
-def predict(setup: Setup, fabric: Fabric, costs: CostModel) -> dict:
+def predict(row: str, setup: Setup, fabric: Fabric, costs: CostModel) -> dict:
     r = simulate(setup, dataclasses.replace(costs, fabric=fabric))
-    return {"t_step_ms": r.t_step_ms, "outer_bytes_per_step": r.metrics["outer_bytes_per_step"]}
+    return {"t_step_ms": r.t_step_ms,
+            "outer_bytes_per_step": counted_outer_bytes(row, r.metrics["outer_bytes_per_step"])}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -180,11 +195,11 @@ def run(args: argparse.Namespace) -> int:
                 out[row] = measure(model, outer, inner, row, fabric, args)
                 print(f"{gbps:g} GB/s {row}: {out[row]}", flush=True)
             if row == OFF and not args.sim_only:  # scale the compute to the measured step
-                sim_off = predict(setup, fabric, base)["t_step_ms"]
+                sim_off = predict(row, setup, fabric, base)["t_step_ms"]
                 scale = sim_off / out[row]["t_step_ms"]
                 costs = dataclasses.replace(base, tflops=base.tflops * scale,
                                             mem_gbps=base.mem_gbps * scale)
-            sim = predict(setup, fabric, costs)
+            sim = predict(row, setup, fabric, costs)
             out.setdefault(row, {})["sim_t_step_ms"] = sim["t_step_ms"]
             out[row]["sim_outer_bytes_per_step"] = sim["outer_bytes_per_step"]
         results[f"{gbps:g}"] = out
@@ -212,6 +227,9 @@ def _print(report: dict) -> None:
                           else "-" for b in bases]
             nbytes = r.get("outer_bytes_per_step", r["sim_outer_bytes_per_step"])
             lines.append([*cells, f"{nbytes / 1e6:.2f}"])
+    notes = [] if report["meta"]["sim_only"] else [CPU_CAVEAT.format(
+        scale=report["meta"]["link_scale"])]
     print_table(f"bench diloco, mesh {report['meta']['mesh']}",
                 ["outer GB/s", "row", "step ms", "x none", "x no outer", "sim ms",
-                 "sim x none", "sim x no outer", "outer MB / step / rank"], lines)
+                 "sim x none", "sim x no outer", "outer MB / step / rank"], lines,
+                [*notes, "outer MB: 0 for the rows without outer communication"])

@@ -37,6 +37,7 @@ import sys
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -51,6 +52,7 @@ from torchtitan.models.common.attention import FusedQKVLinear
 from torchtitan.models.deepseek_v3 import config_registry as _deepseek_v3_configs
 from torchtitan.models.llama3 import config_registry as _llama3_configs
 from torchtitan.protocols.module import Module as TitanModule
+from torchtitan.tools.logging import logger
 
 import hsdp
 from hsdp.checkpoint import extra_state
@@ -203,7 +205,22 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
                                      else 1.0 / parallel_dims.dp_replicate)
     _adopt_meta_init(model)
     _load_merged_qkv(model)
+    _log_active(mesh, strategy, overlap_outer, outer_reduce, outer_sync, parallel_dims.ep)
     return model
+
+
+def _log_active(mesh: DeviceMesh, strategy: Strategy, overlap_outer: bool,
+                outer_reduce: hsdp.OuterReduce | str | None, outer_sync: hsdp.DiLoCo | None,
+                ep: int) -> None:
+    """One line in torchtitan's log (rank 0): hsdp is the data-parallel backend, on which
+    mesh, with which outer reduction and outer sync."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    shape = " x ".join(f"{n} {s}" for n, s in zip(mesh.mesh_dim_names, mesh.shape))
+    logger.info(f"hsdp active (hsdp.integrations.torchtitan): strategy {strategy.value}, "
+                f"mesh {shape}{f', experts on ep {ep}' if ep > 1 else ''}, overlap_outer "
+                f"{overlap_outer}, outer_reduce {outer_reduce or 'none'}, outer_sync "
+                f"{outer_sync or 'none'}")
 
 
 def _load_merged_qkv(model: nn.Module) -> None:
@@ -312,7 +329,9 @@ def with_hsdp(config_fn: Callable) -> Callable:
     hsdp: for config modules of your own. torchtitan's ``ChunkedLossWrapper`` becomes its
     inner loss (the same values): it calls the output head outside the model's forward,
     relying on FSDP2 grouping ``[norm, lm_head]`` in a unit of their own, which hsdp's
-    ``fully_shard`` (one module per unit) does not do."""
+    ``fully_shard`` (one module per unit) does not do. Without CUDA, CUDA graphs are off
+    (``training.disable_cuda_graphs``: torchtitan refuses them with pipeline or expert
+    parallelism even where no graph can be captured)."""
     @functools.wraps(config_fn)
     def config():
         cfg = config_fn()
@@ -321,6 +340,8 @@ def with_hsdp(config_fn: Callable) -> Callable:
                                              parallelize_fn=parallelize_llama,
                                              pipelining_fn=pipeline_llama)
         cfg.parallelism.spmd_backend = "partial_dtensor"
+        if not torch.cuda.is_available():  # no CUDA graphs; torchtitan would refuse pp / ep
+            cfg.training.disable_cuda_graphs = True
         if isinstance(cfg.loss, ChunkedLossWrapper.Config):
             cfg.loss = cfg.loss.loss_fn
         return cfg

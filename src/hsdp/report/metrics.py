@@ -135,7 +135,9 @@ def step_metrics(intervals: Iterable[Interval], window: Span | None = None) -> d
       needs the last gradients, so it cannot overlap the compute that produces them.
     - ``lower_bound_ms``: ``max(compute + tail_floor, inner, outer busy)``. Each kind owns
       its own resource (SMs, inner links, outer links), so no schedule of the same work
-      can be shorter.
+      can be shorter. Where the recorded last outer reduction does overlap compute (a
+      stream interval that includes waiting, CPU threads sharing cores), the first term is
+      the length of their union: a bound of the same intervals, never above ``span_ms``.
     """
     ivs = list(intervals)
     if window is None:
@@ -159,6 +161,8 @@ def step_metrics(intervals: Iterable[Interval], window: Span | None = None) -> d
     reductions = [iv for iv in ivs if iv.label.startswith(OUTER_REDUCTIONS)]
     last = max(reductions, key=lambda iv: iv.end_us, default=None)
     floor = last.end_us - last.start_us if last else 0.0
+    compute_then_tail = total(clip(union([*spans["compute"], *(
+        [(last.start_us, last.end_us)] if last else [])]), lo, hi))
     outer_ends = [e for _, e in busy(lambda iv: iv.label.startswith(OUTER_REDUCTIONS))]
     tail = 0.0
     if outer_ends:
@@ -180,6 +184,5 @@ def step_metrics(intervals: Iterable[Interval], window: Span | None = None) -> d
         "exposed_comm_ms": ms(total(subtract(comm, spans["compute"]))),
         "outer_tail_ms": ms(tail),
         "tail_floor_ms": ms(floor),
-        "lower_bound_ms": max(by_kind["compute"] + ms(floor), by_kind["inner"],
-                              by_kind["outer"]),
+        "lower_bound_ms": max(ms(compute_then_tail), by_kind["inner"], by_kind["outer"]),
     }

@@ -17,7 +17,7 @@ from hsdp.runtime.state import Phase
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.group import ParamGroup, Slot
 from hsdp.sharding.policy import MixedPrecision
-from hsdp.sharding.reductions import ENTRY_POINTS
+from hsdp.sharding.reductions import note_mixed
 from hsdp.streams.contract import Tracer
 from hsdp.streams.stream_set import Streams
 from hsdp.topology.liveness import note_gone
@@ -132,12 +132,8 @@ class Unit:
         if (rt is not None and rt.root is self and rt.step.phase is Phase.FORWARD
                 and not in_backward()):
             rt.step.phase = Phase.FAILED
-            if exc is not None and "mixed torch.Tensor and DTensor" in str(exc):
-                exc.add_note(
-                    "hsdp: outside its unit's forward a parameter is this rank's shard (a "
-                    "DTensor): it was probably used outside the forward of the unit that "
-                    "owns it. Use it inside that forward, or fully_shard the module that uses "
-                    "it together with it (their common parent)." + ENTRY_POINTS)
+            if exc is not None:
+                note_mixed(exc)
 
 
 def _refuse_meta_run(module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -36,7 +36,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from hsdp.sharding.chunks import Chunks, attach_chunks, writes
 from hsdp.sharding.local_ops import ELEMENTWISE, READS, on_locals
-from hsdp.sharding.reductions import DECLINED, SPECIAL, special
+from hsdp.sharding.reductions import DECLINED, SPECIAL, note_mixed, special
 from hsdp.sharding.tp_blocks import block_of
 from hsdp.sharding.write_guard import (
     DATA,
@@ -136,7 +136,11 @@ class Piece(DTensor):
                 out = special(cls, kind, args, kwargs)
                 if out is not DECLINED:
                     return out
-        out = _DISABLED(func, types, args, kwargs)
+        try:
+            out = _DISABLED(func, types, args, kwargs)
+        except RuntimeError as e:  # e.g. a shard met a plain tensor outside its forward
+            note_mixed(e)
+            raise
         return _as_piece(out, args[0]) if type(out) is DTensor and args else out
 
     # ``p.grad`` and ``g.is_sparse`` as torch's getters, without the ``__torch_function__``

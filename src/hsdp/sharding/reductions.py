@@ -72,7 +72,21 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
 ENTRY_POINTS = (
     " If this runs in a method other than forward (generate, encode), register it: "
     "hsdp.register_forward_method(module, 'name') makes it gather and reshard as forward "
-    "does (torch's register_fsdp_forward_method does nothing on hsdp modules).")
+    "does (as torch's register_fsdp_forward_method does once hsdp has sharded a module; "
+    "imported before that, torch's does nothing on hsdp modules).")
+
+_MIXED = "mixed torch.Tensor and DTensor"
+
+
+def note_mixed(exc: BaseException) -> None:
+    """Say what DTensor's "mixed torch.Tensor and DTensor" error means on hsdp's shards,
+    once per error."""
+    if _MIXED in str(exc) and not any(ENTRY_POINTS in n for n in getattr(exc, "__notes__", ())):
+        exc.add_note(
+            "hsdp: outside its unit's forward a parameter is this rank's shard (a DTensor): "
+            "it was probably used outside the forward of the unit that owns it. Use it "
+            "inside that forward, or fully_shard the module that uses it together with it "
+            "(their common parent)." + ENTRY_POINTS)
 
 
 def _refuse(name: str) -> RuntimeError:

@@ -108,7 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write the timeline (single run) or the sweep plots (PATH, "
                         "PATH_ms, PATH_bound) here")
     sub = p.add_subparsers(dest="sim_command", metavar="COMMAND")
-    cal = sub.add_parser("calibrate", help="write a machine profile from one `bench step` run",
+    cal = sub.add_parser("calibrate", allow_abbrev=False,
+                         help="write a machine profile from one `bench step` run",
                          description="A machine profile (hsdp.sim.profile) from one `bench "
                                      "step` JSON and `bench collectives` JSONs of the same "
                                      "machine.")

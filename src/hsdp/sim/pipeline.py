@@ -98,7 +98,8 @@ LLAMA_405B = dict(vocab=128256, hidden=16384, heads=128, kv_heads=8, ffn=53248, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hsdp.sim.pipeline", description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m hsdp.sim.pipeline",
+                                description=__doc__)
     p.add_argument("--nodes", default="16,32,64,128", help="nodes of 8 GPUs, comma-separated")
     p.add_argument("--pp", type=int, default=8)
     p.add_argument("--tp", type=int, default=8, help="tp ranks (one node's GPUs with 8)")

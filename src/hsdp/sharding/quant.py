@@ -129,13 +129,15 @@ def uses_kernels(t: torch.Tensor, block: int, fused: bool | None = None) -> bool
     """Whether a pass over ``t`` runs the fused kernels: CUDA tensors, triton importable
     and blocks of at most ``quant_kernels.MAX_BLOCK``; ``fused`` True / False forces a path
     (tests and benchmarks; True where the kernels cannot run is an error)."""
+    if fused is False:
+        return False
     kernels = _kernels()
     can = kernels is not None and t.is_cuda and block <= kernels.MAX_BLOCK
     if fused and not can:
         raise RuntimeError(f"quant: the fused kernels need a CUDA tensor, triton and a block "
                            f"of at most 8192 (got {t.device}, block {block}, triton "
                            f"{'found' if kernels is not None else 'missing'})")
-    return can if fused is None else fused
+    return can
 
 
 def encode(src: torch.Tensor, rows: Rows, fmt: str, residual: torch.Tensor | None = None,

@@ -145,6 +145,7 @@ def _launch(block: int) -> dict:
 def encode(src: torch.Tensor, rows: Rows, fmt: str, residual: torch.Tensor | None,
            feedback: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``quant.encode`` in one pass."""
+    src = src.contiguous()  # no copy where it is (the kernel reads it flat)
     packed = torch.empty(rows.n, rows.packed, dtype=torch.uint8, device=src.device)
     error = (torch.empty(rows.n, rows.m, dtype=torch.float32, device=src.device)
              if feedback else None)
@@ -177,6 +178,8 @@ def reduce(received: torch.Tensor, rows: Rows, fmt: str, mean: bool,
 
 def decode_into(out: torch.Tensor, packed: torch.Tensor, rows: Rows, fmt: str) -> None:
     """``quant.decode_into`` in one pass."""
+    if not out.is_contiguous():
+        raise ValueError("quant.decode_into: the fused kernel writes a contiguous out")
     vals, scales, geometry = _views(packed, fmt, rows.m)
     launch = _launch(rows.block)
     grid = (rows.n * triton.cdiv(rows.m, rows.block * launch["GROUP"]),)

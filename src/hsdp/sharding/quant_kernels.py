@@ -22,6 +22,7 @@ contracted), and follows torch's CUDA conventions where the eager ops rely on th
 
 from __future__ import annotations
 
+from functools import cache
 from typing import TYPE_CHECKING
 
 import torch
@@ -135,10 +136,22 @@ def _views(packed: torch.Tensor, fmt: str, m: int) -> tuple[torch.Tensor, torch.
     return packed.view(_VALUES[fmt]), packed.view(torch.float32), geometry
 
 
-def _launch(block: int) -> dict:
-    """Tile shape and launch options shared by the kernels."""
+@cache
+def _programs_wanted(device: torch.device) -> int:
+    """Programs that fill the GPU twice over (two per multiprocessor; one on the CPU, in
+    Triton's interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch(block: int, blocks: int, device: torch.device) -> dict:
+    """Tile shape and launch options for a pass over ``blocks`` blocks: ``GROUP`` blocks
+    per program, up to ``TILE`` elements, fewer where that would leave the GPU idle."""
     group = max(1, TILE // block)
-    return dict(BLOCK=block, GROUP=group, num_warps=min(16, max(4, group * block // 512)),
+    while group > 1 and -(-blocks // group) < _programs_wanted(device):
+        group //= 2
+    return dict(BLOCK=block, GROUP=group, num_warps=min(16, max(1, group * block // 512)),
                 enable_fp_fusion=False)
 
 
@@ -150,7 +163,7 @@ def encode(src: torch.Tensor, rows: Rows, fmt: str, residual: torch.Tensor | Non
     error = (torch.empty(rows.n, rows.m, dtype=torch.float32, device=src.device)
              if feedback else None)
     vals, scales, geometry = _views(packed, fmt, rows.m)
-    launch = _launch(rows.block)
+    launch = _launch(rows.block, rows.n * rows.m // rows.block, src.device)
     grid = (rows.n * triton.cdiv(rows.m, rows.block * launch["GROUP"]),)
     _encode[grid](src, residual if residual is not None else src, vals, scales,
                   error if feedback else src, rows.numel, rows.c, **geometry,
@@ -168,7 +181,7 @@ def reduce(received: torch.Tensor, rows: Rows, fmt: str, mean: bool,
     mine = (torch.empty(1, rows.packed, dtype=torch.uint8, device=received.device)
             if requantize else None)
     qvals, qscales = _views(mine, fmt, rows.m)[:2] if requantize else (vals, scales)
-    launch = _launch(rows.block)
+    launch = _launch(rows.block, rows.m // rows.block, received.device)
     grid = (triton.cdiv(rows.m, rows.block * launch["GROUP"]),)
     _reduce[grid](vals, scales, out, qvals, qscales, rows.n, **geometry,
                   inv_n=1 / rows.n, QMAX_RECIP=1 / _QMAX[fmt],
@@ -181,6 +194,6 @@ def decode_into(out: torch.Tensor, packed: torch.Tensor, rows: Rows, fmt: str) -
     if not out.is_contiguous():
         raise ValueError("quant.decode_into: the fused kernel writes a contiguous out")
     vals, scales, geometry = _views(packed, fmt, rows.m)
-    launch = _launch(rows.block)
+    launch = _launch(rows.block, rows.n * rows.m // rows.block, packed.device)
     grid = (rows.n * triton.cdiv(rows.m, rows.block * launch["GROUP"]),)
     _decode[grid](vals, scales, out, rows.numel, rows.c, **geometry, **launch)

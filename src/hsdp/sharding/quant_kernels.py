@@ -94,12 +94,12 @@ def _reduce(vals, scales, out, qvals, qscales, n, m, row_bytes, row_words, scale
     j = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     inside = j < m
     whole = blocks < m // BLOCK
-    acc = (tl.load(vals + j, mask=inside, other=0).to(tl.float32)
+    acc = (tl.load(vals + j, mask=inside).to(tl.float32)
            * tl.load(scales + scale_off + blocks, mask=whole, other=1.0)[:, None])
     for _ in range(1, n):  # the next row: pointers advance (no 32-bit row offsets)
         vals += row_bytes
         scales += row_words
-        v = tl.load(vals + j, mask=inside, other=0).to(tl.float32)
+        v = tl.load(vals + j, mask=inside).to(tl.float32)
         s = tl.load(scales + scale_off + blocks, mask=whole, other=1.0)
         acc = acc + v * s[:, None]
     if MEAN:
@@ -123,7 +123,7 @@ def _decode(vals, scales, out, numel, c, m, row_bytes, row_words, scale_off,
     j = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     flat = i * c + j
     valid = (j < c) & (flat < numel)
-    v = tl.load(vals + i * row_bytes + j, mask=valid, other=0).to(tl.float32)
+    v = tl.load(vals + i * row_bytes + j, mask=valid).to(tl.float32)
     s = tl.load(scales + i * row_words + scale_off + blocks, mask=blocks < m // BLOCK,
                 other=1.0)
     tl.store(out + flat, (v * s[:, None]).to(out.dtype.element_ty), mask=valid)

@@ -13,7 +13,8 @@ contracted), and follows torch's CUDA conventions where the eager ops rely on th
 
 - the block scale is ``amax * fp32(1 / qmax)`` and the mean ``sum * fp32(1 / n)`` (the
   Python number rounded to fp32, as torch rounds a scalar operand); the values are divided
-  by their scale (IEEE division, ``div.rn.f32``: Triton's ``/``);
+  by their scale in IEEE division (``tl.math.div_rn``: Triton's ``/`` is ``div.full.f32``,
+  within 2 ulp, which moved a few values per million to the next int8 / float8 step);
 - a block's maximum is NaN if any of its elements is (``vector_norm(inf)``);
 - int8 rounds to nearest, ties to even (``torch.round``); float8 e4m3 is cast to nearest,
   ties to even, as torch's cast (no scaled value exceeds 448 by more than rounding);
@@ -76,7 +77,7 @@ def _encode(src, res, vals, scales, err, numel, c, m, row_bytes, row_words, scal
     if HAS_RES:
         x = x + tl.load(res + i * m + j, mask=inside, other=0.0)
     scale = _block_scale(x, QMAX_RECIP)
-    q = _to_format(x / scale[:, None], INT8)
+    q = _to_format(tl.math.div_rn(x, scale[:, None]), INT8)
     tl.store(vals + i * row_bytes + j, q, mask=inside)
     tl.store(scales + i * row_words + scale_off + blocks, scale, mask=blocks < m // BLOCK)
     if FEEDBACK:
@@ -84,10 +85,11 @@ def _encode(src, res, vals, scales, err, numel, c, m, row_bytes, row_words, scal
 
 
 @triton.jit
-def _reduce(vals, scales, out, qvals, qscales, n, m, row_bytes, row_words, scale_off,
-            inv_n, BLOCK: tl.constexpr, GROUP: tl.constexpr, QMAX_RECIP: tl.constexpr,
-            INT8: tl.constexpr, MEAN: tl.constexpr, REQUANT: tl.constexpr):
-    """One program: ``GROUP`` blocks of the row space, summed over the ``n`` packed rows in
+def _reduce(vals, scales, out, qvals, qscales, m, row_bytes, row_words, scale_off,
+            inv_n, N: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+            QMAX_RECIP: tl.constexpr, INT8: tl.constexpr, MEAN: tl.constexpr,
+            REQUANT: tl.constexpr):
+    """One program: ``GROUP`` blocks of the row space, summed over the ``N`` packed rows in
     rank order (times ``inv_n`` with ``MEAN``). Writes the sum to ``out``; with ``REQUANT``
     the sum packed into ``qvals`` / ``qscales`` and ``out`` = sum - dequantized."""
     blocks = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
@@ -96,8 +98,8 @@ def _reduce(vals, scales, out, qvals, qscales, n, m, row_bytes, row_words, scale
     whole = blocks < m // BLOCK
     acc = (tl.load(vals + j, mask=inside).to(tl.float32)
            * tl.load(scales + scale_off + blocks, mask=whole, other=1.0)[:, None])
-    for _ in range(1, n):  # the next row: pointers advance (no 32-bit row offsets)
-        vals += row_bytes
+    for _ in tl.static_range(1, N):  # unrolled: every row's loads in flight at once
+        vals += row_bytes  # the next row (64-bit pointers: no 32-bit row offsets)
         scales += row_words
         v = tl.load(vals + j, mask=inside).to(tl.float32)
         s = tl.load(scales + scale_off + blocks, mask=whole, other=1.0)
@@ -106,7 +108,7 @@ def _reduce(vals, scales, out, qvals, qscales, n, m, row_bytes, row_words, scale
         acc = acc * inv_n
     if REQUANT:
         scale = _block_scale(acc, QMAX_RECIP)
-        q = _to_format(acc / scale[:, None], INT8)
+        q = _to_format(tl.math.div_rn(acc, scale[:, None]), INT8)
         tl.store(qvals + j, q, mask=inside)
         tl.store(qscales + scale_off + blocks, scale, mask=whole)
         acc = acc - q.to(tl.float32) * scale[:, None]
@@ -183,9 +185,9 @@ def reduce(received: torch.Tensor, rows: Rows, fmt: str, mean: bool,
     qvals, qscales = _views(mine, fmt, rows.m)[:2] if requantize else (vals, scales)
     launch = _launch(rows.block, rows.m // rows.block, received.device)
     grid = (triton.cdiv(rows.m, rows.block * launch["GROUP"]),)
-    _reduce[grid](vals, scales, out, qvals, qscales, rows.n, **geometry,
-                  inv_n=1 / rows.n, QMAX_RECIP=1 / _QMAX[fmt],
-                  INT8=fmt == "int8", MEAN=mean, REQUANT=requantize, **launch)
+    _reduce[grid](vals, scales, out, qvals, qscales, **geometry, inv_n=1 / rows.n, N=rows.n,
+                  QMAX_RECIP=1 / _QMAX[fmt], INT8=fmt == "int8", MEAN=mean,
+                  REQUANT=requantize, **launch)
     return out, mine
 
 

@@ -16,6 +16,7 @@ COMMANDS: dict[tuple[str, ...], str] = {
     ("bench", "ckpt"): "hsdp.bench.ckpt",
     ("bench", "collectives"): "hsdp.bench.collectives",
     ("bench", "diloco"): "hsdp.bench.diloco",
+    ("bench", "quant"): "hsdp.bench.quant",
     ("bench", "step"): "hsdp.bench.step",
     ("bench", "suite"): "hsdp.bench.suite",
     ("demo",): "hsdp.demo",

@@ -55,6 +55,8 @@ NOT_ON_CPU = {
     "python -m hsdp bench diloco --mesh 16x8 --outer-gbps 1,3":
         "hours on two cores (11 rows x 2 links, 50-step periods); its CPU variant is in the "
         "same document",
+    "python -m hsdp bench quant --json q.json":
+        _GPU.format(": the Triton kernels beside the eager ops"),
     "python -m hsdp sim calibrate s.json --collectives c.json --machine h200x2 --out p.json":
         _GPU.format(": calibrates from the GPU runs above (s.json, c.json)"),
     "python -m hsdp sim --profile p.json --model llama-70b --mesh 16x8 --seq 8192":

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -118,3 +124,41 @@ def test_outer_reduce_short_form() -> None:
         as_outer_reduce("int8:x")
     with pytest.raises(TypeError, match="short form"):
         as_outer_reduce(8)
+
+
+_INTERPRETED = """
+import torch
+from hsdp.sharding import quant, quant_kernels as k
+torch.manual_seed(0)
+for numel, n, block, mean in [(1000, 3, 16, True), (5, 8, 16, False), (4096, 4, 256, True)]:
+    rows = quant.Rows(numel, n, block)
+    src = torch.randn(numel) * torch.logspace(-3, 3, numel)
+    residual = torch.randn(n, rows.m) * 0.01
+    for a, b in zip(k.encode(src, rows, "int8", residual, True),
+                    quant.encode(src, rows, "int8", residual, True, fused=False)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), ("encode", numel)
+    received = quant.encode(src, rows, "int8", fused=False)[0].roll(1, 0)
+    reduced = k.reduce(received, rows, "int8", mean, False)[0]
+    assert torch.equal(reduced, quant.reduce_rows(received, rows, "int8", mean, fused=False))
+    dropped, mine = k.reduce(received, rows, "int8", mean, True)
+    ref_mine, ref_dropped = quant.reduce_requantize(received, rows, "int8", mean, fused=False)
+    assert torch.equal(mine, ref_mine) and torch.equal(dropped, ref_dropped), ("requant", numel)
+    out, ref = torch.full((numel,), float("nan")), torch.empty(numel)
+    k.decode_into(out, received, rows, "int8")
+    quant.decode_into(ref, received, rows, "int8", fused=False)
+    assert torch.equal(out, ref), ("decode", numel)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_fused_kernels_equal_eager_in_tritons_interpreter() -> None:
+    """The Triton kernels' indexing and arithmetic on CPU (Triton's interpreter, int8 and
+    fp32 only: it has no float8 and casts bf16 otherwise than CUDA): bit-identical to the
+    eager ops. tests/gpu/test_quant_kernels.py checks every format and dtype on CUDA."""
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2] / "src"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.policy import OuterReduce
-from hsdp.sharding.quant import Rows, dequantize, dequantize_sum, quantize
+from hsdp.sharding.quant import Rows, decode_into, encode, reduce_requantize, reduce_rows
 
 # The largest residual value kept: its square is finite in fp32. Past it every norm over
 # it is inf, so a step with it is skipped or clipped to nothing, and carrying it would
@@ -60,35 +60,22 @@ class CompressedOuter:
         self.residual: torch.Tensor | None = None  # [n, m]; None: zeros
         self._pending: torch.Tensor | None = None  # the exposed gradients', until commit
 
-    def _quantize(self, x: torch.Tensor) -> torch.Tensor:
-        return quantize(x, self.config.dtype, self.config.block)
-
-    def _dequantize(self, packed: torch.Tensor) -> torch.Tensor:
-        return dequantize(packed, self.config.dtype, self.config.block, self.rows.m)
-
-    def _scatter(self, coll: Collectives, src: torch.Tensor, group: dist.ProcessGroup,
-                 avg: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(this rank's reduced row, fp32 ``[m]``; with error feedback the quantization
+    def _scatter(self, coll: Collectives, src: torch.Tensor, group: dist.ProcessGroup
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the ``n`` packed rows this rank received; with error feedback the quantization
         error rows, else None)."""
         feedback = self.config.error_feedback
-        x = self.rows.split(src)
-        if feedback and self._base is not None:
-            x.add_(self._base)
-        packed = self._quantize(x)
+        packed, error = encode(src, self.rows, self.config.dtype, self._base, feedback)
         received = torch.empty_like(packed)
         coll.all_to_all(received, packed, group, "outer")
-        if feedback:
-            x.sub_(self._dequantize(packed))  # what this quantization dropped
-        reduced = dequantize_sum(received, self.config.dtype, self.config.block, self.rows.m)
-        if avg:
-            reduced.div_(self.rows.n)
-        return reduced, x if feedback else None
+        return received, error
 
     def reduce_scatter(self, coll: Collectives, out: torch.Tensor, src: torch.Tensor,
                        group: dist.ProcessGroup, avg: bool) -> None:
         """``out`` (this rank's row, ``c`` elements) = sum (``avg``: mean) over the outer
         ranks of ``src``'s rows, each quantized."""
-        reduced, error = self._scatter(coll, src, group, avg)
+        received, error = self._scatter(coll, src, group)
+        reduced = reduce_rows(received, self.rows, self.config.dtype, avg)
         out.copy_(reduced[:out.numel()])
         self._keep(error)
 
@@ -96,16 +83,14 @@ class CompressedOuter:
                    group: dist.ProcessGroup, avg: bool) -> None:
         """``out`` = sum (``avg``: mean) over the outer ranks of ``src``: the quantized
         reduce-scatter, then an all-gather of the reduced rows, quantized again."""
-        reduced, error = self._scatter(coll, src, group, avg)
-        mine = self._quantize(reduced.unsqueeze(0))
+        received, error = self._scatter(coll, src, group)
+        mine, dropped = reduce_requantize(received, self.rows, self.config.dtype, avg)
         gathered = torch.empty(self.rows.n, self.rows.packed, dtype=torch.uint8,
                                device=mine.device)
         coll.all_gather(gathered.view(-1), mine.view(-1), group, "outer")
-        rows = self._dequantize(gathered)
         if error is not None:
-            error[self.rank].add_(reduced.sub_(rows[self.rank]),
-                                  alpha=float(self.rows.n) if avg else 1.0)
-        self.rows.join_into(out, rows)
+            error[self.rank].add_(dropped, alpha=float(self.rows.n) if avg else 1.0)
+        decode_into(out, gathered, self.rows, self.config.dtype)
         self._keep(error)
 
     @property

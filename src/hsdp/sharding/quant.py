@@ -7,11 +7,19 @@ elements, a whole number of blocks. Each block of ``block`` elements is scaled b
 absolute maximum over the format's largest value (fp32 scale) and rounded to one byte
 (int8: to nearest, ties to even; float8 e4m3: torch's cast). A row travels packed as
 ``m`` bytes of values followed by its scales' bytes, so one collective moves both.
+
+The passes of the reduction (``encode``, ``reduce_rows``, ``reduce_requantize``,
+``decode_into``) run as fused Triton kernels on CUDA tensors where triton imports
+(``quant_kernels.py``, bit-identical to the eager ops on the same GPU), else as the eager
+torch ops below (CPU, and the reference); ``uses_kernels`` is where that is decided.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from functools import cache
+from types import ModuleType
 
 import torch
 
@@ -29,7 +37,7 @@ def _largest_scale(qmax: float) -> float:
     return scale.item()
 
 
-_SCALE_RANGE = {fmt: (_TINY, _largest_scale(qmax)) for fmt, (_, qmax) in _FORMATS.items()}
+SCALE_RANGE = {fmt: (_TINY, _largest_scale(qmax)) for fmt, (_, qmax) in _FORMATS.items()}
 
 
 @dataclass(frozen=True)
@@ -81,14 +89,16 @@ def quantize(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
     ``[r, m + 4 * m / block]``. Few passes over ``x`` (this runs per unit and step on the
     outer stream): the block maxima in one reduction, one scaling, (int8) one rounding,
     one cast; no clamp is needed, ``|x| / scale`` is at most the format's maximum. Finite
-    scales are kept within ``_SCALE_RANGE`` (a denormal one would push ``|x| / scale``
+    scales are kept within ``SCALE_RANGE`` (a denormal one would push ``|x| / scale``
     past the format, one near fp32's maximum would dequantize to inf); a block with a
     NaN or inf has a NaN or inf scale, so the whole block dequantizes non-finite."""
     dtype, qmax = _FORMATS[fmt]
     r, m = x.shape
     xb = x.view(r, m // block, block)
-    scale = torch.linalg.vector_norm(xb, float("inf"), dim=-1, keepdim=True).div_(qmax)
-    scale = torch.where(scale.isfinite(), scale.clamp(*_SCALE_RANGE[fmt]), scale)
+    # times the fp32 reciprocal, as torch's CUDA division by a number does: one result on
+    # every device (the fused kernels' too)
+    scale = torch.linalg.vector_norm(xb, float("inf"), dim=-1, keepdim=True).mul_(1 / qmax)
+    scale = torch.where(scale.isfinite(), scale.clamp(*SCALE_RANGE[fmt]), scale)
     q = xb / scale
     if dtype == torch.int8:
         q.round_()
@@ -114,5 +124,84 @@ def dequantize(packed: torch.Tensor, fmt: str, block: int, m: int) -> torch.Tens
 
 
 def dequantize_sum(packed: torch.Tensor, fmt: str, block: int, m: int) -> torch.Tensor:
-    """The fp32 sum ``[m]`` of ``quantize``'s packed rows, dequantized."""
-    return _scaled(packed, fmt, block, m).sum(dim=0).view(m)
+    """The fp32 sum ``[m]`` of ``quantize``'s packed rows, dequantized, added in rank order
+    (one order on every device and path, the fused kernel's)."""
+    scaled = _scaled(packed, fmt, block, m).view(packed.shape[0], m)
+    total = scaled[0].clone()
+    for row in scaled[1:]:
+        total.add_(row)
+    return total
+
+
+@cache
+def _kernels() -> ModuleType | None:
+    """``quant_kernels`` (None where triton does not import)."""
+    try:
+        return importlib.import_module("hsdp.sharding.quant_kernels")
+    except ImportError:
+        return None
+
+
+def uses_kernels(t: torch.Tensor, block: int, fused: bool | None = None) -> bool:
+    """Whether a pass over ``t`` runs the fused kernels: CUDA tensors, triton importable
+    and blocks of at most ``quant_kernels.MAX_BLOCK``; ``fused`` True / False forces a path
+    (tests and benchmarks; True where the kernels cannot run is an error)."""
+    if fused is False:
+        return False
+    kernels = _kernels()
+    can = kernels is not None and t.is_cuda and block <= kernels.MAX_BLOCK
+    if fused and not can:
+        raise RuntimeError(f"quant: the fused kernels need a CUDA tensor, triton and a block "
+                           f"of at most 8192 (got {t.device}, block {block}, triton "
+                           f"{'found' if kernels is not None else 'missing'})")
+    return can
+
+
+def encode(src: torch.Tensor, rows: Rows, fmt: str, residual: torch.Tensor | None = None,
+           feedback: bool = False, fused: bool | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``src`` (1-D, ``rows.numel``) cut into ``rows`` plus ``residual`` (fp32 ``[n, m]``;
+    None: zeros), quantized: (packed ``[n, rows.packed]``, with ``feedback`` what the
+    quantization dropped, fp32 ``[n, m]``, else None). New tensors: the caller decides what
+    becomes its residual."""
+    if uses_kernels(src, rows.block, fused):
+        return _kernels().encode(src, rows, fmt, residual, feedback)
+    x = rows.split(src)
+    if residual is not None:
+        x.add_(residual)
+    packed = quantize(x, fmt, rows.block)
+    if not feedback:
+        return packed, None
+    return packed, x.sub_(dequantize(packed, fmt, rows.block, rows.m))
+
+
+def reduce_rows(received: torch.Tensor, rows: Rows, fmt: str, mean: bool,
+                fused: bool | None = None) -> torch.Tensor:
+    """The fp32 sum ``[m]`` (``mean``: divided by ``n``) of the ``n`` packed rows
+    ``received``, dequantized (``dequantize_sum``)."""
+    if uses_kernels(received, rows.block, fused):
+        return _kernels().reduce(received, rows, fmt, mean, False)[0]
+    reduced = dequantize_sum(received, fmt, rows.block, rows.m)
+    return reduced.mul_(1 / rows.n) if mean else reduced  # as ``quantize``'s scale
+
+
+def reduce_requantize(received: torch.Tensor, rows: Rows, fmt: str, mean: bool,
+                      fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reduce_rows``'s row quantized again: (packed ``[1, rows.packed]``, what that
+    dropped: the row minus the packed row dequantized, fp32 ``[m]``)."""
+    if uses_kernels(received, rows.block, fused):
+        dropped, mine = _kernels().reduce(received, rows, fmt, mean, True)
+        return mine, dropped
+    reduced = reduce_rows(received, rows, fmt, mean, fused=False)
+    mine = quantize(reduced.unsqueeze(0), fmt, rows.block)
+    return mine, reduced.sub_(dequantize(mine, fmt, rows.block, rows.m).view(rows.m))
+
+
+def decode_into(out: torch.Tensor, packed: torch.Tensor, rows: Rows, fmt: str,
+                fused: bool | None = None) -> None:
+    """``out`` (``rows.numel`` elements, any float dtype) = the packed rows dequantized and
+    joined (``Rows.join``)."""
+    if uses_kernels(packed, rows.block, fused):
+        _kernels().decode_into(out, packed, rows, fmt)
+    else:
+        rows.join_into(out, dequantize(packed, fmt, rows.block, rows.m))

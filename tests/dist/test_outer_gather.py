@@ -15,8 +15,11 @@ from outer_gather_jobs import (
     same_grads_job,
 )
 
-TRUE = {"first_forward": True, "bit_exact": True, "replicas_identical": True, "quantized": True, "main_apart": True,
-        "finite": True}
+from hsdp.bench.convergence import Plan, convergence_job, final_losses
+
+CONVERGENCE = Plan(((2, 4, "hfsdp"),), (0,), ("exact", "int8 gather"), steps=25)
+TRUE = {"first_forward": True, "bit_exact": True, "replicas_identical": True,
+        "quantized": True, "main_apart": True, "finite": True}
 SAME_GRADS = {"main_equal": True, "state_dict_equal": True, "stepped": True,
               "replicas_differ": True, "compressed_bit_exact": True}
 
@@ -31,7 +34,8 @@ def jobs(tmp_path_factory) -> dict[str, list]:
 @pytest.fixture(scope="module")
 def jobs8() -> dict[str, list]:
     return run_jobs(8, {"parity": (parity_job, (2, ("int8-bf16", "fp8"))),
-                        "same_grads": (same_grads_job, (2,))})
+                        "same_grads": (same_grads_job, (2,)),
+                        "convergence": (convergence_job, (CONVERGENCE,))})
 
 
 @pytest.mark.parametrize("case", ["int8", "int8-bf16", "fp8", "int8-bf16+reduce"])
@@ -56,6 +60,20 @@ def test_a_2x4_mesh(jobs8) -> None:
         assert same_on_every_rank([x[case] for x in jobs8["parity"]]) == TRUE, case
     for dtype in ("fp32", "bf16"):
         assert same_on_every_rank([x[dtype] for x in jobs8["same_grads"]]) == SAME_GRADS
+
+
+@pytest.mark.full
+def test_a_short_run_converges_like_exact(jobs8) -> None:
+    """25 AdamW steps of the convergence bench's Llama on 2x4: it learns, the int8 gather
+    changed the losses, and the final loss is within 0.02 of the exact gather's (the
+    500-step, 3-seed runs: docs/benchmarks.md)."""
+    curves = jobs8["convergence"][0]
+    exact, int8 = (curves[f"2x4 hfsdp/seed0/{run}"] for run in CONVERGENCE.runs)
+    assert exact[0] - exact[-1] > 1.0, exact
+    assert int8 != exact
+    finals = final_losses(curves, tail=5)
+    assert abs(finals[("2x4 hfsdp", "int8 gather")][0]
+               - finals[("2x4 hfsdp", "exact")][0]) < 0.02, finals
 
 
 def test_checkpoints_hold_the_exact_main_weights(jobs) -> None:

@@ -4,7 +4,7 @@ all-gather and of DiLoCo on real collectives (8 CPU ranks, gloo).
     nice -n 19 python scripts/outer_reduce_convergence.py --meshes 4x2 --out c42.json
     nice -n 19 python scripts/outer_reduce_convergence.py --meshes 2x4 --out c24.json
     nice -n 19 python scripts/outer_reduce_convergence.py --meshes 4x2:hfsdp \
-        --runs "exact,int8 gather,fp8 gather,int8+EF + int8 gather" --out g42.json
+        --runs "exact,int8 gather,int8+EF + int8 gather" --out g42.json
     python scripts/outer_reduce_convergence.py --out c42.json --table  # a (partial) run's
     nice -n 19 python scripts/outer_reduce_convergence.py --meshes 4x2 --layers 3 \
         --seeds 0,1 --runs "exact,DiLoCo H1 F1,DiLoCo H10 F4,..." --out diloco.json

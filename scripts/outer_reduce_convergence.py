@@ -1,14 +1,17 @@
-"""Convergence of the compressed outer reduction and of DiLoCo on real collectives (8 CPU
-ranks, gloo).
+"""Convergence of the compressed outer reduction, of hfsdp's compressed outer parameter
+all-gather and of DiLoCo on real collectives (8 CPU ranks, gloo).
 
     nice -n 19 python scripts/outer_reduce_convergence.py --meshes 4x2 --out c42.json
     nice -n 19 python scripts/outer_reduce_convergence.py --meshes 2x4 --out c24.json
+    nice -n 19 python scripts/outer_reduce_convergence.py --meshes 4x2:hfsdp \
+        --runs "exact,int8 gather,int8+EF + int8 gather" --out g42.json
     python scripts/outer_reduce_convergence.py --out c42.json --table  # a (partial) run's
     nice -n 19 python scripts/outer_reduce_convergence.py --meshes 4x2 --layers 3 \
         --seeds 0,1 --runs "exact,DiLoCo H1 F1,DiLoCo H10 F4,..." --out diloco.json
 
 Exact vs int8 + error feedback vs fp8 + error feedback vs fp8 without, on 4x2 and 2x4
-meshes (hsdp), 3 seeds, a small Llama (``hsdp.bench.convergence.MODEL``) trained with AdamW
+meshes (hsdp) by default (``--runs``: also the outer all-gather's runs, on an hfsdp
+mesh), 3 seeds, a small Llama (``hsdp.bench.convergence.MODEL``) trained with AdamW
 for ``--steps`` steps (``hsdp/bench/convergence.py`` says what runs). Prints the markdown
 table of docs/benchmarks.md and writes every loss curve to ``--out``.
 """
@@ -30,6 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from hsdp.bench.convergence import RUNS, Plan, convergence_job, summarize  # noqa: E402
+
+REDUCTION_RUNS = ("exact", "int8+EF", "fp8+EF", "fp8 no EF")
 
 
 def _entry(rank: int, world: int, port: int, plan: Plan, out: str) -> None:
@@ -97,7 +102,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--meshes", default="4x2,2x4", help="OUTERxINNER[:strategy],...")
-    ap.add_argument("--runs", default=",".join(RUNS))
+    ap.add_argument("--runs", default=",".join(REDUCTION_RUNS),
+                    help=f"comma-separated among: {', '.join(RUNS)}")
     ap.add_argument("--layers", type=int, default=2, help="Llama blocks (DiLoCo F=4: 3)")
     ap.add_argument("--tail", type=int, default=20, help="final loss: mean of the last N")
     ap.add_argument("--out", "--json", dest="out", default="outer_reduce_convergence.json")

@@ -18,7 +18,7 @@ from hsdp.ft.transport import RecoveryTransport
 from hsdp.materialize import materialize
 from hsdp.module import register_forward_method
 from hsdp.runtime.optim import attach_optimizer
-from hsdp.sharding.policy import MixedPrecision, OuterReduce, Strategy
+from hsdp.sharding.policy import MixedPrecision, OuterGather, OuterReduce, Strategy
 from hsdp.topology.communicators import NcclConfig
 from hsdp.topology.mesh import expert_mesh, init_mesh
 from hsdp.topology.outer_sync import DiLoCo
@@ -32,6 +32,7 @@ __all__ = [
     "FaultTolerance",
     "FaultToleranceError",
     "MixedPrecision",
+    "OuterGather",
     "OuterReduce",
     "Strategy",
     "NcclConfig",

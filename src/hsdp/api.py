@@ -23,9 +23,11 @@ from hsdp.sharding.float8_weights import float8_dtype
 from hsdp.sharding.group import ParamGroup, Slot, owner
 from hsdp.sharding.policy import (
     MixedPrecision,
+    OuterGather,
     OuterReduce,
     Strategy,
     as_mixed_precision,
+    as_outer_gather,
     as_outer_reduce,
     check_reshard_after_forward,
 )
@@ -40,6 +42,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
                 mp_policy: MixedPrecision | None = None, overlap_outer: bool = True,
                 reshard_after_forward: bool | None = True,
                 outer_reduce: OuterReduce | str | None = None,
+                outer_gather: OuterGather | str | None = None,
                 offload_policy: OffloadPolicy | None = None) -> nn.Module:
     """Shard the parameters ``module`` owns (those not owned by an already sharded
     submodule) over ``mesh``. Call bottom-up: units first, the root last. ``module``
@@ -57,7 +60,11 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
     after torch's ``parallelize_module`` on ``mesh["tp"]`` (hsdp shards each parameter's
     TP-local tensor; see ``sharding/tp_blocks.py``). ``outer_reduce=hsdp.OuterReduce(...)``
     compresses the outer gradient reduction to 8 bits with error feedback
-    (docs/guide/slow_outer_links.md); None: the exact reduction. ``offload_policy``:
+    (docs/guide/slow_outer_links.md); None: the exact reduction.
+    ``outer_gather=hsdp.OuterGather(...)`` (strategy="hfsdp" only) compresses the outer
+    all-gather of the updated weights after each optimizer step to 8 bits blockwise: the
+    fp32 main weights stay exact, the gathered ones are their dequantized form, the same
+    on every rank (same guide); None: the exact gather. ``offload_policy``:
     FSDP2's; only its default ``OffloadPolicy()`` (no offload) is accepted, CPU offload
     raises.
 
@@ -69,6 +76,13 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
     reshard_after_forward = check_reshard_after_forward(reshard_after_forward)
     mp = as_mixed_precision(mp_policy)
     outer_reduce = as_outer_reduce(outer_reduce)
+    outer_gather = as_outer_gather(outer_gather)
+    if outer_gather is not None and strategy is not Strategy.HFSDP:
+        raise ValueError(
+            f"fully_shard: outer_gather needs strategy='hfsdp': with strategy="
+            f"'{strategy.value}' the weights are replicated over outer and updated on every "
+            f"rank, there is no outer all-gather of parameters to compress (outer_reduce "
+            f"compresses the outer gradient reduction)")
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module)}")
     if getattr(module, "_hsdp_unit", None) is not None:
@@ -93,6 +107,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
     inner = module._orig_mod if isinstance(module, OptimizedModule) else module
     params, slots, ties = _owned_params(module)
     check_params(params, _names(inner, slots), mesh)
+    if outer_gather is not None:
+        _check_outer_gather(params, _names(inner, slots))
     meta = [p.is_meta for p in params]
     if any(meta) and not all(meta):
         raise RuntimeError(f"fully_shard: some parameters of this {type(inner).__name__} are "
@@ -106,7 +122,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
         ss.append(s)
     label = f"{type(inner).__name__}{next(_UNIT_IDS)}"  # same on every rank
     groups = [
-        ParamGroup(f"{label}/{k}", ps, ss, comms, shard_device, strategy, mp, outer_reduce)
+        ParamGroup(f"{label}/{k}", ps, ss, comms, shard_device, strategy, mp, outer_reduce,
+                   outer_gather)
         for k, (ps, ss) in enumerate(keyed.values())]
     for g in groups:
         g.use_sharded()
@@ -118,7 +135,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
     unit.description = _describe(inner, params, slots, strategy=strategy.value, mp_policy=mp,
                                  overlap_outer=overlap_outer,
                                  reshard_after_forward=reshard_after_forward,
-                                 outer_reduce=outer_reduce)
+                                 outer_reduce=outer_reduce, outer_gather=outer_gather)
     for nested in units_below(module):
         if nested.enclosing is None and nested is not unit:
             nested.enclosing = unit
@@ -173,6 +190,20 @@ def _check_outer_reduce(comms: CommGroups, device: torch.device) -> None:
         raise ValueError(f"fully_shard: outer_reduce needs all_to_all on the outer "
                          f"communicator; its backend {name!r} is not one known to have it "
                          f"({', '.join(_ALL_TO_ALL)})")
+
+
+def _check_outer_gather(params: list[nn.Parameter], names: list[str]) -> None:
+    """``outer_gather`` and torchao float8 weights (float8 all-gather) do not mix in one
+    unit: those already cross the outer link as one byte per weight, cast with the scales
+    their matmuls use; quantizing them again would round twice."""
+    f8 = [n for p, n in zip(params, names) if float8_dtype(p) is not None]
+    if f8:
+        raise ValueError(
+            f"fully_shard: outer_gather on a unit with float8 weights ({', '.join(f8[:3])}"
+            f"{', ...' if len(f8) > 3 else ''}): their float8 all-gather already moves one "
+            f"byte per weight over outer. Pass outer_gather only to units without float8 "
+            f"weights (e.g. the root holding embedding and output head), or leave float8 "
+            f"all-gather off (enable_fsdp_float8_all_gather=False)")
 
 
 def _names(module: nn.Module, slots: list[list[Slot]]) -> list[str]:

@@ -1,9 +1,10 @@
-"""Loss curves of the exact and the compressed outer reduction, and of DiLoCo, on real
-collectives.
+"""Loss curves of the exact and the compressed outer reduction, of hfsdp's compressed
+outer parameter all-gather, and of DiLoCo, on real collectives.
 
 ``convergence_job`` runs inside a spawned world (gloo on CPU moves real data; torch's
 fake process group would not): for each mesh (outer x inner over the whole world), seed
-and run (``RUNS``: exact, int8 + error feedback, fp8 + error feedback, fp8 without,
+and run (``RUNS``: exact, int8 + error feedback, fp8 + error feedback, fp8 without;
+hfsdp meshes: the int8 / fp8 outer all-gather, alone and with the int8 reduction;
 DiLoCo with H in {1, 10, 50} and 1 or 4 fragments),
 a small Llama trained with AdamW on learnable synthetic data, every rank on its own rows
 of one global batch. Returns, per (mesh, seed, run), the loss of every step (mean over
@@ -27,14 +28,22 @@ from hsdp.models import LlamaConfig, build_model, lm_loss
 MODEL = LlamaConfig(vocab=128, hidden=64, heads=4, kv_heads=2, ffn=128, layers=2, seq=32)
 ROWS_PER_RANK = 2
 LR = 3e-3
-# name -> fully_shard's outer_reduce (block 64: the model's groups are small) or
-# init_mesh's outer_sync (DiLoCo: the paper's outer optimizer, Nesterov 0.9 at lr 0.7)
-RUNS: dict[str, hsdp.OuterReduce | hsdp.DiLoCo | None] = {
-    "exact": None,
-    "int8+EF": hsdp.OuterReduce("int8", block=64),
-    "fp8+EF": hsdp.OuterReduce("fp8_e4m3", block=64),
-    "fp8 no EF": hsdp.OuterReduce("fp8_e4m3", block=64, error_feedback=False),
-    **{f"DiLoCo H{h} F{f}": hsdp.DiLoCo(inner_steps=h, fragments=f, outer_lr=0.7, momentum=0.9)
+# name -> fully_shard's outer_reduce / outer_gather (block 64: the model's groups are
+# small; outer_gather: hfsdp meshes only) or init_mesh's outer_sync (DiLoCo: the paper's
+# outer optimizer, Nesterov 0.9 at lr 0.7)
+_INT8 = hsdp.OuterReduce("int8", block=64)
+RUNS: dict[str, dict[str, object]] = {
+    "exact": {},
+    "int8+EF": {"outer_reduce": _INT8},
+    "fp8+EF": {"outer_reduce": hsdp.OuterReduce("fp8_e4m3", block=64)},
+    "fp8 no EF": {"outer_reduce": hsdp.OuterReduce("fp8_e4m3", block=64,
+                                                   error_feedback=False)},
+    "int8 gather": {"outer_gather": hsdp.OuterGather("int8", block=64)},
+    "fp8 gather": {"outer_gather": hsdp.OuterGather("fp8_e4m3", block=64)},
+    "int8+EF + int8 gather": {"outer_reduce": _INT8,
+                              "outer_gather": hsdp.OuterGather("int8", block=64)},
+    **{f"DiLoCo H{h} F{f}": {"outer_sync": hsdp.DiLoCo(inner_steps=h, fragments=f,
+                                                       outer_lr=0.7, momentum=0.9)}
        for h in (1, 10, 50) for f in (1, 4)},
 }
 
@@ -62,14 +71,15 @@ def _batch(step: int, seed: int, rows: int) -> torch.Tensor:
     return walks
 
 
-def train(mesh: object, strategy: str, seed: int, outer_reduce: hsdp.OuterReduce | None,
-          steps: int, layers: int = MODEL.layers) -> list[float]:
-    """Loss per step (mean over every rank) of one run."""
+def train(mesh: object, strategy: str, seed: int, steps: int, layers: int = MODEL.layers,
+          **compress: object) -> list[float]:
+    """Loss per step (mean over every rank) of one run; ``compress``: fully_shard's
+    ``outer_reduce`` / ``outer_gather``."""
     torch.manual_seed(seed)
     model = build_model(replace(MODEL, layers=layers))
     for block in model.blocks:  # units: each block, the root (embedding, head)
-        hsdp.fully_shard(block, mesh=mesh, strategy=strategy, outer_reduce=outer_reduce)
-    hsdp.fully_shard(model, mesh=mesh, strategy=strategy, outer_reduce=outer_reduce)
+        hsdp.fully_shard(block, mesh=mesh, strategy=strategy, **compress)
+    hsdp.fully_shard(model, mesh=mesh, strategy=strategy, **compress)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses = train_steps(model, opt, range(steps), seed)
     hsdp.synchronize(model)
@@ -111,12 +121,11 @@ def convergence_job(rank: int, world: int, plan: Plan,
     for outer, inner, strategy in plan.meshes:
         for seed in plan.seeds:
             for run in plan.runs:
-                cfg = RUNS[run]
-                diloco = isinstance(cfg, hsdp.DiLoCo)
-                mesh = hsdp.init_mesh(outer, inner, "cpu", outer_sync=cfg if diloco else None)
+                compress = dict(RUNS[run])
+                mesh = hsdp.init_mesh(outer, inner, "cpu",
+                                      outer_sync=compress.pop("outer_sync", None))
                 key = f"{outer}x{inner} {strategy}/seed{seed}/{run}"
-                out[key] = train(mesh, strategy, seed, None if diloco else cfg, plan.steps,
-                                 plan.layers)
+                out[key] = train(mesh, strategy, seed, plan.steps, plan.layers, **compress)
                 if on_run is not None:
                     on_run(key, out[key])
     return out

@@ -194,7 +194,8 @@ def bench(cfg: Config, device: torch.device, mesh: DeviceMesh) -> dict:
         with _oom_guard(name, cfg):
             before = _allocated(device)
             trainees.append(build(name, cfg.model, cfg.mp, mesh, device, cfg.fabric,
-                                  cfg.emulate, cfg.float8, cfg.tp_fabric, cfg.outer_reduce))
+                                  cfg.emulate, cfg.float8, cfg.tp_fabric, cfg.outer_reduce,
+                                  cfg.outer_gather))
             trainees[-1].resident_bytes = _allocated(device) - before
         progress(f"built {name}")
     for t in trainees:

@@ -26,6 +26,7 @@ from hsdp.float8 import INSTALL as FLOAT8_INSTALL
 from hsdp.models import CHECKPOINT_MODES, GPTConfig, LlamaConfig, ModelConfig
 from hsdp.models_moe import MoEConfig
 from hsdp.report.args import parse_mesh
+from hsdp.sharding.policy import parse_outer_gather as as_outer_gather_text
 from hsdp.sharding.policy import parse_outer_reduce as as_outer_reduce_text
 from hsdp.sim.fabric import Fabric, Link, fit_link
 
@@ -124,6 +125,10 @@ def add_arguments(p: argparse.ArgumentParser,
                    metavar="DTYPE[:BLOCK]", help="the compressed outer reduction of the "
                    "schedules overlap-q and hfsdp-q: int8 or fp8_e4m3, block 256 unless "
                    "given (default: int8)")
+    p.add_argument("--outer-gather", type=parse_outer_gather, default=None,
+                   metavar="DTYPE[:BLOCK]", help="the compressed outer parameter all-gather "
+                   "of the schedules hfsdp-g and hfsdp-qg: int8 or fp8_e4m3, block 256 unless "
+                   "given (default: int8)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per schedule")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per schedule first")
     p.add_argument("--record-steps", type=int, default=3,
@@ -154,6 +159,14 @@ def parse_outer_reduce(text: str) -> hsdp.OuterReduce | None:
     """``--outer-reduce``: "int8", "fp8_e4m3:128"."""
     try:
         return as_outer_reduce_text(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def parse_outer_gather(text: str) -> hsdp.OuterGather | None:
+    """``--outer-gather``: "int8", "fp8_e4m3:128"."""
+    try:
+        return as_outer_gather_text(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
 
@@ -228,6 +241,7 @@ class Config:
     tp: int = 1  # tensor-parallel ranks (--tp): world = outer * inner * tp
     tp_fabric: Fabric | None = None  # emulated TP collectives (its inner link: --tp-gbps)
     outer_reduce: hsdp.OuterReduce | None = None  # the "-q" schedules' (--outer-reduce)
+    outer_gather: hsdp.OuterGather | None = None  # the "-g" schedules' (--outer-gather)
 
     @property
     def global_tokens(self) -> int:
@@ -296,6 +310,9 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
                    f"--tp and --share-gpus (not captured yet)")
     if args.float8 and "mfsdp" in args.schedules:
         raise fail("--float8: schedule 'mfsdp' is not converted; leave it out")
+    if args.float8 and any(SCHEDULES[n].compressed_gather for n in args.schedules):
+        raise fail("--float8 with schedules hfsdp-g / hfsdp-qg: float8 all-gather already "
+                   "moves one byte per weight over outer (outer_gather refuses float8 units)")
     if tp > 1:
         _check_tp(args, fail)
     if "mfsdp" in args.schedules:
@@ -337,7 +354,7 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
                   tuple(args.schedules), args.steps, args.warmup, args.record_steps,
                   args.trace_steps, args.emulate, fabric,
                   source, args.json, args.out_dir, cuda, share, fit, args.float8, tp,
-                  tp_fabric, args.outer_reduce)
+                  tp_fabric, args.outer_reduce, args.outer_gather)
 
 
 def _check_moe(args: argparse.Namespace, inner: int, fail: Callable[[str], SystemExit]

@@ -167,6 +167,8 @@ def _meta(cfg: Config, device: torch.device, trainees: list[Trainee]) -> dict:
         "emulate": cfg.emulate,
         "outer_reduce": asdict(cfg.outer_reduce or hsdp.OuterReduce()) if any(
             SCHEDULES[n].compressed for n in cfg.schedules) else None,
+        "outer_gather": asdict(cfg.outer_gather or hsdp.OuterGather()) if any(
+            SCHEDULES[n].compressed_gather for n in cfg.schedules) else None,
         "fabric": None,
         "calibration_error": {t.name: t.calibration_error for t in trainees},
         "model": {**asdict(cfg.model), "mbs": cfg.mbs, "microbatches": cfg.microbatches,

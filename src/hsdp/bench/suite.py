@@ -40,15 +40,16 @@ TP = "Tensor parallelism (emulated 16x8x8) on one H200"
 TORCHTITAN = "torchtitan's trainer on one H200"
 COMPRESSED = "Compressed outer reduction (emulated 16x8) on one H200"
 CONVERGENCE = "Compressed outer reduction: convergence (8 CPU ranks)"
+GATHER_CONVERGENCE = "Compressed outer all-gather: convergence (8 CPU ranks)"
 DILOCO = "DiLoCo loss curves on CPU (8 ranks)"
 DILOCO_STEP = "DiLoCo step time and outer bytes (emulated 16x8, and predicted for H200)"
 TORCHTITAN_GRAPHS = "torchtitan's trainer on one H200 with CUDA graphs"
 GRAPHS = "Step replayed as CUDA graphs (emulated 16x8) on one H200"
 MOE = "Mixture of experts with expert parallelism (emulated 16x8, ep 8) on one H200"
 PIPELINE = "Pipeline parallelism: the outer reduction in the drain (simulated, Llama 3 405B)"
-TABLES = (STEP, TWINS, SLOW_OUTER, COMPRESSED, CONVERGENCE, DILOCO, DILOCO_STEP, MICROBATCHES,
-          SHARED_LINKS, CPU_OVERLAP, CHECKPOINT, FLOAT8, FLOAT8_LOSS, FAULT_TOLERANCE, TP,
-          TORCHTITAN, TORCHTITAN_GRAPHS, GRAPHS, MOE, PIPELINE)
+TABLES = (STEP, TWINS, SLOW_OUTER, COMPRESSED, CONVERGENCE, GATHER_CONVERGENCE, DILOCO,
+          DILOCO_STEP, MICROBATCHES, SHARED_LINKS, CPU_OVERLAP, CHECKPOINT, FLOAT8, FLOAT8_LOSS,
+          FAULT_TOLERANCE, TP, TORCHTITAN, TORCHTITAN_GRAPHS, GRAPHS, MOE, PIPELINE)
 
 # 5 recorded and 3 profiled steps per schedule: the simulator's calibration takes the
 # median host time and least device time over them (hsdp.sim.calibrate).
@@ -127,6 +128,10 @@ def plan() -> list[Run]:
         runs.append(Run(CONVERGENCE, "cpu", f"outer_reduce_convergence_{mesh}",
                         ("--meshes", mesh), 3600,
                         program=("scripts/outer_reduce_convergence.py",)))
+    runs.append(Run(GATHER_CONVERGENCE, "cpu", "outer_gather_convergence_4x2",
+                    ("--meshes", "4x2:hfsdp", "--runs",
+                     "exact,int8 gather,int8+EF + int8 gather"), 3600,
+                    program=("scripts/outer_reduce_convergence.py",)))
     runs.append(Run(DILOCO, "cpu", "diloco_convergence_4x2",
                     ("--meshes", "4x2", "--layers", "3", "--seeds", "0,1", "--steps", "1000",
                      "--runs", "exact,DiLoCo H10 F1,DiLoCo H10 F4,DiLoCo H50 F1,DiLoCo H50 F4,"

@@ -10,6 +10,8 @@ Schedules (same mesh, same seed, same synthetic tokens; each block is a unit, th
   graphs after the first step and replayed (``hsdp.bench.graphed``);
 - ``overlap-q`` / ``hfsdp-q``: ``overlap`` / ``hfsdp`` with the compressed outer reduction
   (``fully_shard(outer_reduce=...)``: ``--outer-reduce``, default int8);
+- ``hfsdp-g`` / ``hfsdp-qg``: ``hfsdp`` / ``hfsdp-q`` with the compressed outer parameter
+  all-gather (``fully_shard(outer_gather=...)``: ``--outer-gather``, default int8);
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on the same 2-D mesh (HSDP);
 - ``mfsdp``: Megatron-FSDP as HSDP on the same ranks (``hsdp.bench.mfsdp``; optional).
 
@@ -61,6 +63,7 @@ class BenchSchedule:
     strategy: str | None = None
     overlap: bool | None = None
     compressed: bool = False  # hsdp's outer_reduce
+    compressed_gather: bool = False  # hsdp's outer_gather (hfsdp)
     graphs: bool = False  # forward + backward and the optimizer step replayed as CUDA graphs
 
 
@@ -75,6 +78,8 @@ SCHEDULES: dict[str, BenchSchedule] = {
     "hfsdp-serial-graph": BenchSchedule("hsdp", "hfsdp", False, graphs=True),
     "overlap-q": BenchSchedule("hsdp", "hsdp", True, True),
     "hfsdp-q": BenchSchedule("hsdp", "hfsdp", True, True),
+    "hfsdp-g": BenchSchedule("hsdp", "hfsdp", True, compressed_gather=True),
+    "hfsdp-qg": BenchSchedule("hsdp", "hfsdp", True, True, compressed_gather=True),
     "fsdp2": BenchSchedule("fsdp2"), "mfsdp": BenchSchedule("mfsdp")}
 PEERS = ("fsdp2", "mfsdp")
 PHASES = ("forward", "backward", "optimizer")
@@ -155,16 +160,19 @@ class Trainee:
 def build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: DeviceMesh,
           device: torch.device, fabric: Fabric | None, emulated: bool,
           float8: bool = False, tp_fabric: Fabric | None = None,
-          outer_reduce: hsdp.OuterReduce | None = None) -> Trainee:
+          outer_reduce: hsdp.OuterReduce | None = None,
+          outer_gather: hsdp.OuterGather | None = None) -> Trainee:
     """The schedule's sharded model (seed 0) and its AdamW. ``fabric``: emulated collective
     durations (``emulated``: torch's fake process group); ``tp_fabric``: the TP ones (its
     inner link; a 3-D ``mesh`` only). ``float8``: torchao float8 linears with float8
-    all-gather (``float8_model``). ``outer_reduce``: the compressed schedules' (default:
-    int8)."""
+    all-gather (``float8_model``). ``outer_reduce`` / ``outer_gather``: the compressed
+    schedules' (default: int8)."""
     tp_mesh = mesh["tp"] if "tp" in (mesh.mesh_dim_names or ()) else None
-    compressed = (outer_reduce or hsdp.OuterReduce()) if SCHEDULES[name].compressed else None
+    schedule = SCHEDULES[name]
+    compressed = (outer_reduce or hsdp.OuterReduce()) if schedule.compressed else None
+    gather = (outer_gather or hsdp.OuterGather()) if schedule.compressed_gather else None
     trainee = _build(name, model_cfg, mp, mesh, device, fabric, emulated, float8, tp_mesh,
-                     compressed)
+                     compressed, gather)
     if tp_mesh is not None:
         sleep = time.sleep
         if tp_fabric is not None and device.type == "cuda":
@@ -182,7 +190,8 @@ def build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Devi
 
 def _build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: DeviceMesh,
            device: torch.device, fabric: Fabric | None, emulated: bool, float8: bool,
-           tp_mesh: DeviceMesh | None, outer_reduce: hsdp.OuterReduce | None) -> Trainee:
+           tp_mesh: DeviceMesh | None, outer_reduce: hsdp.OuterReduce | None,
+           outer_gather: hsdp.OuterGather | None) -> Trainee:
     """``build`` without the TP collectives' interception."""
     torch.manual_seed(0)
     with torch.device(device):
@@ -202,7 +211,7 @@ def _build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Dev
         for unit, reshard, unit_mesh in [*unit_meshes(model, mesh), (model, True, mesh)]:
             hsdp.fully_shard(unit, mesh=unit_mesh, strategy=schedule.strategy, mp_policy=mp,
                              overlap_outer=schedule.overlap, reshard_after_forward=reshard,
-                             outer_reduce=outer_reduce)
+                             outer_reduce=outer_reduce, outer_gather=outer_gather)
         if emulated:
             error = emulate(model, fabric, device)
         opt = _adamw(model.parameters(), schedule.graphs)

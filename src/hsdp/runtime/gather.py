@@ -133,8 +133,9 @@ class Gathering:
             updated = self.ctx.streams.compute.record()
             for g in stale:
                 # outer waits: it reads the main chunk updated on compute.
-                ready = self.ctx.logged(OpKind.OUTER_ALL_GATHER, g, g.gather.outer_all_gather(
-                    self.ctx.stream_of(OpKind.OUTER_ALL_GATHER), self.ctx.coll, [updated]))
+                kind = g.gather.outer_kind
+                ready = self.ctx.logged(kind, g, g.gather.outer_all_gather(
+                    self.ctx.stream_of(kind), self.ctx.coll, [updated]))
                 # compute waits, before a write into the group's parameters: the all-gather
                 # reads main and writes the inner shard that main is a window of.
                 PENDING[g] = functools.partial(self.ctx.streams.compute.wait, ready)

@@ -74,6 +74,8 @@ class Graphs:
         if any(g.compressed is not None for g in groups):
             out.append(("the compressed outer reduction (outer_reduce; its error-feedback "
                         "residual is swapped on the host each step)", "run it eagerly"))
+        if any(g.compressed_gather is not None for g in groups):
+            out.append(("the compressed outer all-gather (outer_gather)", "run it eagerly"))
         if any(g.float8 is not None for g in groups):
             out.append(("the float8 all-gather (its scales are refreshed through host "
                         "collectives)", "run float8 all-gather models eagerly"))

@@ -15,7 +15,7 @@ from hsdp.runtime.state import Phase
 from hsdp.runtime.step_agreement import Verdict, agree, missing, post_note, read_note
 from hsdp.sharding.group import ParamGroup
 from hsdp.streams.contract import Event
-from hsdp.streams.op_table import OUTER_REDUCTIONS, OpKind
+from hsdp.streams.op_table import OUTER_GATHERS, OUTER_REDUCTIONS, OpKind
 from hsdp.topology.liveness import gone_message
 
 
@@ -128,7 +128,7 @@ class Recovery:
             return g.outer_reduce(stream, coll, after)
         if kind is OpKind.OUTER_SYNC:
             return self.ctx.outer_sync.replay(g, stream, coll, after, keep_alive)
-        if kind is OpKind.OUTER_ALL_GATHER:
+        if kind in OUTER_GATHERS:
             return g.gather.outer_all_gather(stream, coll, after)
         rs_in = torch.zeros(g.layout.total, dtype=g.reduce_dtype, device=g.main.device)
         keep_alive.append(rs_in)

@@ -23,7 +23,10 @@ Gradient buffers (``grads``, made with the first trainable parameter):
                  hsdp's outer all-reduce runs on it in place, so it is also hsdp's grad.
 - ``grad_buf``   [C]: hfsdp's outer reduce-scatter output (hsdp: ``accum``).
 With ``outer_reduce`` the outer reduction is compressed (``compressed.py``), which keeps
-an fp32 error-feedback residual of about S elements per group. With DiLoCo
+an fp32 error-feedback residual of about S elements per group. With ``outer_gather``
+(hfsdp) the outer all-gather moves quantized chunks (``compressed_gather.py``): the inner
+shard then holds dequantized weights and is never ``main``'s storage, even where the
+dtypes match. With DiLoCo
 (``init_mesh(outer_sync=...)``) there is no outer reduction per step; ``anchor.py`` keeps
 an fp32 anchor (and momentum) of C elements.
 ``accum`` and ``grad_buf`` exist from the step's first reduce-scatter until the user has
@@ -44,6 +47,7 @@ from hsdp.sharding.anchor import Anchor
 from hsdp.sharding.chunks import attach_chunks, save_from_other_replica
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.compressed import CompressedOuter
+from hsdp.sharding.compressed_gather import CompressedGather
 from hsdp.sharding.float8_weights import Float8Weights, float8_dtype
 from hsdp.sharding.grad_state import GradientState
 from hsdp.sharding.group_buffers import GroupBuffers
@@ -51,7 +55,7 @@ from hsdp.sharding.group_comm import GroupGather
 from hsdp.sharding.group_state_dict import GroupState
 from hsdp.sharding.layout import FlatLayout
 from hsdp.sharding.pieces import as_dtensor, placeholders_if_empty, spec
-from hsdp.sharding.policy import MixedPrecision, OuterReduce, Strategy
+from hsdp.sharding.policy import MixedPrecision, OuterGather, OuterReduce, Strategy
 from hsdp.sharding.tp_blocks import local_of, placement_of, unsharded_spec
 from hsdp.sharding.write_guard import direct
 from hsdp.streams.contract import Event, SideStream
@@ -82,7 +86,8 @@ class ParamGroup:
 
     def __init__(self, label: str, params: list[nn.Parameter], slots: list[list[Slot]],
                  comms: CommGroups, device: torch.device, strategy: Strategy,
-                 mp: MixedPrecision, outer_reduce: OuterReduce | None = None) -> None:
+                 mp: MixedPrecision, outer_reduce: OuterReduce | None = None,
+                 outer_gather: OuterGather | None = None) -> None:
         self.label = label
         self.slots = slots
         self.comms = comms
@@ -109,12 +114,17 @@ class ParamGroup:
         self.main = self._filled(sources, owned_lo, C, self.orig_dtype, device)
         self.inner_shard: torch.Tensor | None = None
         self.chunk_offset = 0
+        # hfsdp's compressed outer all-gather (None: the exact one)
+        self.compressed_gather = (CompressedGather(outer_gather, S, comms.outer_size)
+                                  if outer_gather is not None and self.shard_outer
+                                  and comms.outer_size > 1 else None)
         if not self.shard_outer:
             self.ag_src = self.main
         else:
             self.inner_shard = self._filled(sources, self.inner_lo, S, gather_dtype, device)
             self.chunk_offset = owned_lo - self.inner_lo
-            if gather_dtype == self.orig_dtype:  # main is a window of the inner shard
+            if gather_dtype == self.orig_dtype and self.compressed_gather is None:
+                # main is a window of the inner shard
                 self.main = _alias(self.inner_shard, self.chunk_offset, C)
             self.ag_src = self.inner_shard
 
@@ -149,7 +159,7 @@ class ParamGroup:
             unsharded=self.unsharded, slots=self.slots, slices=self._slices,
             shard_starts=self.shard_starts, specs=self.specs,
             tp_specs=self.tp_specs, guard_hooks=self._guard_hooks)
-        self.gather = GroupGather(self.buffers)
+        self.gather = GroupGather(self.buffers, self.compressed_gather)
         if self.float8 is not None and not self.main.is_meta:
             self.float8.version = self.gather.synced_version  # scales of the weights as they are
         self.state = GroupState(self.buffers)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from hsdp.sharding.comm import Collectives
+from hsdp.sharding.compressed_gather import CompressedGather
 from hsdp.sharding.float8_weights import as_bytes
 from hsdp.sharding.group_buffers import GroupBuffers
 from hsdp.streams.contract import Event, SideStream
@@ -19,19 +20,29 @@ class GroupGather:
     """A group's all-gathers and the events they leave: whether and when its parameters
     are gathered, and (hfsdp) the version of ``main`` its inner shard was gathered from."""
 
-    def __init__(self, buffers: GroupBuffers) -> None:
+    def __init__(self, buffers: GroupBuffers,
+                 compressed: CompressedGather | None = None) -> None:
         self.b = buffers
+        self.compressed = compressed  # hfsdp's compressed outer all-gather (outer_gather)
         self.gathered_event: Event | None = None  # None: not gathered
         self.params_ready: Event | None = None  # hfsdp: last outer all-gather
-        self.synced_version: int | None = buffers.version()
+        self.synced_version: int | None = None
+        self.mark_synced()
+
+    @property
+    def outer_kind(self) -> OpKind:
+        """hfsdp's outer all-gather, compressed with ``outer_gather``."""
+        return OpKind.OUTER_ALL_GATHER if self.compressed is None else OpKind.OUTER_Q_ALL_GATHER
 
     def mark_written(self) -> None:
         """hfsdp: the next refresh re-gathers the inner shard from every updated chunk."""
         self.synced_version = None
 
     def mark_synced(self) -> None:
-        """The inner shard holds ``main``'s current values (a load wrote both)."""
-        self.synced_version = self.b.version()
+        """The inner shard holds ``main``'s current values (built from them, or a load
+        wrote both). Not with a compressed outer all-gather: the gathered weights are the
+        dequantized chunks, always, so the next forward gathers them first."""
+        self.synced_version = None if self.compressed is not None else self.b.version()
 
     def unshard(self, stream: SideStream, coll: Collectives, after: Sequence[Event]) -> Event:
         """Allocate the gathered buffer on ``stream`` and inner all-gather into it."""
@@ -61,11 +72,15 @@ class GroupGather:
     def outer_all_gather(self, stream: SideStream, coll: Collectives,
                          after: Sequence[Event]) -> Event:
         """hfsdp: rebuild the inner shard from every outer rank's updated ``main`` chunk
-        (float8 weights: their float8 bytes, cast with their scales)."""
+        (float8 weights: their float8 bytes, cast with their scales; ``outer_gather``:
+        quantized, ``compressed_gather.py``)."""
         b = self.b
         b.check_float8_scales()
 
         def run() -> None:
+            if self.compressed is not None:
+                self.compressed.all_gather(coll, b.inner_shard, b.main, b.comms.outer)
+                return
             lo, n = b.chunk_offset, b.main.numel()
             chunk = b.inner_shard[lo:lo + n]
             if b.float8 is not None:
@@ -75,7 +90,7 @@ class GroupGather:
                 chunk.copy_(b.main)  # cast to param dtype
             coll.all_gather(as_bytes(b.inner_shard), as_bytes(chunk), b.comms.outer, "outer")
         self.synced_version = b.version()
-        self.params_ready = stream.submit(run, after, label(OpKind.OUTER_ALL_GATHER, b.label))
+        self.params_ready = stream.submit(run, after, label(self.outer_kind, b.label))
         return self.params_ready
 
     def full_flat(self, coll: Collectives) -> torch.Tensor:

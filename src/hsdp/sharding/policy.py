@@ -65,6 +65,17 @@ class MixedPrecision:
 OUTER_DTYPES = ("int8", "fp8_e4m3")
 
 
+def _check_format(owner: str, dtype: object, block: object) -> None:
+    """``hsdp.<owner>``'s one-byte format and block size, or a ValueError."""
+    if dtype not in OUTER_DTYPES:
+        raise ValueError(f"hsdp.{owner}: unknown dtype {dtype!r}; expected one "
+                         f"of {OUTER_DTYPES}")
+    if (not isinstance(block, int) or isinstance(block, bool) or block < 16
+            or block > 65536 or block & (block - 1)):
+        raise ValueError(f"hsdp.{owner}: block={block!r} does not divide the outer "
+                         f"chunks into whole blocks; use a power of two from 16 to 65536")
+
+
 @dataclass(frozen=True)
 class OuterReduce:
     """Compressed outer gradient reduction (``fully_shard(..., outer_reduce=...)``).
@@ -82,27 +93,25 @@ class OuterReduce:
     error_feedback: bool = True
 
     def __post_init__(self) -> None:
-        if self.dtype not in OUTER_DTYPES:
-            raise ValueError(f"hsdp.OuterReduce: unknown dtype {self.dtype!r}; expected one "
-                             f"of {OUTER_DTYPES}")
-        block = self.block
-        if (not isinstance(block, int) or isinstance(block, bool) or block < 16
-                or block > 65536 or block & (block - 1)):
-            raise ValueError(f"hsdp.OuterReduce: block={block!r} does not divide the outer "
-                             f"chunks into whole blocks; use a power of two from 16 to 65536")
+        _check_format("OuterReduce", self.dtype, self.block)
         if not isinstance(self.error_feedback, bool):
             raise TypeError(f"hsdp.OuterReduce: error_feedback must be a bool, got "
                             f"{self.error_feedback!r}")
 
 
-def parse_outer_reduce(text: str) -> OuterReduce | None:
-    """A command line's outer reduction: "none", "int8", "fp8_e4m3:128" (DTYPE[:BLOCK])."""
+def _parse_short(text: str, what: str, make: type) -> object | None:
+    """``make(dtype[, block])`` from "DTYPE[:BLOCK]"; None for "none"."""
     if text == "none":
         return None
     dtype, _, block = text.partition(":")
     if block and not block.isdigit():
-        raise ValueError(f"bad outer reduction {text!r}: expected none or DTYPE[:BLOCK]")
-    return OuterReduce(dtype, int(block)) if block else OuterReduce(dtype)
+        raise ValueError(f"bad {what} {text!r}: expected none or DTYPE[:BLOCK]")
+    return make(dtype, int(block)) if block else make(dtype)
+
+
+def parse_outer_reduce(text: str) -> OuterReduce | None:
+    """A command line's outer reduction: "none", "int8", "fp8_e4m3:128" (DTYPE[:BLOCK])."""
+    return _parse_short(text, "outer reduction", OuterReduce)
 
 
 def as_outer_reduce(value: object) -> OuterReduce | None:
@@ -113,6 +122,41 @@ def as_outer_reduce(value: object) -> OuterReduce | None:
     if isinstance(value, str):
         return parse_outer_reduce(value)
     raise TypeError(f"fully_shard: outer_reduce must be an hsdp.OuterReduce, its short form "
+                    f"'DTYPE[:BLOCK]' (DTYPE in {OUTER_DTYPES}) or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class OuterGather:
+    """Compressed outer parameter all-gather of ``strategy="hfsdp"``
+    (``fully_shard(..., outer_gather=...)``): after each optimizer step every rank sends
+    its updated chunk of the weights quantized blockwise instead of in the parameter
+    dtype. The fp32 main weights (what the optimizer updates and checkpoints save) stay
+    exact; the gathered replicas are the dequantized chunks, the rank's own one too, so
+    they are identical on every rank (docs/guide/slow_outer_links.md).
+
+    ``dtype``: "int8" or "fp8_e4m3" (one byte per weight); ``block``: weights per
+    quantization block, each with an fp32 scale, a power of two from 16 to 65536."""
+
+    dtype: str = "int8"
+    block: int = 256
+
+    def __post_init__(self) -> None:
+        _check_format("OuterGather", self.dtype, self.block)
+
+
+def parse_outer_gather(text: str) -> OuterGather | None:
+    """A command line's outer parameter all-gather: "none", "int8", "fp8_e4m3:128"."""
+    return _parse_short(text, "outer gather", OuterGather)
+
+
+def as_outer_gather(value: object) -> OuterGather | None:
+    """``fully_shard``'s ``outer_gather``: an ``OuterGather``, None (the exact gather), or
+    its short form "DTYPE[:BLOCK]"."""
+    if value is None or isinstance(value, OuterGather):
+        return value
+    if isinstance(value, str):
+        return parse_outer_gather(value)
+    raise TypeError(f"fully_shard: outer_gather must be an hsdp.OuterGather, its short form "
                     f"'DTYPE[:BLOCK]' (DTYPE in {OUTER_DTYPES}) or None, got {value!r}")
 
 

@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-reduce", default="none", metavar="DTYPE[:BLOCK]",
                    help="compressed outer reduction: none, int8 or fp8_e4m3 (sweep key "
                         "outer_reduce=none,int8 compares them)")
+    p.add_argument("--outer-gather", default="none", metavar="DTYPE[:BLOCK]",
+                   help="hfsdp's compressed outer parameter all-gather: none, int8 or "
+                        "fp8_e4m3 (sweep key outer_gather=none,int8 compares them)")
     p.add_argument("--outer-sync", default="none", metavar="diloco:FIELD=VALUE,...",
                    help="DiLoCo on the outer axis (init_mesh's outer_sync), e.g. "
                         "diloco:inner_steps=50,fragments=4: t_step is the mean over a period "
@@ -102,7 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cost.add_argument("--tp-gbps", type=float, default=370.0, help="tp bus GB/s (--tp)")
     p.add_argument("--sweep", nargs="+", metavar="KEY=V1,V2", default=None,
                    help="what-if grid over nodes (outer), inner, seq, mbs, microbatches, "
-                        "outer_gbps, inner_gbps, reduce, strategy; e.g. nodes=2,8 seq=1024,4096")
+                        "outer_gbps, inner_gbps, reduce, strategy, outer_reduce, "
+                        "outer_gather; e.g. nodes=2,8 seq=1024,4096")
     p.add_argument("--json", default=None, metavar="PATH", help="write results here")
     p.add_argument("--png", default=None, metavar="PATH",
                    help="write the timeline (single run) or the sweep plots (PATH, "
@@ -152,7 +156,8 @@ def resolve(args: argparse.Namespace) -> tuple[Setup, CostModel]:
         setup = Setup(model, outer, inner, args.strategy, True,
                       args.microbatches, args.mbs, args.dtype, args.reduce_dtype,
                       tp=args.tp, tp_gbps=args.tp_gbps, float8=args.float8,
-                      outer_reduce=args.outer_reduce, outer_sync=args.outer_sync)
+                      outer_reduce=args.outer_reduce, outer_gather=args.outer_gather,
+                      outer_sync=args.outer_sync)
         fabric = Fabric(Link(args.inner_gbps, args.latency_us),
                         Link(args.outer_gbps, args.latency_us))
         costs = CostModel(fabric, args.tflops, args.mem_gbps, args.host_us_per_op,
@@ -226,6 +231,7 @@ def meta(setup: Setup, costs: CostModel) -> dict:
             "mesh": {"outer": setup.outer, "inner": setup.inner} | (
                 {"tp": setup.tp, "tp_gbps": setup.tp_gbps} if setup.tp > 1 else {}),
             "strategy": setup.strategy, "outer_reduce": setup.outer_reduce,
+            "outer_gather": setup.outer_gather,
             "outer_sync": setup.outer_sync,
             "costs": {**dataclasses.asdict(costs)}}
 
@@ -245,7 +251,8 @@ def describe(m: dict) -> str:
             f"{model['dtype']}{' + float8' if model.get('float8') else ''} / reduce "
             f"{model['reduce_dtype']}; mesh {shape}, {m['strategy']}; {c['tflops']:.0f} "
             f"TFLOP/s, {c['mem_gbps']:g} GB/s, {host}; outer reduction "
-            f"{m.get('outer_reduce', 'none')}, outer sync {m.get('outer_sync', 'none')}; "
+            f"{m.get('outer_reduce', 'none')}, outer gather {m.get('outer_gather', 'none')}, "
+            f"outer sync {m.get('outer_sync', 'none')}; "
             f"inner {f['inner']['bus_gbps']:g} GB/s, "
             f"outer {f['outer']['bus_gbps']:g} GB/s, {f['inner']['latency_us']:g} us")
 

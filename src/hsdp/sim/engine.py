@@ -35,7 +35,7 @@ from hsdp.models_moe import MoEConfig, unit_meshes
 from hsdp.report.args import DTYPES
 from hsdp.report.metrics import Interval, step_metrics
 from hsdp.sharding.comm import Collectives
-from hsdp.sharding.policy import Strategy, parse_outer_reduce
+from hsdp.sharding.policy import Strategy, parse_outer_gather, parse_outer_reduce
 from hsdp.sim.clock import Program, virtual_streams
 from hsdp.sim.costs import CostModel
 from hsdp.sim.ep_pricing import ep_pricer, expert_names, sim_model
@@ -65,6 +65,7 @@ class Setup:
     tp_gbps: float = 370.0
     float8: bool = False  # torchao float8 linears (tensorwise), float8 all-gather on
     outer_reduce: str = "none"  # the compressed outer reduction: "int8", "fp8_e4m3[:block]"
+    outer_gather: str = "none"  # hfsdp's compressed outer parameter all-gather: the same forms
     # init_mesh's outer_sync: "none" or "diloco:inner_steps=50,fragments=4,..." (the
     # steps of a period: see ``period_steps``)
     outer_sync: str = "none"
@@ -72,6 +73,9 @@ class Setup:
     def __post_init__(self) -> None:
         Strategy.parse(self.strategy)
         parse_outer_reduce(self.outer_reduce)  # raises on a bad one
+        if parse_outer_gather(self.outer_gather) is not None and self.strategy != "hfsdp":
+            raise ValueError(f"sim: outer_gather={self.outer_gather!r} needs strategy "
+                             f"'hfsdp' (hsdp has no outer all-gather of parameters)")
         period_steps(parse_outer_sync(self.outer_sync))  # raises on a delay it cannot time
         if min(self.outer, self.inner, self.microbatches, self.mbs) < 1:
             raise ValueError("sim: outer, inner, microbatches and mbs must be >= 1")
@@ -297,7 +301,8 @@ def shard(model: torch.nn.Module, mesh: DeviceMesh, setup: Setup,
     with ``setup``'s strategy; returns stable names for the units' labels (the root: the
     model class; Embed, Block<i>, Head)."""
     kw = dict(strategy=setup.strategy, mp_policy=mp, overlap_outer=setup.overlap_outer,
-              outer_reduce=parse_outer_reduce(setup.outer_reduce))
+              outer_reduce=parse_outer_reduce(setup.outer_reduce),
+              outer_gather=parse_outer_gather(setup.outer_gather))
     for unit, reshard, unit_mesh in unit_meshes(model, mesh):  # an MoE's experts on theirs
         hsdp.fully_shard(unit, mesh=unit_mesh, reshard_after_forward=reshard, **kw)
     hsdp.fully_shard(model, mesh=mesh, **kw)

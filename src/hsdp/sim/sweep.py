@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hsdp.report.args import DTYPES
 from hsdp.report.table import print_table
-from hsdp.sharding.policy import Strategy, parse_outer_reduce
+from hsdp.sharding.policy import Strategy, parse_outer_gather, parse_outer_reduce
 from hsdp.sim.costs import CostModel
 from hsdp.sim.engine import Setup, SimResult, evaluate, record
 from hsdp.sim.fabric import Link
@@ -25,7 +25,8 @@ from hsdp.topology.communicators import COMMUNICATORS
 KEYS = {
     "nodes": (int, True), "inner": (int, True), "seq": (int, True), "mbs": (int, True),
     "microbatches": (int, True), "reduce": (str, True), "strategy": (str, True),
-    "outer_reduce": (str, True), "outer_gbps": (float, False), "inner_gbps": (float, False),
+    "outer_reduce": (str, True), "outer_gather": (str, True), "outer_gbps": (float, False),
+    "inner_gbps": (float, False),
 }
 PAYS_PCT = 1.0  # a saving of at least this share of the serialized step "pays"
 MARGINAL_PCT = 0.2
@@ -47,19 +48,27 @@ def parse_sweep(items: list[str]) -> dict[str, list]:
             raise ValueError(f"bad --sweep item {item!r}: no values")
         bad = [v for v in grid[key] if (key == "reduce" and v not in DTYPES)
                or (key == "strategy" and v not in {s.value for s in Strategy})
-               or (key == "outer_reduce" and not _outer_reduce_ok(v))
+               or (key == "outer_reduce" and not _parses(parse_outer_reduce, v))
+               or (key == "outer_gather" and not _parses(parse_outer_gather, v))
                or (KEYS[key][0] is not str and v <= 0)]
         if bad:
             raise ValueError(f"bad --sweep values for {key}: {bad}")
     return grid
 
 
-def _outer_reduce_ok(text: str) -> bool:
+def _parses(parse, text: str) -> bool:
     try:
-        parse_outer_reduce(text)
+        parse(text)
     except ValueError:
         return False
     return True
+
+
+def _gathers_outer(base: Setup, point: dict) -> bool:
+    """False for a point compressing hsdp's outer parameter all-gather, which hsdp does
+    not have (the sweep skips it)."""
+    gather = parse_outer_gather(point.get("outer_gather", base.outer_gather))
+    return gather is None or point.get("strategy", base.strategy) == "hfsdp"
 
 
 def _setup(base: Setup, point: dict) -> Setup:
@@ -67,7 +76,8 @@ def _setup(base: Setup, point: dict) -> Setup:
     if "seq" in point:
         model = dataclasses.replace(model, seq=point["seq"])
     changes = {"nodes": "outer", "inner": "inner", "mbs": "mbs", "microbatches": "microbatches",
-               "reduce": "reduce_dtype", "strategy": "strategy", "outer_reduce": "outer_reduce"}
+               "reduce": "reduce_dtype", "strategy": "strategy", "outer_reduce": "outer_reduce",
+               "outer_gather": "outer_gather"}
     return dataclasses.replace(base, model=model, **{changes[k]: v for k, v in point.items()
                                                       if k in changes})
 
@@ -86,7 +96,10 @@ def run_sweep(base: Setup, costs: CostModel, grid: dict[str, list],
     rec_keys = [k for k in keys if KEYS[k][1]]
     fab_keys = [k for k in keys if not KEYS[k][1]]
     rows = []
-    combos = list(itertools.product(*(grid[k] for k in rec_keys)))
+    combos = [c for c in itertools.product(*(grid[k] for k in rec_keys))
+              if _gathers_outer(base, dict(zip(rec_keys, c)))]
+    if not combos:
+        raise ValueError("sim sweep: outer_gather needs strategy hfsdp: no point left")
     for n, values in enumerate(combos, 1):
         point = dict(zip(rec_keys, values))
         setup = _setup(base, point)
@@ -105,7 +118,7 @@ def _describe(base: Setup, costs: CostModel) -> dict:
             "tp": base.tp, "strategy": base.strategy, "microbatches": base.microbatches,
             "mbs": base.mbs,
             "dtype": base.dtype, "reduce_dtype": base.reduce_dtype,
-            "outer_reduce": base.outer_reduce,
+            "outer_reduce": base.outer_reduce, "outer_gather": base.outer_gather,
             "costs": dataclasses.asdict(costs)}
 
 

@@ -26,6 +26,7 @@ class OpKind(Enum):
     OUTER_Q_ALL_REDUCE = "hsdp, outer_reduce: compressed outer all-reduce (all-to-all + all-gather)"
     OUTER_Q_REDUCE_SCATTER = "hfsdp, outer_reduce: compressed outer reduce-scatter (all-to-all)"
     OUTER_ALL_GATHER = "hfsdp: outer all-gather of the chunks the optimizer updated"
+    OUTER_Q_ALL_GATHER = "hfsdp, outer_gather: compressed outer all-gather of the updated chunks"
     OUTER_SYNC = "DiLoCo: outer all-reduce of a fragment's pseudo-gradient (fp32)"
     FREE_ACCUM = "free of the inner gradient accumulation"
     FREE_GRAD_BUF = "hfsdp: free of the outer reduce-scatter's output"
@@ -54,6 +55,7 @@ def op_table(overlap_outer: bool) -> dict[OpKind, Op]:
         OpKind.OUTER_Q_ALL_REDUCE: Op(outer_reduction, "outer", "OUTER_QAR"),
         OpKind.OUTER_Q_REDUCE_SCATTER: Op(outer_reduction, "outer", "OUTER_QRS"),
         OpKind.OUTER_ALL_GATHER: Op("outer", "outer", "OUTER_AG"),
+        OpKind.OUTER_Q_ALL_GATHER: Op("outer", "outer", "OUTER_QAG"),
         OpKind.OUTER_SYNC: Op("outer", "outer", "OUTER_SYNC"),
         OpKind.FREE_ACCUM: Op("rs", None, "FREE_GRAD"),
         OpKind.FREE_GRAD_BUF: Op("outer", None, "FREE_GRAD"),
@@ -63,6 +65,7 @@ def op_table(overlap_outer: bool) -> dict[OpKind, Op]:
 OPS = op_table(overlap_outer=True)  # streams aside, every schedule's table is this one
 OUTER_REDUCTIONS = (OpKind.OUTER_ALL_REDUCE, OpKind.OUTER_REDUCE_SCATTER,
                     OpKind.OUTER_Q_ALL_REDUCE, OpKind.OUTER_Q_REDUCE_SCATTER)
+OUTER_GATHERS = (OpKind.OUTER_ALL_GATHER, OpKind.OUTER_Q_ALL_GATHER)
 _BY_LABEL = sorted(((op.label, op.communicator) for op in OPS.values()),
                    key=lambda entry: -len(entry[0]))  # "OUTER_AG" before "OUTER"-less ones
 

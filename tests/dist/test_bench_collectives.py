@@ -79,6 +79,7 @@ def bench_collectives(*argv: str, timeout: int = 240) -> subprocess.CompletedPro
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.full
 def test_bench_collectives_cli_writes_json(tmp_path):
     out = tmp_path / "collectives.json"
     proc = bench_collectives("--nproc", "4", "--mesh", "2x2", "--sizes", "64KiB,256KiB",

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hsdp.bench.suite import TABLES
 from hsdp.report.chrome_trace import load_chrome_trace
 from hsdp.sim.trace_phases import phases_from_trace, read_phases, save_phases
@@ -40,6 +42,7 @@ def test_plan_names_every_table_of_the_benchmarks_page():
         assert (ROOT / "docs" / path).exists(), path
 
 
+@pytest.mark.full
 def test_one_table_runs_on_cpu(tmp_path):
     table = "Collective overlap on CPU ranks"
     proc = _suite("--out", str(tmp_path), "--tables", table, "--extra-args",

@@ -118,6 +118,7 @@ def test_issue_9_rows_10_and_12(jobs_4: dict[str, list[dict]]) -> None:
         assert "unexpected keys ['extra']" in x["from_rank0_error"], x
 
 
+@pytest.mark.full
 def test_bench_ckpt_runs_and_loads_back(tmp_path) -> None:
     """The GPU benchmark's code path on 4 CPU ranks (its timings mean nothing here)."""
     out = tmp_path / "ckpt.json"

@@ -64,6 +64,7 @@ def _reference(ex, args: list[str]) -> list[dict]:
     return out
 
 
+@pytest.mark.full
 def test_example_matches_reference_and_resumes(tmp_path):
     ckpt = tmp_path / "ckpt"
     run = _torchrun([*ARGS, "--ckpt", str(ckpt), "--save-every", "3"], tmp_path / "a.jsonl")

@@ -95,6 +95,7 @@ def _reference(records: dict[int, dict]) -> None:
         assert rec["lr"] == opt.param_groups[0]["lr"]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("library", ["hsdp", "fsdp2"])
 def test_replica_group_lost_and_recovered(tmp_path, library):
     out = str(tmp_path)

@@ -98,6 +98,7 @@ def results_8(jobs_8: dict[str, list]) -> list[dict]:
     return jobs_8["parity"]
 
 
+@pytest.mark.full
 def test_compressed_outer_reduction_converges_like_exact(jobs_8: dict[str, list]) -> None:
     curves = jobs_8["convergence"][0]
     exact, int8 = (curves[f"2x4 hsdp/seed0/{run}"] for run in CONVERGENCE.runs)

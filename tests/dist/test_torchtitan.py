@@ -58,6 +58,7 @@ def test_llama3_debugmodel_matches_one_process_and_fsdp2(jobs_4):
     assert not bad, bad
 
 
+@pytest.mark.full
 def test_tensor_parallel_degree_2_matches_one_process_and_fsdp2_tp():
     """tensor_parallel_degree 2 on a (2, 2, 2) gloo mesh: torchtitan's own TP plan (with
     sequence parallel: 32 weights sharded over tp, every block's 5 linears, the embedding
@@ -78,6 +79,7 @@ def test_tensor_parallel_degree_2_matches_one_process_and_fsdp2_tp():
         assert not bad, bad
 
 
+@pytest.mark.full
 def test_pipeline_parallel_degree_2_matches_one_process_and_fsdp2_pp(tmp_path):
     """pipeline_parallel_degree 2 x (outer 2 x inner 2) on 8 gloo ranks through torchtitan's
     ``pipeline_llm`` split and its schedules, hsdp's ``pipeline_llama`` as the model spec's
@@ -177,6 +179,7 @@ def test_torchtitan_trainer_main_with_hsdp_matches_its_fsdp2(tmp_path):
     _trainer_equals_fsdp2(tmp_path, "debugmodel")
 
 
+@pytest.mark.full
 def test_torchtitan_trainer_main_runs_hsdp_with_expert_parallel(tmp_path):
     """The same CLI with DeepSeek-V3 (3 blocks, 2 MoE) and ``expert_parallel_degree`` 2 on
     2x2 ranks: the trainer trains (4 steps logged with their metrics, the loss moves). Its
@@ -285,6 +288,7 @@ def test_mx_converted_model_is_refused_before_sharding():
     _refused_before_sharding(model, TrainingConfig(), "float8 linears only, not NVFP4Linear")
 
 
+@pytest.mark.full
 def test_deepseek_v3_expert_parallel_matches_one_process_and_fsdp2(tmp_path):
     """``expert_parallel_degree`` 2 on (dp_replicate, dp_shard) = (2, 4): each MoE block's
     experts in an hsdp unit on the (2, 2, 2) expert mesh, nested in the block's (2 such

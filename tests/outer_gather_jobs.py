@@ -43,7 +43,7 @@ def _quantized(chunk: torch.Tensor, cfg: hsdp.OuterGather) -> torch.Tensor:
     pad = -chunk.numel() % cfg.block
     x = torch.cat([chunk.float(), chunk.new_zeros(pad, dtype=torch.float32)])
     x = x.view(-1, cfg.block)
-    scale = x.abs().amax(dim=1, keepdim=True) / _QMAX[cfg.dtype]
+    scale = x.abs().amax(dim=1, keepdim=True) * (1 / _QMAX[cfg.dtype])
     scale[scale == 0] = 1.0
     if cfg.dtype == "int8":
         q = torch.round(x / scale)

@@ -103,6 +103,7 @@ def check_output(proc: subprocess.CompletedProcess) -> None:
     assert "timeline.png" in proc.stdout and "trace_<schedule>.json.gz" in proc.stdout
 
 
+@pytest.mark.full
 def test_gloo_ranks(tmp_path, capsys):
     out = tmp_path / "step.json"
     proc = bench_step("--nproc", "4", "--mesh", "2x2", *TINY, "--json", str(out),

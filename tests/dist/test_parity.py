@@ -130,6 +130,7 @@ def test_parity_4_ranks(case: Case, results_4: list[dict]) -> None:
     _check(case, results_4)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("case", CASES_8, ids=str)
 def test_parity_8_ranks(case: Case, results_8: list[dict]) -> None:
     _check(case, results_8)

@@ -248,7 +248,8 @@ def print_table(result: dict) -> None:
                       _ms(s["t_free_ms"]), f"{s['tokens_per_s']:,.0f}",
                       _gib(s["peak_mem_bytes"]),
                       " / ".join(_gib(phases[p]) for p in PHASES) if phases else "-",
-                      _ms(s["traced_step_ms"]), _ms(s["exposed_comm_ms"]), _ms(s["outer_tail_ms"]),
+                      _ms(s.get("traced_step_ms")), _ms(s["exposed_comm_ms"]),
+                      _ms(s["outer_tail_ms"]),
                       _ms(s["comm_comm_overlap_ms"]), _ms(s["lower_bound_ms"])])
     ref = result.get("reference")
     if ref:

@@ -39,6 +39,7 @@ FAULT_TOLERANCE = "Fault tolerance (torchft) on one H200"
 TP = "Tensor parallelism (emulated 16x8x8) on one H200"
 TORCHTITAN = "torchtitan's trainer on one H200"
 COMPRESSED = "Compressed outer reduction (emulated 16x8) on one H200"
+QUANT = "Quantization kernels on one H100"
 CONVERGENCE = "Compressed outer reduction: convergence (8 CPU ranks)"
 GATHER_CONVERGENCE = "Compressed outer all-gather: convergence (8 CPU ranks)"
 DILOCO = "DiLoCo loss curves on CPU (8 ranks)"
@@ -47,7 +48,7 @@ TORCHTITAN_GRAPHS = "torchtitan's trainer on one H200 with CUDA graphs"
 GRAPHS = "Step replayed as CUDA graphs (emulated 16x8) on one H200"
 MOE = "Mixture of experts with expert parallelism (emulated 16x8, ep 8) on one H200"
 PIPELINE = "Pipeline parallelism: the outer reduction in the drain (simulated, Llama 3 405B)"
-TABLES = (STEP, TWINS, SLOW_OUTER, COMPRESSED, CONVERGENCE, GATHER_CONVERGENCE, DILOCO,
+TABLES = (STEP, TWINS, SLOW_OUTER, COMPRESSED, QUANT, CONVERGENCE, GATHER_CONVERGENCE, DILOCO,
           DILOCO_STEP, MICROBATCHES, SHARED_LINKS, CPU_OVERLAP, CHECKPOINT, FLOAT8, FLOAT8_LOSS,
           FAULT_TOLERANCE, TP, TORCHTITAN, TORCHTITAN_GRAPHS, GRAPHS, MOE, PIPELINE)
 
@@ -124,6 +125,7 @@ def plan() -> list[Run]:
                          "--seq", "4096", "--steps", "4", "--outer-reduce", "int8",
                          "--schedules", "overlap,overlap-q,hfsdp,hfsdp-q,fsdp2",
                          "--outer-gbps", gbps), 300))
+    runs.append(Run(QUANT, "h100", "quant_kernels", ("bench", "quant"), 600))
     for mesh in ("4x2", "2x4"):  # CPU gloo ranks, 500 steps x 3 seeds x 4 runs
         runs.append(Run(CONVERGENCE, "cpu", f"outer_reduce_convergence_{mesh}",
                         ("--meshes", mesh), 3600,

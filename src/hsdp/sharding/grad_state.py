@@ -69,14 +69,7 @@ class GradientState:
         self.carry_in_buf = False  # ... left in grad_buf instead, added by outer_reduce
         self.carried: list[bool] = []  # which parameters had a .grad then
         self.reduced = False
-        # Hooks on the group's own tensors reach it weakly: a strong reference is a cycle
-        # through autograd's C++ that gc cannot see.
-        me = weakref.ref(self)
-        for idx, up in enumerate(b.unsharded):
-            frozen = not up.requires_grad
-            up.requires_grad_(True)  # a hook needs it
-            up.register_post_accumulate_grad_hook(lambda _p, idx=idx: me()._on_grad(idx))
-            up.requires_grad_(not frozen)
+        _hook_unsharded(self)
 
     def set_trainable(self, count: int) -> None:
         """The group's number of trainable parameters changed (``requires_grad_``)."""
@@ -307,9 +300,10 @@ class GradientState:
                 p.grad = None
         self.carry, self.carry_in_buf = None, False
         if all(g is None for g in grads):
-            self._discarded()
+            if self.compressed is not None:  # cleared: so is their residual
+                self.compressed.drop()
             return
-        in_buf = capturing and single and self.grads_live and self._adds_in_place()
+        in_buf = capturing and single and self.grads_live and _adds_in_place(self)
         # Our views live in grad_buf; read it only while it is live (a .grad autograd put
         # on a shard may be set while the buffers are freed).
         carry = (self.grad_buf if in_buf else self.grad_buf.clone() if self.grads_live
@@ -328,22 +322,9 @@ class GradientState:
         elif capturing or carry.any():
             self.carry, self.carried = carry, [g is not None for g in grads]
         else:
-            self._discarded()
+            if self.compressed is not None:  # cleared: so is their residual
+                self.compressed.drop()
 
-    def _discarded(self) -> None:
-        """The last reduced gradients were cleared without an optimizer step: so is their
-        compressed reduction's residual (a carried gradient keeps it, for the next
-        backward to start from)."""
-        if self.compressed is not None:
-            self.compressed.drop()
-
-    def _adds_in_place(self) -> bool:
-        """Whether a step of one backward writes its gradients into ``accum`` once, at the
-        end: hsdp's exact outer all-reduce of the reduce-scatter's own reduce-dtype result,
-        cast into ``accum`` (``reduce_scatter``'s ``outer_next``), which can add instead."""
-        b = self.b
-        return (self.compressed is None and not b.shard_outer
-                and b.reduce_dtype != self.accum.dtype and self.has_outer_reduction)
 
 
 def _foreign_local(b: GroupBuffers, idx: int, g: torch.Tensor) -> torch.Tensor:
@@ -357,3 +338,24 @@ def _foreign_local(b: GroupBuffers, idx: int, g: torch.Tensor) -> torch.Tensor:
             f"cannot accumulate into it. Clear it (optimizer.zero_grad()) or set it to a "
             f"tensor like the parameter (torch.zeros_like(p)).")
     return g._local_tensor.reshape(-1)[:b.slices[idx][1]]
+
+
+def _hook_unsharded(state: GradientState) -> None:
+    """A post-accumulate-grad hook on each unsharded parameter. Hooks on the group's
+    own tensors reach it weakly: a strong reference is a cycle through autograd's C++
+    that gc cannot see."""
+    me = weakref.ref(state)
+    for idx, up in enumerate(state.b.unsharded):
+        frozen = not up.requires_grad
+        up.requires_grad_(True)  # a hook needs it
+        up.register_post_accumulate_grad_hook(lambda _p, idx=idx: me()._on_grad(idx))
+        up.requires_grad_(not frozen)
+
+
+def _adds_in_place(state: GradientState) -> bool:
+    """Whether a step of one backward writes its gradients into ``accum`` once, at the
+    end: hsdp's exact outer all-reduce of the reduce-scatter's own reduce-dtype result,
+    cast into ``accum`` (``reduce_scatter``'s ``outer_next``), which can add instead."""
+    b = state.b
+    return (state.compressed is None and not b.shard_outer
+            and b.reduce_dtype != state.accum.dtype and state.has_outer_reduction)

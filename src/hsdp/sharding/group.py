@@ -114,10 +114,7 @@ class ParamGroup:
         self.main = self._filled(sources, owned_lo, C, self.orig_dtype, device)
         self.inner_shard: torch.Tensor | None = None
         self.chunk_offset = 0
-        # hfsdp's compressed outer all-gather (None: the exact one)
-        self.compressed_gather = (CompressedGather(outer_gather, S, comms.outer_size)
-                                  if outer_gather is not None and self.shard_outer
-                                  and comms.outer_size > 1 else None)
+        self.compressed_gather = _compressed_gather(outer_gather, self.shard_outer, S, comms)
         if not self.shard_outer:
             self.ag_src = self.main
         else:
@@ -341,3 +338,12 @@ class ParamGroup:
         for slots, p in zip(self.slots, self.sharded):
             for module, name in slots:
                 module._parameters[name] = p
+
+
+def _compressed_gather(outer_gather: OuterGather | None, shard_outer: bool, numel: int,
+                       comms: CommGroups) -> CompressedGather | None:
+    """hfsdp's compressed outer all-gather of a ``numel``-element inner shard (None: the
+    exact one, also with one outer rank)."""
+    if outer_gather is None or not shard_outer or comms.outer_size == 1:
+        return None
+    return CompressedGather(outer_gather, numel, comms.outer_size)

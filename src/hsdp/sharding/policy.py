@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -117,12 +118,7 @@ def parse_outer_reduce(text: str) -> OuterReduce | None:
 def as_outer_reduce(value: object) -> OuterReduce | None:
     """``fully_shard``'s ``outer_reduce``: an ``OuterReduce``, None (exact reduction), or
     its short form "DTYPE[:BLOCK]" ("int8", "fp8_e4m3:128"; "none": None)."""
-    if value is None or isinstance(value, OuterReduce):
-        return value
-    if isinstance(value, str):
-        return parse_outer_reduce(value)
-    raise TypeError(f"fully_shard: outer_reduce must be an hsdp.OuterReduce, its short form "
-                    f"'DTYPE[:BLOCK]' (DTYPE in {OUTER_DTYPES}) or None, got {value!r}")
+    return _as_format(value, "outer_reduce", OuterReduce, parse_outer_reduce)
 
 
 @dataclass(frozen=True)
@@ -152,11 +148,16 @@ def parse_outer_gather(text: str) -> OuterGather | None:
 def as_outer_gather(value: object) -> OuterGather | None:
     """``fully_shard``'s ``outer_gather``: an ``OuterGather``, None (the exact gather), or
     its short form "DTYPE[:BLOCK]"."""
-    if value is None or isinstance(value, OuterGather):
+    return _as_format(value, "outer_gather", OuterGather, parse_outer_gather)
+
+
+def _as_format(value: object, arg: str, cls: type, parse: Callable[[str], object]) -> object:
+    """``fully_shard``'s ``arg``: a ``cls``, None, or its short form parsed by ``parse``."""
+    if value is None or isinstance(value, cls):
         return value
     if isinstance(value, str):
-        return parse_outer_gather(value)
-    raise TypeError(f"fully_shard: outer_gather must be an hsdp.OuterGather, its short form "
+        return parse(value)
+    raise TypeError(f"fully_shard: {arg} must be an hsdp.{cls.__name__}, its short form "
                     f"'DTYPE[:BLOCK]' (DTYPE in {OUTER_DTYPES}) or None, got {value!r}")
 
 

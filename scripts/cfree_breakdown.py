@@ -20,7 +20,7 @@ from collections import defaultdict
 import torch
 from torch.autograd import DeviceType
 
-import hsdp.bench.step as step
+import hsdp_tools.bench.step as step
 
 OUT = os.environ.get("OUT", "/tmp")
 SEQ = sys.argv[sys.argv.index("--seq") + 1]
@@ -154,6 +154,6 @@ def patched(cfg, trainees, batches, device, mesh):
 
 
 step._collective_free = patched
-from hsdp.__main__ import main  # noqa: E402
+from hsdp_tools.cli import main  # noqa: E402
 
 sys.exit(main(sys.argv[1:]))

@@ -35,9 +35,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import hsdp
-from hsdp.bench.fsdp2 import shard_fsdp2
 from hsdp.float8 import convert_to_float8
-from hsdp.models import LlamaConfig, build_model, lm_loss, shard_units
+from hsdp_tools.bench.fsdp2 import shard_fsdp2
+from hsdp_tools.models import LlamaConfig, build_model, lm_loss, shard_units
 
 MODEL = LlamaConfig(vocab=32768, hidden=2048, heads=16, kv_heads=4, ffn=5632, layers=8,
                     seq=2048)

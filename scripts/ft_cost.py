@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 import hsdp
-from hsdp.models import build_model, lm_loss, preset, shard_units
 from hsdp.topology.communicators import comm_groups
+from hsdp_tools.models import build_model, lm_loss, preset, shard_units
 
 
 class Phases:

@@ -39,11 +39,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import hsdp  # noqa: E402
-from hsdp.bench.emulate import fake_mesh  # noqa: E402
-from hsdp.bench.trainee import Trainee, build, build_unsharded, synthetic_batches  # noqa: E402
-from hsdp.models import LlamaConfig  # noqa: E402
 from hsdp.streams.contract import Event  # noqa: E402
 from hsdp.streams.cpu_backend import ThreadEvent, ThreadSideStream  # noqa: E402
+from hsdp_tools.bench.emulate import fake_mesh  # noqa: E402
+from hsdp_tools.bench.trainee import Trainee, build, build_unsharded, synthetic_batches  # noqa: E402
+from hsdp_tools.models import LlamaConfig  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -127,7 +127,7 @@ def profile(t: Trainee, batches: list[torch.Tensor], steps: int) -> None:
     for _ in range(steps):
         t.step(batches, delays=False)
     pr.disable()
-    # hsdp's own: the library, not the model it trains (hsdp.models) or the bench's code.
+    # hsdp's own: the library, not the model it trains (hsdp_tools.models) or the bench's code.
     for title, pattern in (("hsdp's own functions", r"hsdp/(?!models\.py|bench/)"),
                            ("everything", "")):
         s = io.StringIO()

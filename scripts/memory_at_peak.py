@@ -23,9 +23,9 @@ from collections import defaultdict
 
 import torch
 
-from hsdp.bench.emulate import fake_mesh
-from hsdp.bench.step_config import add_arguments, resolve
-from hsdp.bench.trainee import build, synthetic_batches
+from hsdp_tools.bench.emulate import fake_mesh
+from hsdp_tools.bench.step_config import add_arguments, resolve
+from hsdp_tools.bench.trainee import build, synthetic_batches
 
 OWN = ("/hsdp/", "/fsdp/", "megatron_fsdp", "/_fully_shard/")
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mixture of experts with expert parallelism on one H200 (torch 2.11, no internet): `bench
 # step --arch moe` emulated 16x8 with ep 8 (8 Qwen3-30B-A3B-shaped blocks: 128 experts of
-# width 768, 8 per token; hsdp.models_moe), bf16 reduction, seq 4096: hsdp overlap,
+# width 768, 8 per token; hsdp_tools.models_moe), bf16 reduction, seq 4096: hsdp overlap,
 # serial, hfsdp and overlap replayed as CUDA graphs, FSDP2, in one run; JSON and log into
 # $OUT. SRC: where hsdp's sources are.
 set -uo pipefail

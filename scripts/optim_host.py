@@ -36,7 +36,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import hsdp  # noqa: E402
-from hsdp.models import build_model, lm_loss, preset, shard_units  # noqa: E402
+from hsdp_tools.models import build_model, lm_loss, preset, shard_units  # noqa: E402
 
 OPTIMIZERS: dict[str, Callable] = {
     "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True),

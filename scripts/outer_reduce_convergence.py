@@ -11,8 +11,8 @@ all-gather and of DiLoCo on real collectives (8 CPU ranks, gloo).
 
 Exact vs int8 + error feedback vs fp8 + error feedback vs fp8 without, on 4x2 and 2x4
 meshes (hsdp) by default (``--runs``: also the outer all-gather's runs, on an hfsdp
-mesh), 3 seeds, a small Llama (``hsdp.bench.convergence.MODEL``) trained with AdamW
-for ``--steps`` steps (``hsdp/bench/convergence.py`` says what runs). Prints the markdown
+mesh), 3 seeds, a small Llama (``hsdp_tools.bench.convergence.MODEL``) trained with AdamW
+for ``--steps`` steps (``hsdp_tools/bench/convergence.py`` says what runs). Prints the markdown
 table of docs/benchmarks.md and writes every loss curve to ``--out``.
 """
 
@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from hsdp.bench.convergence import RUNS, Plan, convergence_job, summarize  # noqa: E402
+from hsdp_tools.bench.convergence import RUNS, Plan, convergence_job, summarize  # noqa: E402
 
 REDUCTION_RUNS = ("exact", "int8+EF", "fp8+EF", "fp8 no EF")
 

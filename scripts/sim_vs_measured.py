@@ -9,7 +9,7 @@ Each machine kind has one profile (``python -m hsdp sim calibrate``: one `bench 
 and `bench collectives` of the same machine for its links), and every other step run of
 that machine kind is predicted from it and the run's setup alone (model, mesh, sequence,
 microbatches, dtypes; an emulated run's fabric, else the profile's measured links). A row
-whose JSON is one the profile was made from is refused (``hsdp.sim.profile.held_out``).
+whose JSON is one the profile was made from is refused (``hsdp_tools.sim.profile.held_out``).
 
 Machine kinds of the committed runs (docs/results): ``h200``, one H200: the emulated runs
 (one process on one GPU, collectives emulated on the run's fabric); ``h200x2``, two
@@ -33,15 +33,15 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 sys.path.insert(0, str(ROOT / "src"))
 
-from hsdp.sim.calibrate import (  # noqa: E402
+from hsdp_tools.sim.calibrate import (  # noqa: E402
     SCHEDULES,
     fabric_of,
     measured_busy_ms,
     setup_from_results,
 )
-from hsdp.sim.engine import simulate  # noqa: E402
-from hsdp.sim.fabric import Fabric  # noqa: E402
-from hsdp.sim.profile import MachineProfile, held_out, same_run  # noqa: E402
+from hsdp_tools.sim.engine import simulate  # noqa: E402
+from hsdp_tools.sim.fabric import Fabric  # noqa: E402
+from hsdp_tools.sim.profile import MachineProfile, held_out, same_run  # noqa: E402
 
 WITHIN_PCT = 5.0
 KINDS = ("compute", "inner_ag", "inner_rs", "outer")
@@ -272,7 +272,7 @@ def main() -> int:
         "`hsdp sim` runs the runtime's own schedule (hooks, streams, events) on a "
         "meta-device model and times it on a virtual clock (README, Tools). Each machine "
         "kind has one profile (`python -m hsdp sim calibrate`: one `bench step` run and "
-        "`bench collectives` of the same machine; `hsdp.sim.profile`), and every other "
+        "`bench collectives` of the same machine; `hsdp_tools.sim.profile`), and every other "
         "run of that machine kind is predicted from the profile and the run's setup "
         "alone: model, mesh, sequence, microbatches, dtypes, and an emulated run's fabric "
         "(else the profile's measured links). No row below was calibrated on: the script "

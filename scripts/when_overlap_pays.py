@@ -42,9 +42,9 @@ def sim_args(model: str) -> list[str]:
 
 
 def run(model: str) -> dict:
-    from hsdp.__main__ import build_parser
-    from hsdp.sim.cli import resolve
-    from hsdp.sim.sweep import parse_sweep, run_sweep
+    from hsdp_tools.cli import build_parser
+    from hsdp_tools.sim.cli import resolve
+    from hsdp_tools.sim.sweep import parse_sweep, run_sweep
 
     setup, costs = resolve(build_parser().parse_args(["sim", *sim_args(model)]))
     report = run_sweep(setup, costs, parse_sweep(GRID))
@@ -115,7 +115,7 @@ def intro(report: dict, command: str, note: str) -> list[str]:
         "gradient leaves through two collectives: the inner reduce-scatter (RS, over the "
         "8 GPUs of a node, `N x reduce bytes` in) and the outer reduction of the node's "
         "shard (all-reduce over the nodes, `N / 8 x reduce bytes`). With the ring "
-        "model of `hsdp.sim.fabric` (bus bandwidth convention):",
+        "model of `hsdp_tools.sim.fabric` (bus bandwidth convention):",
         "",
         "    RS    = a + (7/8) x N x r / BW_inner",
         "    outer = a + 2 (n-1)/n x (N/8) x r / BW_outer      (n nodes, r = 2 bytes)",
@@ -215,7 +215,7 @@ def main() -> int:
     out = Path(args.out)
     reports = ([json.loads(Path(s).read_text()) for s in args.sources] if args.sources
                else [run(m) for m in MODELS])
-    from hsdp.sim.sweep import explain, plot_sweep
+    from hsdp_tools.sim.sweep import explain, plot_sweep
 
     command = "python scripts/when_overlap_pays.py" + (
         f" --note {shlex.quote(args.note)}" if args.note else "")

@@ -1,5 +1,6 @@
 """Job of tests/dist/test_bench_step.py's TP parity: the step bench's TP plan for
-``hsdp.models``' Llama (``hsdp.bench.tp_plan.parallelize_llama``) under hsdp and FSDP2 on an
+``hsdp_tools.models``' Llama (``hsdp_tools.bench.tp_plan.parallelize_llama``) under hsdp and
+FSDP2 on an
 (outer, inner, tp) mesh, against the same model in one process."""
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import hsdp
-from hsdp.bench.fsdp2 import shard_fsdp2
-from hsdp.bench.tp_plan import parallelize_llama
-from hsdp.bench.trainee import synthetic_batches
-from hsdp.models import LlamaConfig, build_model, lm_loss, shard_units
+from hsdp_tools.bench.fsdp2 import shard_fsdp2
+from hsdp_tools.bench.tp_plan import parallelize_llama
+from hsdp_tools.bench.trainee import synthetic_batches
+from hsdp_tools.models import LlamaConfig, build_model, lm_loss, shard_units
 
 CFG = LlamaConfig(vocab=64, hidden=32, heads=4, kv_heads=2, ffn=64, layers=2, seq=8)
 STEPS, ROWS, LR, MOMENTUM = 3, 4, 0.1, 0.9

@@ -23,8 +23,8 @@ from torch.utils._pytree import tree_flatten
 
 import hsdp
 import hsdp.sharding.comm
-from hsdp.models import GPT, GPTConfig, lm_loss
 from hsdp.sharding.group import owner
+from hsdp_tools.models import GPT, GPTConfig, lm_loss
 
 K = 2  # steps before the save, and again after the load
 _MESHES: dict = {}

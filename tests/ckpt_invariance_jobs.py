@@ -20,7 +20,7 @@ from checkpoint_jobs import _mesh
 from parity_jobs import ROWS_PER_RANK, _batches
 
 import hsdp
-from hsdp.models import GPT, GPTConfig, lm_loss
+from hsdp_tools.models import GPT, GPTConfig, lm_loss
 
 STEPS, LATE = 4, 2
 OPTIMIZERS = {

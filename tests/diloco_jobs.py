@@ -10,10 +10,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import hsdp
-from hsdp.bench.convergence import MODEL, ROWS_PER_RANK, _batch, train_steps
 from hsdp.checkpoint.outer_sync_state import load_outer_sync
-from hsdp.models import build_model, lm_loss
 from hsdp.sharding.comm import Collectives
+from hsdp_tools.bench.convergence import MODEL, ROWS_PER_RANK, _batch, train_steps
+from hsdp_tools.models import build_model, lm_loss
 
 LR = 0.05
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hsdp.bench.launch import host_barrier, shared_gpu
+from hsdp_tools.bench.launch import host_barrier, shared_gpu
 
 # gloo worlds start from a fork server that has imported torch, hsdp and the ecosystem
 # packages once: a spawned rank spends ~2.5 s of CPU importing them (5 s with torchtitan),
@@ -43,7 +43,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir:
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     if backend == "nccl" and shared_inner is not None:
-        # Several ranks per GPU (hsdp.bench.launch): no communicator over the whole world.
+        # Several ranks per GPU (hsdp_tools.bench.launch): no communicator over the whole world.
         torch.cuda.set_device(shared_gpu(rank, shared_inner, torch.cuda.device_count()))
         dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world)
     elif backend == "nccl":
@@ -70,7 +70,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, backend: str = "gloo",
               pg_timeout_s: float | None = None) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` ranks (gloo on CPU, or nccl with one
     GPU each; with ``shared_inner``, the inner size of the job's mesh, nccl ranks share
-    GPUs as ``hsdp.bench.launch`` places them); returns their results. A job that hangs
+    GPUs as ``hsdp_tools.bench.launch`` places them); returns their results. A job that hangs
     (a schedule deadlock) fails after ``timeout`` seconds instead of blocking CI.
     ``pg_timeout_s``: the default process group's timeout (gloo)."""
     with tempfile.TemporaryDirectory() as d:

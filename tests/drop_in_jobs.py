@@ -17,8 +17,8 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
 import hsdp
-from hsdp.models import GPT, GPTConfig, lm_loss
 from hsdp.sharding.group import owner
+from hsdp_tools.models import GPT, GPTConfig, lm_loss
 
 ROWS_PER_RANK = 2
 STEPS = 3

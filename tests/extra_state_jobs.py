@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import hsdp
-from hsdp.bench.convergence import train_steps
 from hsdp.checkpoint.outer_residual import residual_state
+from hsdp_tools.bench.convergence import train_steps
 
 K = 2  # int8: steps before the save, and again after the load
 DK, H = 5, 3  # DiLoCo: steps before the save (mid-period), and the period

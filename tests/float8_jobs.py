@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 
 import hsdp
-from hsdp.models import Llama, LlamaConfig, lm_loss
 from hsdp.sharding.comm import Collectives
+from hsdp_tools.models import Llama, LlamaConfig, lm_loss
 
 ROWS_PER_RANK = 2
 STEPS = 5

@@ -28,7 +28,7 @@ from drop_in_jobs import (
 from torch.distributed.device_mesh import init_device_mesh
 
 import hsdp
-from hsdp.models import GPTConfig
+from hsdp_tools.models import GPTConfig
 
 
 def _error(call: Callable[[], object]) -> str:

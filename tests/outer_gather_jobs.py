@@ -12,9 +12,9 @@ import torch.nn as nn
 from outer_reduce_jobs import _state, _train, _units
 
 import hsdp
-from hsdp.models import GPT, GPTConfig, lm_loss
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.group import ParamGroup
+from hsdp_tools.models import GPT, GPTConfig, lm_loss
 
 INT8 = hsdp.OuterGather("int8", block=16)
 FP8 = hsdp.OuterGather("fp8_e4m3", block=32)

@@ -12,8 +12,8 @@ from parity_jobs import ROWS_PER_RANK, _batches
 
 import hsdp
 from hsdp.checkpoint.outer_residual import load_residuals, residual_state
-from hsdp.models import GPT, GPTConfig, lm_loss
 from hsdp.sharding.comm import Collectives
+from hsdp_tools.models import GPT, GPTConfig, lm_loss
 
 K = 2  # steps before the save, and again after the load
 INT8 = hsdp.OuterReduce("int8", block=16)

@@ -17,8 +17,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import hsdp
-from hsdp.models import GPT, GPTConfig, lm_loss
 from hsdp.sharding.group import owner
+from hsdp_tools.models import GPT, GPTConfig, lm_loss
 
 ROWS_PER_RANK = 2
 STEPS = 4
@@ -298,10 +298,10 @@ def lagging_outer_job(rank: int, world: int, no_hold: bool = False) -> dict[str,
     results. Whether the overlapped schedule's parameters after three steps equal the
     serialized one's bit for bit. ``no_hold``: without ``SideStream.hold`` (a check that
     this job sees the reuse it guards against)."""
-    from hsdp.bench.emulate import emulate
-    from hsdp.models import GPT, GPTConfig, lm_loss
-    from hsdp.sim.fabric import Fabric, Link
     from hsdp.streams.cuda_backend import CudaSideStream
+    from hsdp_tools.bench.emulate import emulate
+    from hsdp_tools.models import GPT, GPTConfig, lm_loss
+    from hsdp_tools.sim.fabric import Fabric, Link
 
     if no_hold:
         CudaSideStream.hold = lambda self, t: None

@@ -18,7 +18,7 @@ from parity_jobs import ROWS_PER_RANK, _batches
 
 import hsdp
 from hsdp.checkpoint.outer_residual import residual_state
-from hsdp.models import GPT, GPTConfig, lm_loss
+from hsdp_tools.models import GPT, GPTConfig, lm_loss
 
 BLOCK = 16
 FORMATS = {"int8": hsdp.OuterReduce("int8", block=BLOCK),

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
 import hsdp
-from hsdp.models import GPT, GPTConfig, lm_loss
+from hsdp_tools.models import GPT, GPTConfig, lm_loss
 
 K = 2  # steps before the state moves, then one more after it
 FULL = StateDictOptions(full_state_dict=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hsdp.bench.collectives import (
+from hsdp_tools.bench.collectives import (
     VARIANTS,
     default_mesh,
     format_size,
@@ -18,9 +18,9 @@ from hsdp.bench.collectives import (
     parse_size,
     parse_sizes,
 )
-from hsdp.bench.launch import check_shared_layout, shared_gpu
+from hsdp_tools.bench.launch import check_shared_layout, shared_gpu
 from hsdp.topology.communicators import NcclConfig
-from hsdp.report.args import parse_mesh
+from hsdp_tools.report.args import parse_mesh
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from hsdp.__main__ import COMMANDS, build_parser
-from hsdp.bench.step_config import fabric_from_collectives, parse_schedules, resolve
-from hsdp.bench.step_results import print_table
-from hsdp.report.compare import compare
-from hsdp.models import GPTConfig, LlamaConfig
-from hsdp.sim.tp_pricing import unit_collectives
-from hsdp.sim.fabric import Fabric, Link
+from hsdp_tools.cli import COMMANDS, build_parser
+from hsdp_tools.bench.step_config import fabric_from_collectives, parse_schedules, resolve
+from hsdp_tools.bench.step_results import print_table
+from hsdp_tools.report.compare import compare
+from hsdp_tools.models import GPTConfig, LlamaConfig
+from hsdp_tools.sim.tp_pricing import unit_collectives
+from hsdp_tools.sim.fabric import Fabric, Link
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--ffn", "64", "--vocab", "64",
@@ -284,8 +284,8 @@ def test_fabric_from_collectives_fits_latency_and_bandwidth(tmp_path):
 
 
 def test_options_and_registration():
-    assert COMMANDS[("bench", "step")] == "hsdp.bench.step"
-    assert COMMANDS[("demo",)] == "hsdp.demo"
+    assert COMMANDS[("bench", "step")] == "hsdp_tools.bench.step"
+    assert COMMANDS[("demo",)] == "hsdp_tools.demo"
     assert parse_schedules("overlap, fsdp2") == ("overlap", "fsdp2")
     for bad in ("overlap,overlap", "ddp", ""):
         with pytest.raises(argparse.ArgumentTypeError):

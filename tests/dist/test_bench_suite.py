@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hsdp.bench.suite import TABLES
-from hsdp.report.chrome_trace import load_chrome_trace
-from hsdp.sim.trace_phases import phases_from_trace, read_phases, save_phases
+from hsdp_tools.bench.suite import TABLES
+from hsdp_tools.report.chrome_trace import load_chrome_trace
+from hsdp_tools.sim.trace_phases import phases_from_trace, read_phases, save_phases
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parents[1] / "data"

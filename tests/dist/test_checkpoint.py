@@ -21,7 +21,7 @@ from checkpoint_jobs import (
 )
 from dist_utils import run_jobs, run_ranks
 
-from hsdp.__main__ import main
+from hsdp_tools.cli import main
 
 TOL, BF16_TOL = 1e-5, 2e-2
 

@@ -21,7 +21,7 @@ from ckpt_safety_jobs import (
 )
 from dist_utils import run_jobs, run_ranks
 
-from hsdp.models import GPT, GPTConfig
+from hsdp_tools.models import GPT, GPTConfig
 
 TOL = 1e-5
 WORLD = 4

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import hsdp
-from hsdp.models import GPT, GPTConfig
+from hsdp_tools.models import GPT, GPTConfig
 from hsdp.sharding.group import owner
 
 

@@ -15,7 +15,7 @@ from outer_gather_jobs import (
     same_grads_job,
 )
 
-from hsdp.bench.convergence import Plan, convergence_job, final_losses
+from hsdp_tools.bench.convergence import Plan, convergence_job, final_losses
 
 CONVERGENCE = Plan(((2, 4, "hfsdp"),), (0,), ("exact", "int8 gather"), steps=25)
 TRUE = {"first_forward": True, "bit_exact": True, "replicas_identical": True,

@@ -12,7 +12,7 @@ import pytest
 from dist_utils import run_jobs
 from parity_jobs import Case, adamw_job, checkpoint_job, odd_job, parity_job
 
-from hsdp.bench.convergence import Plan, convergence_job, final_losses
+from hsdp_tools.bench.convergence import Plan, convergence_job, final_losses
 
 TOL = 1e-5  # fp32, SGD with momentum, 4 steps
 BF16_TOL = 2e-2  # bf16 params for compute (and reduction): ~3 significant digits

@@ -17,13 +17,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import hsdp
-from hsdp.bench.emulate import SleepClock, emulate, fake_mesh
-from hsdp.bench.intercept import intercept
-from hsdp.bench.trace import intervals_from_chrome_trace
-from hsdp.models import GPT, GPTConfig, lm_loss
-from hsdp.report.metrics import step_metrics
-from hsdp.sim.fabric import Fabric, Link
 from hsdp.streams.contract import Tracer
+from hsdp_tools.bench.emulate import SleepClock, emulate, fake_mesh
+from hsdp_tools.bench.intercept import intercept
+from hsdp_tools.bench.trace import intervals_from_chrome_trace
+from hsdp_tools.models import GPT, GPTConfig, lm_loss
+from hsdp_tools.report.metrics import step_metrics
+from hsdp_tools.sim.fabric import Fabric, Link
 
 DEV = torch.device("cuda", 0)
 
@@ -150,7 +150,7 @@ def intercept_wait() -> dict:
     """An emulated all-gather issued async on a side stream, coalesced (as Megatron-FSDP
     issues its all-gathers) and plain, then waited through its work handle on compute:
     ms from before the issue until compute passes the wait, with a 20 ms delay and without
-    (hsdp.bench.intercept)."""
+    (hsdp_tools.bench.intercept)."""
     mesh = fake_mesh(2, 4, "cuda")
     group = mesh.get_group("inner")
     clock = SleepClock.calibrate(DEV)

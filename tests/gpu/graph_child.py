@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 import hsdp
-from hsdp.bench.emulate import emulate, fake_mesh
-from hsdp.models import GPT, GPTConfig, lm_loss
-from hsdp.sim.fabric import Fabric, Link
 from hsdp.streams.capture import CaptureError
+from hsdp_tools.bench.emulate import emulate, fake_mesh
+from hsdp_tools.models import GPT, GPTConfig, lm_loss
+from hsdp_tools.sim.fabric import Fabric, Link
 
 DEV = torch.device("cuda", 0)
 CFG = GPTConfig(vocab=101, hidden=96, heads=4, ffn=200, layers=3, seq=32,

@@ -83,9 +83,9 @@ def test_compute_waits_for_emulated_delay_through_work_handles():
 def test_traced_side_ops_report_their_stream_time_and_host_span():
     """With the tracer on, each side op's time on its stream (timing events around its
     work, after its inputs are ready) and its host span: the simulator's calibration."""
-    from hsdp.bench.emulate import SleepClock
-    from hsdp.bench.trace import host_marks
     from hsdp.streams.stream_set import Streams
+    from hsdp_tools.bench.emulate import SleepClock
+    from hsdp_tools.bench.trace import host_marks
 
     clock = SleepClock.calibrate(torch.device("cuda", 0))
     s = Streams.create(torch.device("cuda", 0))
@@ -104,8 +104,8 @@ def test_phase_marks_report_when_the_compute_stream_reached_them():
     """With the tracer on, each compute phase mark also records when the device got there:
     behind a 20 ms kernel, the device reaches the end mark 20 ms after the begin mark,
     while the host had passed both at once."""
-    from hsdp.bench.emulate import SleepClock
     from hsdp.streams.stream_set import Streams
+    from hsdp_tools.bench.emulate import SleepClock
 
     clock = SleepClock.calibrate(torch.device("cuda", 0))
     s = Streams.create(torch.device("cuda", 0))
@@ -147,7 +147,7 @@ def test_side_stream_submit_runs_there_and_restores_the_callers_stream_and_devic
 def test_alloc_retries_count_a_cache_flush():
     """bench step's memory-pressure flag: an allocation that fits only once the cache is
     freed is a retry (a cached block of 40 % of free memory, then one of 70 %)."""
-    from hsdp.bench.step import allocator_retries
+    from hsdp_tools.bench.step import allocator_retries
     device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.empty_cache()
     free = torch.cuda.mem_get_info(device)[0]

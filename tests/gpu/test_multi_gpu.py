@@ -1,7 +1,7 @@
 """Real NCCL on the GPUs of one host (skipped on fewer GPUs than a test needs).
 
 Two GPUs: the 2x2 parity matrix with two ranks per GPU (the shared layout of
-``hsdp.bench.launch``: rank (o, i) on GPU (o + i) mod 2, so every communicator spans two
+``hsdp_tools.bench.launch``: rank (o, i) on GPU (o + i) mod 2, so every communicator spans two
 distinct GPUs; the default group never runs a CUDA collective), 1x2 and 2x1 with one rank
 per GPU, the schedule seen in real-NCCL profiler traces on the 2x2 mesh, and a soak test.
 Four GPUs: the parity matrix with one rank per GPU and the traces on 2x2 without sharing.

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from hsdp.__main__ import COMMANDS, build_parser, main
+from hsdp_tools.cli import COMMANDS, build_parser, main
 
 
 def test_bench_collectives_is_registered():

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hsdp.bench.diloco import ROWS
+from hsdp_tools.bench.diloco import ROWS
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 QUIET = ("no communication", "no outer communication")

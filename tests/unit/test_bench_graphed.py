@@ -6,11 +6,11 @@ import argparse
 
 import pytest
 
-from hsdp.bench.emulate import DelayedCollectives
-from hsdp.bench.graphed import GraphedSteps, replay_intervals
-from hsdp.bench.step_config import add_arguments, resolve
-from hsdp.report.metrics import step_metrics
-from hsdp.sim.fabric import Fabric, Link
+from hsdp_tools.bench.emulate import DelayedCollectives
+from hsdp_tools.bench.graphed import GraphedSteps, replay_intervals
+from hsdp_tools.bench.step_config import add_arguments, resolve
+from hsdp_tools.report.metrics import step_metrics
+from hsdp_tools.sim.fabric import Fabric, Link
 
 SLEEP = "void at::cuda::(anonymous namespace)::spin_kernel(long)"
 

@@ -1,4 +1,4 @@
-"""hsdp.bench.intercept on torch's fake process group (one process, CPU): which calls get
+"""hsdp_tools.bench.intercept on torch's fake process group (one process, CPU): which calls get
 the emulated delay and a trace record, coalesced ones included, and that everything is
 restored afterwards."""
 
@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _coalescing_manager
 
-from hsdp.bench.intercept import intercept
-from hsdp.sim.fabric import Fabric, Link
 from hsdp.streams.contract import Tracer
+from hsdp_tools.bench.intercept import intercept
+from hsdp_tools.sim.fabric import Fabric, Link
 
 # torch 2.13 deprecates the names Megatron-FSDP calls; they are what is intercepted here
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -77,7 +77,7 @@ def test_emulated_all_gathers_move_no_data(groups):
     output (GPU time and copy launches that no real all-gather adds to the modelled time):
     under emulation the peers' all-gathers, plain and coalesced, and hsdp's own reach it
     with empty views, so the output is left as it was; the delay stays the full one."""
-    from hsdp.bench.emulate import DelayedCollectives
+    from hsdp_tools.bench.emulate import DelayedCollectives
 
     inner, outer, _ = groups
     full, shard = torch.zeros(64), torch.ones(16)

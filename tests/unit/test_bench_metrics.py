@@ -2,7 +2,7 @@
 
 import pytest
 
-from hsdp.report.metrics import (
+from hsdp_tools.report.metrics import (
     Interval,
     intersect,
     kind,

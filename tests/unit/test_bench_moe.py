@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import hsdp
-from hsdp.bench.step_config import add_arguments, resolve
-from hsdp.bench.trainee import build
-from hsdp.models_moe import (
+from hsdp_tools.bench.step_config import add_arguments, resolve
+from hsdp_tools.bench.trainee import build
+from hsdp_tools.models_moe import (
     EP_KEY,
     GroupedExperts,
     MoEConfig,
@@ -22,9 +22,9 @@ from hsdp.models_moe import (
     shard_divisors,
     unit_meshes,
 )
-from hsdp.sim.engine import Setup, record
-from hsdp.sim.ep_pricing import ep_pricer
-from hsdp.sim.fabric import Fabric, Link
+from hsdp_tools.sim.engine import Setup, record
+from hsdp_tools.sim.ep_pricing import ep_pricer
+from hsdp_tools.sim.fabric import Fabric, Link
 
 CFG = MoEConfig(vocab=64, hidden=32, heads=4, kv_heads=2, ffn=16, layers=2, seq=16,
                 experts=8, top_k=2, ep=1)

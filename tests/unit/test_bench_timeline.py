@@ -2,8 +2,8 @@
 
 import pytest
 
-from hsdp.report.metrics import Interval
-from hsdp.report.timeline import plot_timeline
+from hsdp_tools.report.metrics import Interval
+from hsdp_tools.report.timeline import plot_timeline
 
 pytest.importorskip("matplotlib")
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsdp.bench.trace import host_marks, intervals_from_chrome_trace, intervals_from_records
-from hsdp.report.chrome_trace import load_chrome_trace
-from hsdp.report.metrics import Interval, intersect, step_metrics, total
 from hsdp.streams.contract import OpRecord, Tracer
 from hsdp.streams.stream_set import Streams
+from hsdp_tools.bench.trace import host_marks, intervals_from_chrome_trace, intervals_from_records
+from hsdp_tools.report.chrome_trace import load_chrome_trace
+from hsdp_tools.report.metrics import Interval, intersect, step_metrics, total
 
 
 def spans(ivs: list[Interval]) -> list[tuple]:

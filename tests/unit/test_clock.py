@@ -4,9 +4,9 @@ virtual clock (one rank, or every rank at once)."""
 import pytest
 import torch
 
-from hsdp.sim.clock import virtual_streams
-from hsdp.sim.engine import RecordedCollectives
 from hsdp.streams.stream_set import Streams
+from hsdp_tools.sim.clock import virtual_streams
+from hsdp_tools.sim.engine import RecordedCollectives
 
 
 def _price(op):

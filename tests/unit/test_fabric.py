@@ -2,7 +2,7 @@
 
 import pytest
 
-from hsdp.sim.fabric import Fabric, Link, fit_link
+from hsdp_tools.sim.fabric import Fabric, Link, fit_link
 
 
 def test_ring_formulas():

@@ -1,4 +1,4 @@
-"""hsdp.models: parameter counts, presets on meta, causality, configs from JSON."""
+"""hsdp_tools.models: parameter counts, presets on meta, causality, configs from JSON."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from hsdp.models import (
+from hsdp_tools.models import (
     PRESETS,
     GPTConfig,
     LlamaConfig,
@@ -74,7 +74,7 @@ def test_config_round_trip_and_errors():
 
 def test_grouped_query_attention_matches_torch():
     """The repeated key / value heads are those of torch's ``enable_gqa``."""
-    from hsdp.models import repeat_kv
+    from hsdp_tools.models import repeat_kv
 
     torch.manual_seed(0)
     q = torch.randn(2, 8, 5, 4)

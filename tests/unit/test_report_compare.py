@@ -1,10 +1,10 @@
 """Step-time comparisons state their noise: no verdict from too few steps, "within noise"
-inside the spread, CPU runs labelled as schedule checks (hsdp.report.compare)."""
+inside the spread, CPU runs labelled as schedule checks (hsdp_tools.report.compare)."""
 
 from __future__ import annotations
 
-from hsdp.bench.step_results import print_table
-from hsdp.report.compare import CPU_NOTE, MIN_STEPS, compare, describe
+from hsdp_tools.bench.step_results import print_table
+from hsdp_tools.report.compare import CPU_NOTE, MIN_STEPS, compare, describe
 
 
 def entry(samples: list[float]) -> dict:

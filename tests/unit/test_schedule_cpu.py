@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 
 import hsdp
-from hsdp.bench.emulate import emulate
-from hsdp.sim.fabric import Fabric, Link
 from hsdp.streams.contract import OpRecord
+from hsdp_tools.bench.emulate import emulate
+from hsdp_tools.sim.fabric import Fabric, Link
 
 UNITS = 4
 FABRIC = Fabric(Link(1e6, 100_000.0), Link(1e6, 60_000.0))

@@ -1,4 +1,4 @@
-"""hsdp.sim: the runtime's own schedule on virtual streams, its cost model, calibration,
+"""hsdp_tools.sim: the runtime's own schedule on virtual streams, its cost model, calibration,
 sweeps and the CLI."""
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import pytest
 import torch
 
 import hsdp
-from hsdp.__main__ import main
-from hsdp.models import GPTConfig, LlamaConfig, build_model
-from hsdp.sim.calibrate import calibrate, fit_tflops, host_between_phases
-from hsdp.sim.costs import CostModel, PhaseCost, phase_class, work_flops
-from hsdp.sim.engine import Recording, Setup, evaluate, record, shard, simulate, train_step
-from hsdp.sim.fabric import Fabric, Link
-from hsdp.sim.profile import MachineProfile, calibrate_profile, held_out
-from hsdp.sim.trace_phases import (
+from hsdp_tools.cli import main
+from hsdp_tools.models import GPTConfig, LlamaConfig, build_model
+from hsdp_tools.sim.calibrate import calibrate, fit_tflops, host_between_phases
+from hsdp_tools.sim.costs import CostModel, PhaseCost, phase_class, work_flops
+from hsdp_tools.sim.engine import Recording, Setup, evaluate, record, shard, simulate, train_step
+from hsdp_tools.sim.fabric import Fabric, Link
+from hsdp_tools.sim.profile import MachineProfile, calibrate_profile, held_out
+from hsdp_tools.sim.trace_phases import (
     TracePhases,
     collective_drag,
     exclusive_shares,
@@ -121,7 +121,7 @@ def test_compressed_outer_reduction_is_priced_by_its_bytes(fake_world_8):
 def test_memoized_meta_ops_record_the_same_program(fake_world_8, monkeypatch):
     """Identical functional ops on meta tensors are memoized (speed); the program is the
     one recorded without the memo, op for op."""
-    from hsdp.sim import engine
+    from hsdp_tools.sim import engine
 
     setup = Setup(dataclasses.replace(TINY_LLAMA, checkpoint="unit_non_reentrant"), 2, 4,
                   "hfsdp", microbatches=2)
@@ -323,7 +323,7 @@ def test_measured_phase_costs_apply_to_their_setup_only(fake_world_8):
 
 def test_llama_70b_on_the_meta_device(fake_world_8):
     """A 70B model needs no memory: one block of it on a 2x4 mesh, timed."""
-    from hsdp.models import preset
+    from hsdp_tools.models import preset
 
     rec = record(Setup(preset("llama-70b", layers=1, seq=4096), 2, 4))
     r = evaluate(rec, CostModel())
@@ -767,15 +767,15 @@ def test_sim_imports_no_bench_module():
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            assert not any(n.startswith("hsdp.bench") for n in names), (path, names)
+            assert not any(n.startswith("hsdp_tools.bench") for n in names), (path, names)
 
 
 def test_sweep_verdicts():
     """The reason given per row: host-bound, outer-bound, serialized rs stream behind the
     backward, or hidden either way."""
-    from hsdp.report.metrics import Interval
-    from hsdp.sim.engine import SimResult
-    from hsdp.sim.sweep import last_backward_ms, row
+    from hsdp_tools.report.metrics import Interval
+    from hsdp_tools.sim.engine import SimResult
+    from hsdp_tools.sim.sweep import last_backward_ms, row
 
     def result(t_step, host, compute, rs, outer):
         ivs = [Interval("compute", "FWD:B", 0, 1000), Interval("compute", "BWD:B", 1000, 3000),
@@ -799,7 +799,7 @@ def test_real_nccl_busy_times_keep_the_unprofiled_waits(tmp_path):
     """On real NCCL the collectives' busy times are the unprofiled steps' (median per op,
     waits for the other ranks included: the simulator has no model of rank skew); only a
     run without them falls back to its trace less the waits."""
-    from hsdp.sim.calibrate import measured_busy_ms
+    from hsdp_tools.sim.calibrate import measured_busy_ms
 
     steps = [[["rs", "RS:Block0/0", ms], ["outer", "OUTER_AR:Block0/0", 2 * ms]]
              for ms in (1.0, 3.0, 2.0)]
@@ -947,7 +947,7 @@ def test_diloco_period_is_timed_by_its_distinct_runs_of_steps():
     """Each step after which fragments sync, with the ``delay`` steps its all-reduce
     overlaps, and one quiet step standing for the rest; a delay reaching the next
     fragment's sync is refused."""
-    from hsdp.sim.engine import period_steps
+    from hsdp_tools.sim.engine import period_steps
 
     assert period_steps(None) == [(None, 1, 1)]
     assert period_steps(hsdp.DiLoCo(10)) == [(10, 1, 1), (1, 1, 9)]

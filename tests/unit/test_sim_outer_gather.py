@@ -1,14 +1,14 @@
-"""hsdp.sim with hfsdp's compressed outer parameter all-gather (``outer_gather``): the
+"""hsdp_tools.sim with hfsdp's compressed outer parameter all-gather (``outer_gather``): the
 recorded op and its bytes, the sweep key."""
 
 from __future__ import annotations
 
 import pytest
 
-from hsdp.models import LlamaConfig
-from hsdp.sim.costs import CostModel
-from hsdp.sim.engine import Setup, evaluate, record
-from hsdp.sim.sweep import parse_sweep, run_sweep
+from hsdp_tools.models import LlamaConfig
+from hsdp_tools.sim.costs import CostModel
+from hsdp_tools.sim.engine import Setup, evaluate, record
+from hsdp_tools.sim.sweep import parse_sweep, run_sweep
 
 TINY_LLAMA = LlamaConfig(vocab=32, hidden=16, heads=4, kv_heads=2, ffn=24, layers=3, seq=8)
 

@@ -1,4 +1,4 @@
-"""hsdp.sim.pipeline: a 1F1B step priced from one stage's simulated step."""
+"""hsdp_tools.sim.pipeline: a 1F1B step priced from one stage's simulated step."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from hsdp.models import preset
-from hsdp.sim.costs import CostModel
-from hsdp.sim.engine import Setup
-from hsdp.sim.fabric import Fabric, Link
-from hsdp.sim.pipeline import StageTimes, pipeline_step, simulate_pipeline
+from hsdp_tools.models import preset
+from hsdp_tools.sim.costs import CostModel
+from hsdp_tools.sim.engine import Setup
+from hsdp_tools.sim.fabric import Fabric, Link
+from hsdp_tools.sim.pipeline import StageTimes, pipeline_step, simulate_pipeline
 
 
 def test_first_stage_pays_its_tail_later_stages_hide_it_in_the_drain():

@@ -1,15 +1,15 @@
-"""hsdp.sim.tp_pricing: the TP collectives of torch's Llama plan per layer (a hand count) and
+"""hsdp_tools.sim.tp_pricing: the TP collectives of torch's Llama plan per layer (a hand count) and
 their price on the compute stream."""
 
 from __future__ import annotations
 
 import pytest
 
-from hsdp.models import LlamaConfig, preset
-from hsdp.sim.costs import CostModel
-from hsdp.sim.engine import Setup, record
-from hsdp.sim.fabric import Link
-from hsdp.sim.tp_pricing import tp_pricer, unit_collectives
+from hsdp_tools.models import LlamaConfig, preset
+from hsdp_tools.sim.costs import CostModel
+from hsdp_tools.sim.engine import Setup, record
+from hsdp_tools.sim.fabric import Link
+from hsdp_tools.sim.tp_pricing import tp_pricer, unit_collectives
 
 
 def test_tp_bytes_per_layer_70b():

@@ -6,8 +6,8 @@ they block the stream's worker thread (see ``streams.py``). A group of one rank 
 collective at all.
 
 Tools plug in by subclassing: ``before`` is called ahead of each collective with other
-ranks (the bench's emulated delays, ``hsdp.bench.emulate``; the simulator's recorded sizes,
-``hsdp.sim.engine``). On torch's ``fake`` process group (which stands for NCCL in
+ranks (the bench's emulated delays, ``hsdp_tools.bench.emulate``; the simulator's recorded sizes,
+``hsdp_tools.sim.engine``). On torch's ``fake`` process group (which stands for NCCL in
 emulation) all-gathers are given empty views (``fake_all_gather_args``).
 
 Averaging (``avg=True``, gradients): NCCL's ``ReduceOp.AVG`` where the backend has it (no

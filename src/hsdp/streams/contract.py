@@ -16,7 +16,7 @@ completes when it has finished.
   instead of waiting for further timeouts, until the process groups are torn down
   (``quiesce_all``).
 - A backend the tools plug in (``StreamBackend``; the simulator's virtual streams,
-  ``hsdp.sim.clock``): the schedule code is the same as on CUDA and CPU.
+  ``hsdp_tools.sim.clock``): the schedule code is the same as on CUDA and CPU.
 
 The runtime also tells the compute stream which phase its work belongs to
 (``begin(label)`` / ``end(label)``, nested: "FWD:<unit>", "BWD:<unit>", "COPY_IN:<group>",

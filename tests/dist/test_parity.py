@@ -2,6 +2,8 @@
 
 Each world size runs as ONE spawned job over many cases (process start-up dominates on
 two cores), the 4-rank one with the other 4-rank jobs; the tests then check each result.
+The default tier runs the 4-rank cases in which every pair of settings meets once
+(tests/case_cover.py); the full tier runs the other 4-rank cases and the 8-rank ones.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from case_cover import pairwise_split
 from dist_utils import run_jobs
 from parity_jobs import Case, adamw_job, checkpoint_job, odd_job, parity_job
 
@@ -60,6 +63,11 @@ CASES_4 += [  # torch's clip_grad_norm_ on hsdp's DTensor parameters, and hsdp's
     for clip in ("torch-inf", "hsdp-2", "hsdp-inf")
 ]
 
+# error feedback against none: the pairs test_error_feedback_brings_int8_closer_to_exact reads
+_EF_PAIRS = [Case(2, 2, strategy, True, mb, outer_reduce=q) for strategy in ("hsdp", "hfsdp")
+             for mb in (1, 3) for q in ("int8", "int8-noef")]
+CASES_4_COVER, CASES_4_REST = pairwise_split(CASES_4, keep=_EF_PAIRS)
+
 CASES_8 = [
     Case(2, 4, strategy, overlap, mb, ac)
     for strategy, overlap, mb, ac in itertools.product(
@@ -72,7 +80,7 @@ CASES_8 = [
 
 @pytest.fixture(scope="module")
 def jobs_4() -> dict[str, list]:
-    return run_jobs(4, {"parity": (parity_job, (CASES_4,)), "odd hsdp": (odd_job, (2, "hsdp")),
+    return run_jobs(4, {"parity": (parity_job, (CASES_4_COVER,)), "odd hsdp": (odd_job, (2, "hsdp")),
                         "odd hfsdp": (odd_job, (2, "hfsdp")),
                         "checkpoint": (checkpoint_job, (2,)), "adamw": (adamw_job, (2,))})
 
@@ -80,6 +88,11 @@ def jobs_4() -> dict[str, list]:
 @pytest.fixture(scope="module")
 def results_4(jobs_4: dict[str, list]) -> list[dict]:
     return jobs_4["parity"]
+
+
+@pytest.fixture(scope="module")
+def results_4_rest() -> list[dict]:
+    return run_jobs(4, {"parity": (parity_job, (CASES_4_REST,))})["parity"]
 
 
 # The short convergence check of the compressed outer reduction rides on the 8-rank job.
@@ -125,9 +138,15 @@ def _check(case: Case, per_rank: list[dict]) -> None:
         assert e["hsdp_vs_fsdp2"] < (BF16_TOL if case.mp else TOL), e
 
 
-@pytest.mark.parametrize("case", CASES_4, ids=str)
+@pytest.mark.parametrize("case", CASES_4_COVER, ids=str)
 def test_parity_4_ranks(case: Case, results_4: list[dict]) -> None:
     _check(case, results_4)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", CASES_4_REST, ids=str)
+def test_parity_4_ranks_rest(case: Case, results_4_rest: list[dict]) -> None:
+    _check(case, results_4_rest)
 
 
 @pytest.mark.full

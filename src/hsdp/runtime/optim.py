@@ -86,15 +86,13 @@ class OptimizerSteps:
                 "microbatch with is_last=True (or outside any hsdp.microbatch context) and "
                 "gradient sync on before optimizer.step().")
         self.ctx.streams.compute.begin(f"OPTIMIZER:{self.ctx.root.label}")
-        if self.ctx.outer_sync is not None:
-            self.ctx.outer_sync.before_step()
+        self.ctx.outer.before_step()
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.ctx.streams.compute.end(f"OPTIMIZER:{self.ctx.root.label}")
         for g in self.ctx.trainable:  # the gradients were applied (a skipped step: not)
             g.grads.applied()
-        if self.ctx.outer_sync is not None:
-            self.ctx.outer_sync.after_step(self.ctx)
+        self.ctx.outer.after_step(self.ctx)
         key = (id(optimizer.state), len(optimizer.state))
         if self._adopted_state.get(optimizer) != key:  # new state (first steps, loads)
             if self._capturing:
@@ -229,8 +227,7 @@ def steppers_of(optimizer: torch.optim.Optimizer) -> list[OptimizerSteps]:
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for steps in steppers_of(optimizer):
-        if steps.ctx.outer_sync is not None:
-            steps.ctx.outer_sync.check_optimizer(optimizer)
+        steps.ctx.outer.check_optimizer(optimizer)
         steps.before_step()
         steps.check_optimizer_state(optimizer)
 

@@ -29,7 +29,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from hsdp.ft.outer import ElasticOuter
 from hsdp.topology import liveness
 from hsdp.topology.mesh_dims import check_mesh, mesh_key
-from hsdp.topology.outer_sync import DiLoCo
 
 COMMUNICATORS = ("inner_ag", "inner_rs", "outer")
 
@@ -74,7 +73,6 @@ class CommGroups:
     tp_size: int = 1
     host_tp: dist.ProcessGroup | None = None
     elastic: ElasticOuter | None = None  # fault tolerance: the replica groups (torchft)
-    outer_sync: DiLoCo | None = None  # DiLoCo: no outer reduction per step
 
     @property
     def grad_outer(self) -> dist.ProcessGroup | ElasticOuter:

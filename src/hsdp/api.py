@@ -35,6 +35,7 @@ from hsdp.topology.communicators import comm_groups
 from hsdp.topology.mesh_dims import as_hsdp_mesh
 from hsdp.topology.outer_mode import outer_sync_of
 
+# Process-wide: unit labels number the fully_shard calls of the process, the same on every rank.
 _UNIT_IDS = itertools.count()
 
 

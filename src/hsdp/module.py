@@ -17,6 +17,7 @@ from hsdp.runtime.hooks import UnshardHandle, units_below
 from hsdp.runtime.unit import Unit
 from hsdp.sharding.policy import check_reshard_after_forward
 
+# Process-wide: one HSDP subclass per module class, so instances of a class share it.
 _CLASSES: dict[type, type] = {}
 
 

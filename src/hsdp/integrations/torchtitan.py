@@ -278,6 +278,7 @@ def _init_own_states(m: nn.Module, buffer_device: torch.device | None) -> None:
                                   persistent=name not in m._non_persistent_buffers_set)
 
 
+# Process-wide: one made subclass per model class, so instances of a class share it.
 _META_CLASSES: dict[type, type] = {}
 
 

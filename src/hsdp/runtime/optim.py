@@ -23,6 +23,7 @@ from hsdp.streams.capture import capture_refusal
 FIRST_STEP = ("an optimizer step that creates or changes its state (it is checked and "
               "packed on the host)", "run the optimizer's first step eagerly, then capture")
 
+# Process-wide: torch's optimizer-step hook is global; it finds the models here (weak).
 STEPPERS: weakref.WeakSet[OptimizerSteps] = weakref.WeakSet()  # each model's (runtime.py)
 
 
@@ -159,6 +160,7 @@ class OptimizerSteps:
                 g.gather.mark_written()
 
 
+# Process-wide: torch's global optimizer hook (``_detect``) sees every optimizer (weak).
 # optimizer -> its number of parameters when ``_detect`` last looked at it
 _SEEN: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 _ATTACHED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()

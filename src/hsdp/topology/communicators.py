@@ -131,6 +131,7 @@ def default_timeout() -> timedelta:
 
 # hsdp's groups of one world: the default group they were made in (held, so that no later
 # group can be mistaken for it), the comm groups per mesh and the host groups per purpose.
+# Process-wide: process groups belong to the world (one per process) and are collective to make.
 _WORLD: list[dist.ProcessGroup] = []
 _GROUPS: dict[tuple, CommGroups] = {}
 _HOST_GROUPS: dict[str, dist.ProcessGroup] = {}

@@ -250,6 +250,7 @@ def _init_default_group(timeout: timedelta | None) -> None:
     dist.init_process_group(**({} if timeout is None else {"timeout": timeout}))
 
 
+# Process-wide: a mesh is collective to make: the same call returns the same mesh.
 _EXPERT_MESHES: dict[tuple, DeviceMesh] = {}  # expert_mesh's of this world, by mesh and ep
 on_first_use(_EXPERT_MESHES.clear)  # a new world: their groups went with the old one
 

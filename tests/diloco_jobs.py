@@ -68,7 +68,7 @@ def equivalence_job(rank: int, world: int, steps: int = 6) -> dict[str, object]:
         model = _build(hsdp.init_mesh(outer, inner, "cpu", outer_sync=cfg), outer_reduce=quant)
         counter = model._hsdp_unit.collectives = CountOuter()
         train_steps(model, torch.optim.SGD(model.parameters(), lr=LR), range(steps))
-        groups = len(model._hsdp_unit.runtime.outer_sync.groups)
+        groups = len(model._hsdp_unit.runtime.outer.groups)
         out[name] = {"rel": _rel(_state(model), ref),
                      "outer_per_group_step": counter.outer / (groups * steps)}
     return out
@@ -93,7 +93,7 @@ def h10_job(rank: int, world: int, steps: int = 30) -> dict[str, object]:
         synced = not _differs_over_outer(model, outer, inner)  # after step 25: mid-period
         losses += train_steps(model, opt, range(steps - 5, steps))
         hsdp.synchronize(model)  # with delay, the last all-reduce may still be in flight
-        groups = len(model._hsdp_unit.runtime.outer_sync.groups)
+        groups = len(model._hsdp_unit.runtime.outer.groups)
         out[name] = {"losses": losses, "outer_per_group": counter.outer / groups,
                      "mid_period_differs": not synced,
                      "synced_at_end": not _differs_over_outer(model, outer, inner)}

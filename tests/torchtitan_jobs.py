@@ -257,7 +257,7 @@ def _diloco_entries(rank: int, world: int, dims: ParallelDims) -> dict[str, floa
     _train(model, rank, world, 1, max_norm=float("inf"))
     hsdp.synchronize(model)
     return {"hsdp+diloco H=1 vs unclipped ref": _rel(_full_params(model), _full_params(ref)),
-            "hsdp+diloco schedule": repr(model._hsdp_unit.runtime.outer_sync.config)}
+            "hsdp+diloco schedule": repr(model._hsdp_unit.runtime.outer.config)}
 
 
 def _float8_train(model: nn.Module, rows: int | range, world: int,

@@ -17,11 +17,13 @@ from hsdp.ft.outer import FaultTolerance
 from hsdp.ft.transport import RecoveryTransport
 from hsdp.materialize import materialize
 from hsdp.module import register_forward_method
+from hsdp.runtime.diloco import DiLoCo
 from hsdp.runtime.optim import attach_optimizer
-from hsdp.sharding.policy import MixedPrecision, OuterGather, OuterReduce, Strategy
+from hsdp.sharding.outer_gather import OuterGather
+from hsdp.sharding.outer_reduce import OuterReduce
+from hsdp.sharding.policy import MixedPrecision, Strategy
 from hsdp.topology.communicators import NcclConfig
 from hsdp.topology.mesh import expert_mesh, init_mesh
-from hsdp.topology.outer_sync import DiLoCo
 
 __version__ = "0.1.0"
 

@@ -18,23 +18,24 @@ from hsdp.ft.errors import FaultToleranceError
 from hsdp.module import adopt
 from hsdp.runtime.hooks import units_below
 from hsdp.runtime.optim import watch_optimizers
+from hsdp.runtime.outer_modes import as_mode
 from hsdp.runtime.unit import Unit
 from hsdp.sharding.float8_weights import float8_dtype
 from hsdp.sharding.group import ParamGroup, Slot, owner
+from hsdp.sharding.outer_gather import OuterGather
+from hsdp.sharding.outer_reduce import OuterReduce
 from hsdp.sharding.policy import (
     MixedPrecision,
-    OuterGather,
-    OuterReduce,
     Strategy,
     as_mixed_precision,
-    as_outer_gather,
-    as_outer_reduce,
     check_reshard_after_forward,
 )
 from hsdp.sharding.tp_blocks import check_params
-from hsdp.topology.communicators import CommGroups, comm_groups
+from hsdp.topology.communicators import comm_groups
 from hsdp.topology.mesh_dims import as_hsdp_mesh
+from hsdp.topology.outer_mode import outer_sync_of
 
+# Process-wide: unit labels number the fully_shard calls of the process, the same on every rank.
 _UNIT_IDS = itertools.count()
 
 
@@ -75,18 +76,14 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
     _check_offload_policy(offload_policy)
     reshard_after_forward = check_reshard_after_forward(reshard_after_forward)
     mp = as_mixed_precision(mp_policy)
-    outer_reduce = as_outer_reduce(outer_reduce)
-    outer_gather = as_outer_gather(outer_gather)
-    if outer_gather is not None and strategy is not Strategy.HFSDP:
-        raise ValueError(
-            f"fully_shard: outer_gather needs strategy='hfsdp': with strategy="
-            f"'{strategy.value}' the weights are replicated over outer and updated on every "
-            f"rank, there is no outer all-gather of parameters to compress (outer_reduce "
-            f"compresses the outer gradient reduction)")
+    outer_reduce = as_mode("outer_reduce", outer_reduce)
+    outer_gather = as_mode("outer_gather", outer_gather)
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module)}")
     if getattr(module, "_hsdp_unit", None) is not None:
         raise RuntimeError(f"fully_shard was already applied to this {type(module).__name__}")
+    # the outer modes, each hooked where the outer axis is handled (runtime/outer_modes.py)
+    modes = tuple(m for m in (outer_sync_of(mesh), outer_reduce, outer_gather) if m is not None)
     mesh = as_hsdp_mesh(mesh)
     comms = comm_groups(mesh)
     if comms.elastic is not None and strategy is Strategy.HFSDP:
@@ -94,12 +91,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
             "fully_shard: strategy='hfsdp' cannot be made fault tolerant: its optimizer "
             "state is sharded over the outer axis, so a lost replica group takes state no "
             "other group holds. Use strategy='hsdp' with init_mesh(fault_tolerance=...)")
-    if comms.outer_sync is not None:
-        _check_outer_sync(strategy)
     device = (torch.device("cuda", torch.cuda.current_device())
               if mesh.device_type == "cuda" else torch.device(mesh.device_type))
-    if outer_reduce is not None:
-        _check_outer_reduce(comms, device)
     watch_optimizers()
 
     # torch.compile(module) made before fully_shard: hooks go on the wrapper (outside the
@@ -107,8 +100,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
     inner = module._orig_mod if isinstance(module, OptimizedModule) else module
     params, slots, ties = _owned_params(module)
     check_params(params, _names(inner, slots), mesh)
-    if outer_gather is not None:
-        _check_outer_gather(params, _names(inner, slots))
+    for mode in modes:
+        mode.check_shard(strategy, comms, device, params, _names(inner, slots))
     meta = [p.is_meta for p in params]
     if any(meta) and not all(meta):
         raise RuntimeError(f"fully_shard: some parameters of this {type(inner).__name__} are "
@@ -122,8 +115,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
         ss.append(s)
     label = f"{type(inner).__name__}{next(_UNIT_IDS)}"  # same on every rank
     groups = [
-        ParamGroup(f"{label}/{k}", ps, ss, comms, shard_device, strategy, mp, outer_reduce,
-                   outer_gather)
+        ParamGroup(f"{label}/{k}", ps, ss, comms, shard_device, strategy, mp, modes)
         for k, (ps, ss) in enumerate(keyed.values())]
     for g in groups:
         g.use_sharded()
@@ -161,49 +153,6 @@ def _check_offload_policy(policy: OffloadPolicy | None) -> None:
 
 
 Tie = tuple[ParamGroup, int, Slot]
-
-# Backends known to run all_to_all_single (torch's fake one stands for NCCL in emulation).
-_ALL_TO_ALL = ("nccl", "gloo", "fake", "mpi", "ucc", "xccl")
-
-
-def _check_outer_sync(strategy: Strategy) -> None:
-    """What a DiLoCo mesh (``init_mesh(outer_sync=...)``) cannot shard."""
-    if strategy is Strategy.HFSDP:
-        raise ValueError(
-            "fully_shard: strategy='hfsdp' cannot train with outer_sync=DiLoCo(...): its "
-            "gradients and optimizer state are sharded over the outer axis, so an outer "
-            "replica cannot step alone between synchronizations. Use strategy='hsdp'")
-
-
-def _check_outer_reduce(comms: CommGroups, device: torch.device) -> None:
-    """``outer_reduce`` needs an all-to-all on the outer communicator, which torchft's
-    managed group (fault tolerance) lacks."""
-    if comms.elastic is not None:
-        raise FaultToleranceError(
-            "fully_shard: outer_reduce (compressed outer reduction) is not supported with "
-            "fault tolerance: torchft's replica-group communicator has no all-to-all, and "
-            "its quorum may change the ranks a residual belongs to. Use outer_reduce=None")
-    if comms.outer_size == 1:
-        return
-    name = comms.outer._get_backend(device).name().lower()
-    if name not in _ALL_TO_ALL:
-        raise ValueError(f"fully_shard: outer_reduce needs all_to_all on the outer "
-                         f"communicator; its backend {name!r} is not one known to have it "
-                         f"({', '.join(_ALL_TO_ALL)})")
-
-
-def _check_outer_gather(params: list[nn.Parameter], names: list[str]) -> None:
-    """``outer_gather`` and torchao float8 weights (float8 all-gather) do not mix in one
-    unit: those already cross the outer link as one byte per weight, cast with the scales
-    their matmuls use; quantizing them again would round twice."""
-    f8 = [n for p, n in zip(params, names) if float8_dtype(p) is not None]
-    if f8:
-        raise ValueError(
-            f"fully_shard: outer_gather on a unit with float8 weights ({', '.join(f8[:3])}"
-            f"{', ...' if len(f8) > 3 else ''}): their float8 all-gather already moves one "
-            f"byte per weight over outer. Pass outer_gather only to units without float8 "
-            f"weights (e.g. the root holding embedding and output head), or leave float8 "
-            f"all-gather off (enable_fsdp_float8_all_gather=False)")
 
 
 def _names(module: nn.Module, slots: list[list[Slot]]) -> list[str]:

@@ -20,6 +20,7 @@ from hsdp.sharding.group import owner
 from hsdp.sharding.tp_blocks import block_of
 from hsdp.topology.communicators import comm_groups
 
+# Process-wide: clip calls are store exchanges numbered per unit on every rank (weak).
 _CLIPS: weakref.WeakKeyDictionary[Unit, itertools.count] = weakref.WeakKeyDictionary()
 
 # (the unit mesh's shape and dims, sharded over outer, sharded over tp / ep): the same keys

@@ -83,7 +83,7 @@ class _Walk:
                 if g.float8 is not None:  # still gathered in float8
                     metas = g.float8.wrap(metas)
                 old, g = g, ParamGroup(g.label, metas, g.slots, g.comms, unit.device,
-                                       g.strategy, g.mp, g.outer_config)
+                                       g.strategy, g.mp, g.outer)
                 self._replace(old, g)
                 self.fresh.append(g)
                 fill = float("nan") if g.orig_dtype.is_floating_point else 0

@@ -17,6 +17,7 @@ from hsdp.runtime.hooks import UnshardHandle, units_below
 from hsdp.runtime.unit import Unit
 from hsdp.sharding.policy import check_reshard_after_forward
 
+# Process-wide: one HSDP subclass per module class, so instances of a class share it.
 _CLASSES: dict[type, type] = {}
 
 
@@ -193,15 +194,9 @@ class HSDPModule:
             raise ValueError(
                 "hsdp: set_all_reduce_hook needs strategy='hsdp': hfsdp reduce-scatters the "
                 "gradients over outer, there is no all-reduce for the hook to follow")
-        if hook is not None and any(g.comms.outer_sync is not None for g in groups):
-            raise ValueError(
-                "hsdp: set_all_reduce_hook is not supported with init_mesh(outer_sync=...): "
-                "DiLoCo has no per-step outer all-reduce for the hook to follow")
-        if hook is not None and any(g.compressed is not None for g in groups):
-            raise ValueError(
-                "hsdp: set_all_reduce_hook is not supported with outer_reduce: the compressed "
-                "outer reduction has no all-reduce output of the reduce dtype for the hook; "
-                "use outer_reduce=None with an all-reduce hook")
+        why = [w for w in (m.hook_refusal(g) for g in groups for m in g.outer) if w]
+        if hook is not None and why:
+            raise ValueError(f"hsdp: set_all_reduce_hook is not supported with {why[0]}")
         for g in groups:
             g.set_all_reduce_hook(hook)
 

@@ -141,7 +141,7 @@ def test_compressed_reduction_equals_eager_with_error_feedback(monkeypatch, stra
     """``CompressedOuter`` over three steps (the residual carried by ``commit``): the
     reduced gradients and the residual with the kernels equal those of the eager ops."""
     from hsdp.sharding.compressed import CompressedOuter
-    from hsdp.sharding.policy import OuterReduce
+    from hsdp.sharding.outer_reduce import OuterReduce
 
     def steps(kernels: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(quant, "uses_kernels",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hsdp
-from hsdp.topology.outer_sync import parse_outer_sync
+from hsdp.runtime.outer_modes import parse_mode
 
 
 def _sync_steps(cfg: hsdp.DiLoCo, fragment: int, steps: int) -> list[int]:
@@ -49,7 +49,7 @@ def test_a_non_finite_outer_lr_is_refused(text: str, how: str) -> None:
     """inf (1e400 is inf too) would make every parameter inf or NaN at the first sync."""
     lr = float(text.partition("=")[2])
     with pytest.raises(ValueError, match="outer_lr must be finite, got inf: the first outer"):
-        hsdp.DiLoCo(outer_lr=lr) if how == "constructor" else parse_outer_sync(text)
+        hsdp.DiLoCo(outer_lr=lr) if how == "constructor" else parse_mode("outer_sync", text)
 
 
 def test_an_int_outer_lr_too_large_for_a_float_is_refused() -> None:
@@ -65,10 +65,12 @@ def test_nesterov_must_be_a_bool() -> None:
 def test_fault_tolerance_needs_each_outer_step_before_the_next_sync() -> None:
     """With fault tolerance a sync is one torchft quorum and commit, one at a time: the
     delay may not exceed the fewest steps between two syncs (H=10, F=4: 2, 3, 2, 3)."""
-    hsdp.DiLoCo(inner_steps=10, fragments=4, delay=2).check_fault_tolerant()
-    hsdp.DiLoCo(inner_steps=10, fragments=1, delay=9).check_fault_tolerant()
+    ft = hsdp.FaultTolerance()
+    hsdp.DiLoCo(inner_steps=10, fragments=4, delay=2).check_mesh(ft)
+    hsdp.DiLoCo(inner_steps=10, fragments=1, delay=9).check_mesh(ft)
+    hsdp.DiLoCo(inner_steps=10, fragments=4, delay=3).check_mesh(None)  # no quorums
     with pytest.raises(hsdp.FaultToleranceError, match="syncs as soon as 2 step"):
-        hsdp.DiLoCo(inner_steps=10, fragments=4, delay=3).check_fault_tolerant()
+        hsdp.DiLoCo(inner_steps=10, fragments=4, delay=3).check_mesh(ft)
 
 
 class _Manager:
@@ -91,7 +93,7 @@ class _Manager:
 def _ft_sync(manager: _Manager) -> tuple[object, object, object]:
     """An OuterSync (H=2, one fragment, outer_lr=1, no momentum) over one group whose
     all-reduce over the replica groups is the identity, and a runtime stub."""
-    from hsdp.runtime.outer_sync import OuterSync
+    from hsdp.runtime.diloco import OuterSync
     from hsdp.sharding.anchor import Anchor
 
     cfg = hsdp.DiLoCo(inner_steps=2, outer_lr=1.0, momentum=0.0)

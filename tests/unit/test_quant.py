@@ -91,10 +91,13 @@ def test_outer_reduce_needs_an_all_to_all_on_the_outer_communicator() -> None:
     anything)."""
     from types import SimpleNamespace
 
-    from hsdp.api import _check_outer_reduce
     from hsdp.ft.outer import FaultToleranceError
 
     cpu = torch.device("cpu")
+
+    def _check_outer_reduce(comms: SimpleNamespace, device: torch.device) -> None:
+        hsdp.OuterReduce().check_shard(hsdp.Strategy.HSDP, comms, device, [], [])
+
     with pytest.raises(FaultToleranceError, match="not supported with fault tolerance"):
         _check_outer_reduce(SimpleNamespace(elastic=object(), outer_size=2), cpu)
 
@@ -115,7 +118,10 @@ def test_outer_reduce_needs_an_all_to_all_on_the_outer_communicator() -> None:
 
 
 def test_outer_reduce_short_form() -> None:
-    from hsdp.sharding.policy import as_outer_reduce
+    from hsdp.runtime.outer_modes import as_mode
+
+    def as_outer_reduce(value: object) -> hsdp.OuterReduce | None:
+        return as_mode("outer_reduce", value)
 
     assert as_outer_reduce("fp8_e4m3:64") == hsdp.OuterReduce("fp8_e4m3", 64)
     assert as_outer_reduce("int8") == hsdp.OuterReduce()

@@ -78,6 +78,7 @@ class SaveHandle:
             raise self._claim.failed(failure) from self._error
 
 
+# Process-wide: asynchronous saves outlive their call; finish_saves waits for all before exit.
 _PENDING: list[SaveHandle] = []
 
 

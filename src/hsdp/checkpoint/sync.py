@@ -19,7 +19,8 @@ import torch.distributed as dist
 from hsdp.topology.communicators import default_timeout
 
 T = TypeVar("T")
-_IDS = itertools.count()  # saves and loads are collectives: the same sequence on every rank
+# Process-wide: saves and loads are collectives, numbered alike on every rank.
+_IDS = itertools.count()
 
 
 class CheckpointError(RuntimeError):

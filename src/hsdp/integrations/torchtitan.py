@@ -58,8 +58,8 @@ import hsdp
 from hsdp.checkpoint import extra_state
 from hsdp.checkpoint.state_dicts import load_state_dict_hook
 from hsdp.integrations.torchtitan_pipeline import check_pipeline, pipeline_llama
-from hsdp.sharding.policy import Strategy, parse_outer_reduce
-from hsdp.topology.outer_sync import parse_outer_sync
+from hsdp.runtime.outer_modes import parse_mode
+from hsdp.sharding.policy import Strategy
 
 
 def options_from_env() -> tuple[Strategy, bool, hsdp.OuterReduce | None, hsdp.DiLoCo | None]:
@@ -72,15 +72,14 @@ def options_from_env() -> tuple[Strategy, bool, hsdp.OuterReduce | None, hsdp.Di
     overlap = os.environ.get("HSDP_OVERLAP_OUTER", "1")
     if overlap not in ("0", "1"):
         raise ValueError(f"hsdp: HSDP_OVERLAP_OUTER must be 0 or 1, got {overlap!r}")
-    try:
-        outer_reduce = parse_outer_reduce(os.environ.get("HSDP_OUTER_REDUCE", "none"))
-    except ValueError as e:
-        raise ValueError(f"hsdp: HSDP_OUTER_REDUCE: {e}") from None
-    try:
-        outer_sync = parse_outer_sync(os.environ.get("HSDP_OUTER_SYNC", "none"))
-    except ValueError as e:
-        raise ValueError(f"hsdp: HSDP_OUTER_SYNC: {e}") from None
-    return strategy, overlap == "1", outer_reduce, outer_sync
+    modes = {}
+    for argument in ("outer_reduce", "outer_sync"):
+        name = f"HSDP_{argument.upper()}"
+        try:
+            modes[argument] = parse_mode(argument, os.environ.get(name, "none"))
+        except ValueError as e:
+            raise ValueError(f"hsdp: {name}: {e}") from None
+    return strategy, overlap == "1", modes["outer_reduce"], modes["outer_sync"]
 
 
 def _check_supported(model: nn.Module, parallel_dims: ParallelDims, training: TrainingConfig,
@@ -162,7 +161,7 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
     strategy = Strategy.parse(strategy or env_strategy)
     outer_reduce = outer_reduce or env_outer_reduce
     if isinstance(outer_sync, str):
-        outer_sync = parse_outer_sync(outer_sync)
+        outer_sync = parse_mode("outer_sync", outer_sync)
     outer_sync = outer_sync or env_outer_sync
     if outer_sync is not None and mesh is not None:
         raise NotImplementedError(
@@ -279,6 +278,7 @@ def _init_own_states(m: nn.Module, buffer_device: torch.device | None) -> None:
                                   persistent=name not in m._non_persistent_buffers_set)
 
 
+# Process-wide: one made subclass per model class, so instances of a class share it.
 _META_CLASSES: dict[type, type] = {}
 
 

@@ -4,7 +4,7 @@ units and groups, the communicators, streams and op table, the step's state and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hsdp.runtime.state import StepState
@@ -15,9 +15,9 @@ from hsdp.streams.contract import Event, SideStream
 from hsdp.streams.op_table import Op, OpKind
 from hsdp.streams.stream_set import Streams
 from hsdp.topology.communicators import CommGroups
+from hsdp.topology.outer_mode import OuterSchedule
 
 if TYPE_CHECKING:
-    from hsdp.runtime.outer_sync import OuterSync
     from hsdp.runtime.unit import Unit
 
 
@@ -35,7 +35,7 @@ class RuntimeContext:
     step: StepState
     log: StepLog
     broken: str | None = None  # why hsdp's communicators cannot be used any more
-    outer_sync: OuterSync | None = None  # DiLoCo's schedule (None: outer reduction per step)
+    outer: OuterSchedule = field(default_factory=OuterSchedule)  # the outer modes' schedule
     graphed: bool = False  # a region of this model was captured in a CUDA graph (graphs.py)
 
     def __post_init__(self) -> None:

@@ -65,17 +65,11 @@ class Graphs:
         if ctx.step.phase is Phase.FAILED:
             out.append(("abandoning a failed step (it drains the streams on the host)",
                         "run the next forward or optimizer step eagerly after a failure"))
-        if ctx.outer_sync is not None:
-            out.append(("DiLoCo's outer synchronization (init_mesh(outer_sync=...))",
-                        "run DiLoCo eagerly"))
         if ctx.comms.elastic is not None:
             out.append(("fault tolerance (torchft's quorum waits on the host)",
                         "run fault-tolerant training eagerly"))
-        if any(g.compressed is not None for g in groups):
-            out.append(("the compressed outer reduction (outer_reduce; its error-feedback "
-                        "residual is swapped on the host each step)", "run it eagerly"))
-        if any(g.compressed_gather is not None for g in groups):
-            out.append(("the compressed outer all-gather (outer_gather)", "run it eagerly"))
+        out += dict.fromkeys(filter(None, (m.capture_refusal(g) for g in groups
+                                           for m in g.outer)))  # each once, in order
         if any(g.float8 is not None for g in groups):
             out.append(("the float8 all-gather (its scales are refreshed through host "
                         "collectives)", "run float8 all-gather models eagerly"))

@@ -23,6 +23,7 @@ from hsdp.streams.capture import capture_refusal
 FIRST_STEP = ("an optimizer step that creates or changes its state (it is checked and "
               "packed on the host)", "run the optimizer's first step eagerly, then capture")
 
+# Process-wide: torch's optimizer-step hook is global; it finds the models here (weak).
 STEPPERS: weakref.WeakSet[OptimizerSteps] = weakref.WeakSet()  # each model's (runtime.py)
 
 
@@ -86,15 +87,13 @@ class OptimizerSteps:
                 "microbatch with is_last=True (or outside any hsdp.microbatch context) and "
                 "gradient sync on before optimizer.step().")
         self.ctx.streams.compute.begin(f"OPTIMIZER:{self.ctx.root.label}")
-        if self.ctx.outer_sync is not None:
-            self.ctx.outer_sync.before_step()
+        self.ctx.outer.before_step()
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.ctx.streams.compute.end(f"OPTIMIZER:{self.ctx.root.label}")
         for g in self.ctx.trainable:  # the gradients were applied (a skipped step: not)
             g.grads.applied()
-        if self.ctx.outer_sync is not None:
-            self.ctx.outer_sync.after_step(self.ctx)
+        self.ctx.outer.after_step(self.ctx)
         key = (id(optimizer.state), len(optimizer.state))
         if self._adopted_state.get(optimizer) != key:  # new state (first steps, loads)
             if self._capturing:
@@ -161,6 +160,7 @@ class OptimizerSteps:
                 g.gather.mark_written()
 
 
+# Process-wide: torch's global optimizer hook (``_detect``) sees every optimizer (weak).
 # optimizer -> its number of parameters when ``_detect`` last looked at it
 _SEEN: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 _ATTACHED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -229,8 +229,7 @@ def steppers_of(optimizer: torch.optim.Optimizer) -> list[OptimizerSteps]:
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for steps in steppers_of(optimizer):
-        if steps.ctx.outer_sync is not None:
-            steps.ctx.outer_sync.check_optimizer(optimizer)
+        steps.ctx.outer.check_optimizer(optimizer)
         steps.before_step()
         steps.check_optimizer_state(optimizer)
 

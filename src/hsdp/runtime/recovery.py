@@ -125,9 +125,9 @@ class Recovery:
         if kind is OpKind.GATHER:
             return g.gather.unshard(stream, coll, after)
         if kind in OUTER_REDUCTIONS:
-            return g.outer_reduce(stream, coll, after)
-        if kind is OpKind.OUTER_SYNC:
-            return self.ctx.outer_sync.replay(g, stream, coll, after, keep_alive)
+            return g.reduce_outer(stream, coll, after)
+        if kind in self.ctx.outer.ops:
+            return self.ctx.outer.replay(kind, g, stream, coll, after, keep_alive)
         if kind in OUTER_GATHERS:
             return g.gather.outer_all_gather(stream, coll, after)
         rs_in = torch.zeros(g.layout.total, dtype=g.reduce_dtype, device=g.main.device)

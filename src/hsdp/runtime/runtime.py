@@ -14,7 +14,7 @@ from hsdp.runtime.gather import Gathering
 from hsdp.runtime.graphs import Graphs
 from hsdp.runtime.hooks import units_below
 from hsdp.runtime.optim import STEPPERS, OptimizerSteps
-from hsdp.runtime.outer_sync import outer_sync_of
+from hsdp.runtime.outer_modes import model_schedule
 from hsdp.runtime.recovery import Recovery
 from hsdp.runtime.schedule import Schedule
 from hsdp.runtime.state import StepState
@@ -56,12 +56,12 @@ class Runtime:
                 raise ValueError("hsdp: overlap_outer must be the same for every unit of a model")
         comms = comm_groups(root.mesh)
         _agree_on_model(root, units, comms)
-        self.outer_sync = outer_sync_of(units)  # DiLoCo (None: outer reduction every step)
+        self.outer = model_schedule(units)  # the outer modes' optimizer-step hooks
         self.ctx = ctx = RuntimeContext(
             root=root, units=units, groups=[g for u in units for g in u.groups], comms=comms,
             coll=root.collectives, streams=root.streams or Streams.for_device(root.device),
             ops=op_table(root.overlap_outer), step=StepState(), log=StepLog(),
-            outer_sync=self.outer_sync)
+            outer=self.outer)
         self.gathering = Gathering(ctx)
         self.recovery = Recovery(ctx, self.gathering)
         self.graphs = Graphs(ctx)

@@ -254,7 +254,7 @@ class Schedule:
         step.pending_rs.append((g, rs_in, ev_rs))
         if outer_next:
             # outer waits: it reduces the inner shard that RS_i has just accumulated.
-            step.outer_events.append(ctx.logged(g.grads.outer_reduction, g, g.outer_reduce(
+            step.outer_events.append(ctx.logged(g.grads.outer_reduction, g, g.reduce_outer(
                 ctx.stream_of(g.grads.outer_reduction), ctx.coll, [ev_rs])))
 
     def _agree_or_keep(self, capturing: bool) -> list[bool]:

@@ -1,22 +1,31 @@
 """One group's DiLoCo state (``hsdp.DiLoCo``): the fp32 anchor (the parameters as of the
 fragment's last outer step, the same on every outer replica), the outer optimizer's
 momentum and the optimizer steps counted, with the math of one outer step. WHEN it runs,
-on which stream: ``runtime/outer_sync.py``."""
+on which stream: ``runtime/diloco.py``."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.compressed import CompressedOuter
 from hsdp.streams.contract import Event
-from hsdp.topology.outer_sync import DiLoCo
+
+
+class OuterOptimizer(Protocol):
+    """The outer optimizer's settings (``hsdp.DiLoCo``'s)."""
+
+    outer_lr: float
+    momentum: float
+    nesterov: bool
 
 
 class Anchor:
     """The outer state of one group's shard ``main`` (hsdp: replicated over outer)."""
 
-    def __init__(self, config: DiLoCo) -> None:
+    def __init__(self, config: OuterOptimizer) -> None:
         self.config = config
         self.anchor: torch.Tensor | None = None  # None: taken from main at the next step
         self.momentum: torch.Tensor | None = None
@@ -41,8 +50,8 @@ class Anchor:
                compressed: CompressedOuter | None = None) -> None:
         """Average the pseudo-gradient over ``group`` (the outer communicator, or torchft's
         replica groups with fault tolerance; a SUM and a division where the backend has no
-        AVG); with ``compressed`` (``outer_reduce``) in
-        8 bits, its error-feedback residual committed at once (nothing abandons it)."""
+        AVG); with ``compressed`` (the compressed outer reduction) in 8 bits, its
+        error-feedback residual committed at once (nothing abandons it)."""
         if compressed is None:
             coll.all_reduce(self.pseudo_grad, group, "outer", avg=True)
             return

@@ -33,12 +33,16 @@ always finite, and no value of it alone makes a later step's norm inf.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
 from hsdp.sharding.comm import Collectives
-from hsdp.sharding.policy import OuterReduce
 from hsdp.sharding.quant import Rows, decode_into, encode, reduce_requantize, reduce_rows
+
+if TYPE_CHECKING:
+    from hsdp.sharding.outer_reduce import OuterReduce
 
 # The largest residual value kept: its square is finite in fp32. Past it every norm over
 # it is inf, so a step with it is skipped or clipped to nothing, and carrying it would

@@ -1,5 +1,6 @@
-"""HFSDP's compressed outer parameter all-gather (``outer_gather``; the op table's
-``OUTER_QAG``: the outer stream and communicator, where the exact ``OUTER_AG`` runs).
+"""HFSDP's compressed outer parameter all-gather (the codec of ``outer_gather.py``; the
+op table's ``OUTER_QAG``: the outer stream and communicator, where the exact ``OUTER_AG``
+runs).
 
 The inner shard (``S`` elements) is ``n`` outer chunks of ``C = S / n`` (``layout.py``);
 outer rank ``o`` holds the exact chunk ``o`` in the original dtype (``main``: what the
@@ -23,12 +24,16 @@ dequantization (``4 S`` bytes), per group while its gather runs.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
 from hsdp.sharding.comm import Collectives
-from hsdp.sharding.policy import OuterGather
 from hsdp.sharding.quant import Rows, dequantize, quantize
+
+if TYPE_CHECKING:
+    from hsdp.sharding.outer_gather import OuterGather
 
 
 class CompressedGather:

@@ -32,12 +32,15 @@ def _allocate(t: torch.Tensor) -> None:
 class GradientState:
     """The gradients of one trainable group (made when the group first has a trainable
     parameter). ``all_in`` is called once every trainable parameter got its gradient in
-    a backward; ``compressed``: the compressed outer reduction (None: the exact one)."""
+    a backward; ``compressed``: the compressed outer reduction (None: the exact one);
+    ``every_step``: False where the outer modes reduce nothing in the backward (DiLoCo)."""
 
     def __init__(self, buffers: GroupBuffers, compressed: CompressedOuter | None,
-                 trainable_count: int, all_in: Callable[[], None]) -> None:
+                 trainable_count: int, all_in: Callable[[], None],
+                 every_step: bool = True) -> None:
         self.b = b = buffers
         self.compressed = compressed
+        self.every_step = every_step
         self.trainable_count = trainable_count
         self._all_in = all_in
         # FSDP2's set_all_reduce_hook: called with the outer all-reduce's result (hsdp)
@@ -64,9 +67,9 @@ class GradientState:
         self.received: set[int] = set()
         self.used = [False] * len(b.unsharded)  # got a gradient on this rank in this step
         self.local_grads: torch.Tensor | None = None  # unsynced microbatches' gradients
-        self._to_outer: torch.Tensor | None = None  # reduce_scatter's result for outer_reduce
+        self._to_outer: torch.Tensor | None = None  # reduce_scatter's result for reduce_outer
         self.carry: torch.Tensor | None = None  # [C]: uncleared .grads (see hide_grads)
-        self.carry_in_buf = False  # ... left in grad_buf instead, added by outer_reduce
+        self.carry_in_buf = False  # ... left in grad_buf instead, added by reduce_outer
         self.carried: list[bool] = []  # which parameters had a .grad then
         self.reduced = False
         _hook_unsharded(self)
@@ -126,7 +129,7 @@ class GradientState:
                        first: bool, after: Sequence[Event], divide: float | None,
                        outer_next: bool = False) -> Event:
         """Inner reduce-scatter of ``rs_in`` into ``accum`` (overwrite on the first
-        microbatch of a step, accumulate after). ``outer_next``: ``outer_reduce`` follows
+        microbatch of a step, accumulate after). ``outer_next``: ``reduce_outer`` follows
         in this step; hsdp's all-reduce then takes the reduce-dtype result as it is and
         casts it into ``accum`` once (as FSDP2 does), instead of a cast into ``accum``
         here and two around the all-reduce (same values: the result is exact in both).
@@ -152,8 +155,8 @@ class GradientState:
 
     @property
     def outer_reduction(self) -> OpKind:
-        """hfsdp's outer reduce-scatter, else hsdp's outer all-reduce (compressed ones with
-        ``outer_reduce``)."""
+        """hfsdp's outer reduce-scatter, else hsdp's outer all-reduce (their compressed
+        forms with a codec)."""
         if self.compressed is not None:
             return (OpKind.OUTER_Q_REDUCE_SCATTER if self.b.shard_outer
                     else OpKind.OUTER_Q_ALL_REDUCE)
@@ -165,18 +168,18 @@ class GradientState:
         outer reduction would only cast it to the reduce dtype and back). Always True
         with fault tolerance (replica groups may join at any step) and with an all-reduce
         hook (FSDP2 calls it after the reduce-scatter when there is no all-reduce). False
-        with DiLoCo (``init_mesh(outer_sync=...)``): each outer replica trains alone
-        between syncs."""
+        where the outer modes reduce nothing per step (``every_step``; DiLoCo: each outer
+        replica trains alone between syncs)."""
         c = self.b.comms
-        if c.outer_sync is not None:
+        if not self.every_step:
             return False
         return (self.b.shard_outer or c.outer_size > 1 or c.elastic is not None
                 or self.all_reduce_hook is not None)
 
-    def outer_reduce(self, stream: SideStream, coll: Collectives, after: Sequence[Event],
+    def reduce_outer(self, stream: SideStream, coll: Collectives, after: Sequence[Event],
                      divide: float | None) -> Event:
         """Outer all-reduce of ``accum`` (hsdp) or outer reduce-scatter into ``grad_buf``;
-        compressed ones (``compressed.py``) with ``outer_reduce``."""
+        compressed ones with a codec (``compressed.py``)."""
         def run() -> None:
             _allocate(self.accum)  # a replayed reduction may find it freed
             src, self._to_outer = self._to_outer, None  # the inner result, if left for us

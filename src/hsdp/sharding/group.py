@@ -22,13 +22,12 @@ Gradient buffers (``grads``, made with the first trainable parameter):
 - ``accum``      [S] original dtype: the inner reduce-scatter accumulates microbatches here;
                  hsdp's outer all-reduce runs on it in place, so it is also hsdp's grad.
 - ``grad_buf``   [C]: hfsdp's outer reduce-scatter output (hsdp: ``accum``).
-With ``outer_reduce`` the outer reduction is compressed (``compressed.py``), which keeps
-an fp32 error-feedback residual of about S elements per group. With ``outer_gather``
-(hfsdp) the outer all-gather moves quantized chunks (``compressed_gather.py``): the inner
+The group's outer modes (``outer``; ``topology/outer_mode.py``) attach their state to it:
+the compressed outer reduction's codec (``compressed``: an fp32 error-feedback residual of
+about S elements), hfsdp's compressed outer all-gather (``compressed_gather``: the inner
 shard then holds dequantized weights and is never ``main``'s storage, even where the
-dtypes match. With DiLoCo
-(``init_mesh(outer_sync=...)``) there is no outer reduction per step; ``anchor.py`` keeps
-an fp32 anchor (and momentum) of C elements.
+dtypes match), DiLoCo's anchor (``anchor``: fp32 anchor and momentum of C elements; no
+outer reduction per step).
 ``accum`` and ``grad_buf`` exist from the step's first reduce-scatter until the user has
 cleared the gradients (``zero_grad``) and the next step starts: allocated by the stream
 that first writes them, freed by ``release_grads``.
@@ -55,11 +54,12 @@ from hsdp.sharding.group_comm import GroupGather
 from hsdp.sharding.group_state_dict import GroupState
 from hsdp.sharding.layout import FlatLayout
 from hsdp.sharding.pieces import as_dtensor, placeholders_if_empty, spec
-from hsdp.sharding.policy import MixedPrecision, OuterGather, OuterReduce, Strategy
+from hsdp.sharding.policy import MixedPrecision, Strategy
 from hsdp.sharding.tp_blocks import local_of, placement_of, unsharded_spec
 from hsdp.sharding.write_guard import direct
 from hsdp.streams.contract import Event, SideStream
 from hsdp.topology.communicators import CommGroups
+from hsdp.topology.outer_mode import OuterMode
 
 Slot = tuple[nn.Module, str]
 
@@ -86,8 +86,7 @@ class ParamGroup:
 
     def __init__(self, label: str, params: list[nn.Parameter], slots: list[list[Slot]],
                  comms: CommGroups, device: torch.device, strategy: Strategy,
-                 mp: MixedPrecision, outer_reduce: OuterReduce | None = None,
-                 outer_gather: OuterGather | None = None) -> None:
+                 mp: MixedPrecision, outer: Sequence[OuterMode] = ()) -> None:
         self.label = label
         self.slots = slots
         self.comms = comms
@@ -114,7 +113,13 @@ class ParamGroup:
         self.main = self._filled(sources, owned_lo, C, self.orig_dtype, device)
         self.inner_shard: torch.Tensor | None = None
         self.chunk_offset = 0
-        self.compressed_gather = _compressed_gather(outer_gather, self.shard_outer, S, comms)
+        # The outer modes' state (None: the exact reduction / gather, no DiLoCo).
+        self.outer = tuple(outer)
+        self.compressed: CompressedOuter | None = None
+        self.compressed_gather: CompressedGather | None = None
+        self.anchor: Anchor | None = None
+        for mode in self.outer:
+            mode.attach(self)
         if not self.shard_outer:
             self.ag_src = self.main
         else:
@@ -125,13 +130,6 @@ class ParamGroup:
                 self.main = _alias(self.inner_shard, self.chunk_offset, C)
             self.ag_src = self.inner_shard
 
-        self.outer_config = outer_reduce
-        # The compressed outer reduction and its residual (None: the exact one).
-        self.compressed = (CompressedOuter(outer_reduce, S, comms.outer_size, o, device)
-                           if outer_reduce is not None and comms.outer_size > 1 else None)
-        # DiLoCo (init_mesh(outer_sync=...)): the anchor and outer momentum of main.
-        self.anchor = (Anchor(comms.outer_sync)
-                       if comms.outer_sync is not None and self.requires_grad else None)
         self._make_sharded(owned_lo, owned_hi)
         self._make_unsharded(params, device, gather_dtype)
         self._make_parts()
@@ -236,7 +234,8 @@ class ParamGroup:
         me = weakref.ref(self)  # see _make_sharded
         self.grads = GradientState(self.buffers, self.compressed,
                                    sum(self.param_requires_grad),
-                                   lambda: me()._all_grads_in())
+                                   lambda: me()._all_grads_in(),
+                                   all(m.reduces_every_step for m in self.outer))
         self.grads.all_reduce_hook = self.all_reduce_hook
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None) -> None:
@@ -298,10 +297,10 @@ class ParamGroup:
         return self.grads.reduce_scatter(stream, coll, rs_in, first, after, self.divisor,
                                          outer_next)
 
-    def outer_reduce(self, stream: SideStream, coll: Collectives,
+    def reduce_outer(self, stream: SideStream, coll: Collectives,
                      after: Sequence[Event]) -> Event:
         """The gradient state's outer reduction, divided by this group's divisor."""
-        return self.grads.outer_reduce(stream, coll, after, self.divisor)
+        return self.grads.reduce_outer(stream, coll, after, self.divisor)
 
     def load_flat(self, flat: torch.Tensor) -> None:
         """Take this rank's shards (and float8 scales) from ``flat``, the whole group in the
@@ -338,12 +337,3 @@ class ParamGroup:
         for slots, p in zip(self.slots, self.sharded):
             for module, name in slots:
                 module._parameters[name] = p
-
-
-def _compressed_gather(outer_gather: OuterGather | None, shard_outer: bool, numel: int,
-                       comms: CommGroups) -> CompressedGather | None:
-    """hfsdp's compressed outer all-gather of a ``numel``-element inner shard (None: the
-    exact one, also with one outer rank)."""
-    if outer_gather is None or not shard_outer or comms.outer_size == 1:
-        return None
-    return CompressedGather(outer_gather, numel, comms.outer_size)

@@ -23,7 +23,7 @@ class GroupGather:
     def __init__(self, buffers: GroupBuffers,
                  compressed: CompressedGather | None = None) -> None:
         self.b = buffers
-        self.compressed = compressed  # hfsdp's compressed outer all-gather (outer_gather)
+        self.compressed = compressed  # hfsdp's compressed outer all-gather (None: exact)
         self.gathered_event: Event | None = None  # None: not gathered
         self.params_ready: Event | None = None  # hfsdp: last outer all-gather
         self.synced_version: int | None = None
@@ -31,7 +31,7 @@ class GroupGather:
 
     @property
     def outer_kind(self) -> OpKind:
-        """hfsdp's outer all-gather, compressed with ``outer_gather``."""
+        """hfsdp's outer all-gather, compressed with a codec."""
         return OpKind.OUTER_ALL_GATHER if self.compressed is None else OpKind.OUTER_Q_ALL_GATHER
 
     def mark_written(self) -> None:
@@ -72,7 +72,7 @@ class GroupGather:
     def outer_all_gather(self, stream: SideStream, coll: Collectives,
                          after: Sequence[Event]) -> Event:
         """hfsdp: rebuild the inner shard from every outer rank's updated ``main`` chunk
-        (float8 weights: their float8 bytes, cast with their scales; ``outer_gather``:
+        (float8 weights: their float8 bytes, cast with their scales; a codec:
         quantized, ``compressed_gather.py``)."""
         b = self.b
         b.check_float8_scales()

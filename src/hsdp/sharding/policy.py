@@ -1,4 +1,5 @@
-"""User-facing policies (pure)."""
+"""User-facing policies (pure): strategy, mixed precision, the one-byte formats of the
+compressed outer modes (``outer_reduce.py``, ``outer_gather.py``)."""
 
 from __future__ import annotations
 
@@ -63,10 +64,10 @@ class MixedPrecision:
         return param, self.reduce_dtype or param
 
 
-OUTER_DTYPES = ("int8", "fp8_e4m3")
+OUTER_DTYPES = ("int8", "fp8_e4m3")  # the one-byte formats of the compressed outer modes
 
 
-def _check_format(owner: str, dtype: object, block: object) -> None:
+def check_format(owner: str, dtype: object, block: object) -> None:
     """``hsdp.<owner>``'s one-byte format and block size, or a ValueError."""
     if dtype not in OUTER_DTYPES:
         raise ValueError(f"hsdp.{owner}: unknown dtype {dtype!r}; expected one "
@@ -77,88 +78,12 @@ def _check_format(owner: str, dtype: object, block: object) -> None:
                          f"chunks into whole blocks; use a power of two from 16 to 65536")
 
 
-@dataclass(frozen=True)
-class OuterReduce:
-    """Compressed outer gradient reduction (``fully_shard(..., outer_reduce=...)``).
-
-    ``dtype``: what crosses the outer link, "int8" or "fp8_e4m3" (one byte per element).
-    ``block``: elements per quantization block, each with an fp32 scale (4 bytes per
-    block: 1.6 % at the default 256); a power of two from 16 to 65536, so that blocks
-    tile each outer chunk (padded to whole blocks).
-    ``error_feedback``: each rank adds what quantization dropped last step to its next
-    gradient before quantizing (training state: checkpoints carry it).
-    The reduced gradient's sum is taken in fp32 (docs/guide/slow_outer_links.md)."""
-
-    dtype: str = "int8"
-    block: int = 256
-    error_feedback: bool = True
-
-    def __post_init__(self) -> None:
-        _check_format("OuterReduce", self.dtype, self.block)
-        if not isinstance(self.error_feedback, bool):
-            raise TypeError(f"hsdp.OuterReduce: error_feedback must be a bool, got "
-                            f"{self.error_feedback!r}")
-
-
-def _parse_short(text: str, what: str, make: type) -> object | None:
-    """``make(dtype[, block])`` from "DTYPE[:BLOCK]"; None for "none"."""
-    if text == "none":
-        return None
+def parse_format(text: str, what: str, make: Callable[..., object]) -> object:
+    """``make(dtype[, block])`` from a compressed mode's short form "DTYPE[:BLOCK]"."""
     dtype, _, block = text.partition(":")
     if block and not block.isdigit():
         raise ValueError(f"bad {what} {text!r}: expected none or DTYPE[:BLOCK]")
     return make(dtype, int(block)) if block else make(dtype)
-
-
-def parse_outer_reduce(text: str) -> OuterReduce | None:
-    """A command line's outer reduction: "none", "int8", "fp8_e4m3:128" (DTYPE[:BLOCK])."""
-    return _parse_short(text, "outer reduction", OuterReduce)
-
-
-def as_outer_reduce(value: object) -> OuterReduce | None:
-    """``fully_shard``'s ``outer_reduce``: an ``OuterReduce``, None (exact reduction), or
-    its short form "DTYPE[:BLOCK]" ("int8", "fp8_e4m3:128"; "none": None)."""
-    return _as_format(value, "outer_reduce", OuterReduce, parse_outer_reduce)
-
-
-@dataclass(frozen=True)
-class OuterGather:
-    """Compressed outer parameter all-gather of ``strategy="hfsdp"``
-    (``fully_shard(..., outer_gather=...)``): after each optimizer step every rank sends
-    its updated chunk of the weights quantized blockwise instead of in the parameter
-    dtype. The fp32 main weights (what the optimizer updates and checkpoints save) stay
-    exact; the gathered replicas are the dequantized chunks, the rank's own one too, so
-    they are identical on every rank (docs/guide/slow_outer_links.md).
-
-    ``dtype``: "int8" or "fp8_e4m3" (one byte per weight); ``block``: weights per
-    quantization block, each with an fp32 scale, a power of two from 16 to 65536."""
-
-    dtype: str = "int8"
-    block: int = 256
-
-    def __post_init__(self) -> None:
-        _check_format("OuterGather", self.dtype, self.block)
-
-
-def parse_outer_gather(text: str) -> OuterGather | None:
-    """A command line's outer parameter all-gather: "none", "int8", "fp8_e4m3:128"."""
-    return _parse_short(text, "outer gather", OuterGather)
-
-
-def as_outer_gather(value: object) -> OuterGather | None:
-    """``fully_shard``'s ``outer_gather``: an ``OuterGather``, None (the exact gather), or
-    its short form "DTYPE[:BLOCK]"."""
-    return _as_format(value, "outer_gather", OuterGather, parse_outer_gather)
-
-
-def _as_format(value: object, arg: str, cls: type, parse: Callable[[str], object]) -> object:
-    """``fully_shard``'s ``arg``: a ``cls``, None, or its short form parsed by ``parse``."""
-    if value is None or isinstance(value, cls):
-        return value
-    if isinstance(value, str):
-        return parse(value)
-    raise TypeError(f"fully_shard: {arg} must be an hsdp.{cls.__name__}, its short form "
-                    f"'DTYPE[:BLOCK]' (DTYPE in {OUTER_DTYPES}) or None, got {value!r}")
 
 
 def as_mixed_precision(mp_policy: object) -> MixedPrecision:

@@ -14,6 +14,7 @@ DATA = torch.Tensor.data  # ``p.data``'s getter is ``DATA.__get__``
 # outer all-gather, issued by ``optimizer.step()``), each with the wait that orders a
 # write after that op. Keys are the groups (``p._hsdp_group`` of their parameters, set
 # by ``group.py``); values reference no group, so a dropped model is collected.
+# Process-wide: writes to a parameter come through torch's dispatch, which knows no model.
 PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

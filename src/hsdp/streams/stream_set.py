@@ -80,4 +80,5 @@ def quiesce_all(seconds: float, clear_failures: bool) -> None:
             s.failed.clear()
 
 
+# Process-wide: one set of side streams per device, shared by every model on it.
 _SHARED: dict[torch.device, Streams] = {}

@@ -27,6 +27,7 @@ from hsdp.streams.stream_set import quiesce_all
 from hsdp.topology import liveness
 from hsdp.topology.communicators import forget_world, longest_timeout, on_first_use
 
+# Process-wide: destroy_process_group is process-wide; these run before it.
 _BEFORE: list[Callable[[], None]] = []
 
 

@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Process-wide: store keys must match the calls every rank made in this process.
 # Store exchanges so far, per purpose: the same on every rank that made the same calls.
 _CALLS: defaultdict[str, itertools.count] = defaultdict(itertools.count)
 

@@ -29,7 +29,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from hsdp.ft.outer import ElasticOuter
 from hsdp.topology import liveness
 from hsdp.topology.mesh_dims import check_mesh, mesh_key
-from hsdp.topology.outer_sync import DiLoCo
 
 COMMUNICATORS = ("inner_ag", "inner_rs", "outer")
 
@@ -74,7 +73,6 @@ class CommGroups:
     tp_size: int = 1
     host_tp: dist.ProcessGroup | None = None
     elastic: ElasticOuter | None = None  # fault tolerance: the replica groups (torchft)
-    outer_sync: DiLoCo | None = None  # DiLoCo: no outer reduction per step
 
     @property
     def grad_outer(self) -> dist.ProcessGroup | ElasticOuter:
@@ -133,6 +131,7 @@ def default_timeout() -> timedelta:
 
 # hsdp's groups of one world: the default group they were made in (held, so that no later
 # group can be mistaken for it), the comm groups per mesh and the host groups per purpose.
+# Process-wide: process groups belong to the world (one per process) and are collective to make.
 _WORLD: list[dist.ProcessGroup] = []
 _GROUPS: dict[tuple, CommGroups] = {}
 _HOST_GROUPS: dict[str, dist.ProcessGroup] = {}

@@ -30,6 +30,7 @@ PROBE_S = 5.0  # how long a probe collects answers (a loaded host is slow to ans
 _WAIT = timedelta(days=365)  # a responder waits until probed or stopped
 _KEY = "hsdp/liveness"
 
+# Process-wide: one liveness responder per process, and what it learned of gone ranks.
 _responder: _Responder | None = None
 _exit_hook = False  # whether ``stop`` runs at the interpreter's exit
 _found: dict[tuple[int, int], str] = {}  # (rank, world) -> the message once a rank was gone

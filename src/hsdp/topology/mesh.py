@@ -39,7 +39,7 @@ from hsdp.topology.mesh_dims import (
     as_hsdp_mesh,
     mesh_key,
 )
-from hsdp.topology.outer_sync import DiLoCo
+from hsdp.topology.outer_mode import OuterMode, carrying, outer_sync_of
 
 
 def init_mesh(outer: int | None = None, inner: int | None = None,
@@ -47,7 +47,7 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
               nccl: dict[str, NcclConfig] | None = None, timeout: timedelta | None = None,
               allow_inner_across_hosts: bool = False,
               fault_tolerance: FaultTolerance | Any | None = None,
-              outer_sync: DiLoCo | None = None) -> DeviceMesh:
+              outer_sync: OuterMode | None = None) -> DeviceMesh:
     """A 2-D DeviceMesh with dims ("outer", "inner") plus hsdp's three communicators; with
     ``tp > 1`` (keyword only) a 3-D one, ("outer", "inner", "tp"), rank ``(o * inner + i) * tp + t``
     (tp fastest, as torchtitan): give ``mesh["tp"]`` to torch's ``parallelize_module``,
@@ -65,7 +65,7 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
     before it fails (default: the default process group's timeout). Initializes the default
     process group from the environment (torchrun), with this timeout, when none exists yet.
     The ranks' arguments are compared first (every rank raises if they differ); the same
-    arguments again return the same mesh.
+    arguments again return the same mesh (another ``outer_sync``: an equal one carrying it).
 
     ``fault_tolerance`` (an ``hsdp.FaultTolerance`` or a torchft ``Manager``; see
     ``ft/outer.py``): the outer axis becomes torchft replica groups. Each replica group is
@@ -73,11 +73,11 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
     number of groups launched; the returned mesh covers this group, (1, inner), and the
     outer gradient all-reduce runs over the live groups. Only ``strategy="hsdp"``.
 
-    ``outer_sync=hsdp.DiLoCo(...)``: the outer axis synchronizes every ``inner_steps``
-    optimizer steps instead of every step (docs/guide/across_datacenters.md); only
-    ``strategy="hsdp"``. With ``fault_tolerance`` each sync is one torchft quorum and
-    commit, driven by hsdp inside ``optimizer.step()`` (the Manager then runs its quorum
-    synchronously).
+    ``outer_sync=hsdp.DiLoCo(...)`` (an ``outer_sync`` mode, ``runtime/diloco.py``): the
+    outer axis synchronizes every ``inner_steps`` optimizer steps instead of every step
+    (docs/guide/across_datacenters.md); only ``strategy="hsdp"``. With ``fault_tolerance``
+    each sync is one torchft quorum and commit, driven by hsdp inside ``optimizer.step()``
+    (the Manager then runs its quorum synchronously); ``fully_shard`` reads it off the mesh.
     """
     nccl = _check_arguments(outer, inner, tp, nccl, timeout)
     _check_outer_sync(outer_sync, fault_tolerance)
@@ -106,38 +106,27 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
 
 def _mesh_of_world(outer: int, inner: int, tp: int, device_type: str,
                    nccl: dict[str, NcclConfig], timeout: timedelta,
-                   outer_sync: DiLoCo | None) -> DeviceMesh:
-    """The mesh over the whole world and its communicators (those cached for the same
-    arguments, with this ``outer_sync``)."""
+                   outer_sync: OuterMode | None) -> DeviceMesh:
+    """The mesh over the whole world (over the communicators cached for the same
+    arguments), carrying ``outer_sync``."""
     shape, names = ((outer, inner, tp), TP_DIM_NAMES) if tp > 1 else ((outer, inner), DIM_NAMES)
     cached = mesh_groups().get((device_type, tuple(range(outer * inner * tp)), shape))
     if cached is not None and (cached.nccl, cached.timeout) == (nccl, timeout):
-        if cached.outer_sync != outer_sync:  # same communicators, another outer schedule
-            mesh_groups()[mesh_key(cached.mesh)] = replace(cached, outer_sync=outer_sync)
-        return cached.mesh
+        return carrying(cached.mesh, outer_sync)
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    mesh_groups()[mesh_key(mesh)] = replace(create_groups(mesh, nccl, timeout),
-                                            outer_sync=outer_sync)
-    return mesh
+    mesh_groups()[mesh_key(mesh)] = create_groups(mesh, nccl, timeout)
+    return carrying(mesh, outer_sync)
 
 
 def _check_outer_sync(outer_sync: object, fault_tolerance: object) -> None:
-    """Raise on a bad ``outer_sync`` or one fault tolerance cannot serve: a delay that
-    would overlap two syncs' quorums, a torchft Manager made with an asynchronous quorum
-    (the sync waits for its quorum, and a recovering group must receive the state first:
-    torchft's own DiLoCo refuses it too)."""
-    if outer_sync is not None and not isinstance(outer_sync, DiLoCo):
-        raise TypeError(f"init_mesh: outer_sync must be an hsdp.DiLoCo or None, got "
-                        f"{outer_sync!r}")
-    if outer_sync is None or fault_tolerance is None:
+    """Raise on a bad ``outer_sync`` or one ``fault_tolerance`` cannot serve (the mode's
+    ``check_mesh``)."""
+    if outer_sync is None:
         return
-    outer_sync.check_fault_tolerant()
-    if getattr(fault_tolerance, "_use_async_quorum", False):  # torchft 0.2.0's attribute
-        raise FaultToleranceError(
-            "init_mesh: outer_sync=DiLoCo(...) with a torchft Manager made with "
-            "use_async_quorum=True: each sync waits for its quorum (a recovering group "
-            "receives the anchors before the outer step); make it with "
-            "use_async_quorum=False, or pass hsdp.FaultTolerance(...)")
+    if not isinstance(outer_sync, OuterMode) or outer_sync.argument != "outer_sync":
+        raise TypeError(f"init_mesh: outer_sync must be an hsdp.DiLoCo (an outer_sync "
+                        f"mode) or None, got {outer_sync!r}")
+    outer_sync.check_mesh(fault_tolerance)
 
 
 def _check_arguments(outer: int | None, inner: int | None, tp: int,
@@ -165,7 +154,7 @@ def _check_arguments(outer: int | None, inner: int | None, tp: int,
 def _init_replica_group(outer: int | None, inner: int | None, device_type: str,
                         nccl: dict[str, NcclConfig], timeout: timedelta | None,
                         fault_tolerance: FaultTolerance | Any,
-                        outer_sync: DiLoCo | None) -> DeviceMesh:
+                        outer_sync: OuterMode | None) -> DeviceMesh:
     """init_mesh with fault tolerance: this replica group's (1, inner) mesh, whose outer
     gradient all-reduce (with ``outer_sync``: each sync's) goes through torchft."""
     world = dist.get_world_size()
@@ -183,17 +172,18 @@ def _init_replica_group(outer: int | None, inner: int | None, device_type: str,
     key = (device_type, tuple(range(inner)), (1, inner))
     cached = mesh_groups().get(key)
     if cached is not None and cached.elastic is not None:
-        if cached.outer_sync != outer_sync:
+        if outer_sync_of(cached.mesh) != outer_sync:
             raise FaultToleranceError(
                 f"init_mesh: this replica group's fault-tolerant mesh was made with "
-                f"outer_sync={cached.outer_sync}; its torchft Manager cannot serve "
+                f"outer_sync={outer_sync_of(cached.mesh)}; its torchft Manager cannot serve "
                 f"outer_sync={outer_sync} too: one outer schedule per job")
         return cached.mesh
-    mesh = init_device_mesh(device_type, (1, inner), mesh_dim_names=DIM_NAMES)
-    manager = make_manager(fault_tolerance, device_type, sync_quorum=outer_sync is not None)
+    mesh = carrying(init_device_mesh(device_type, (1, inner), mesh_dim_names=DIM_NAMES),
+                    outer_sync)
+    manager = make_manager(fault_tolerance, device_type,
+                           sync_quorum=outer_sync is not None and outer_sync.sync_quorum)
     mesh_groups()[mesh_key(mesh)] = replace(create_groups(mesh, nccl, timeout),
-                                            elastic=ElasticOuter(manager),
-                                            outer_sync=outer_sync)
+                                            elastic=ElasticOuter(manager))
     return mesh
 
 
@@ -222,7 +212,7 @@ def _sizes_on_hosts(outer: int | None, inner: int | None, tp: int,
 
 def _agree_on_arguments(outer: int, inner: int, tp: int, device_type: str,
                         nccl: dict[str, NcclConfig], timeout: timedelta | None,
-                        outer_sync: DiLoCo | None = None) -> None:
+                        outer_sync: OuterMode | None = None) -> None:
     """Raise on every rank, within the timeout, if the ranks called init_mesh with
     different arguments: their groups would not match and ``new_group`` would hang."""
     settings = ", ".join(f"{k}={v}" for k, v in sorted(nccl.items()))
@@ -260,6 +250,7 @@ def _init_default_group(timeout: timedelta | None) -> None:
     dist.init_process_group(**({} if timeout is None else {"timeout": timeout}))
 
 
+# Process-wide: a mesh is collective to make: the same call returns the same mesh.
 _EXPERT_MESHES: dict[tuple, DeviceMesh] = {}  # expert_mesh's of this world, by mesh and ep
 on_first_use(_EXPERT_MESHES.clear)  # a new world: their groups went with the old one
 
@@ -278,7 +269,7 @@ def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     mesh = as_hsdp_mesh(mesh)
     names = tuple(mesh.mesh_dim_names or ())
     groups = registered_groups(mesh) if names == DIM_NAMES else None
-    if groups is not None and (groups.elastic is not None or groups.outer_sync is not None):
+    if groups is not None and (groups.elastic is not None or outer_sync_of(mesh) is not None):
         raise ValueError("hsdp.expert_mesh: expert parallelism with fault_tolerance or "
                          "outer_sync=DiLoCo(...) is not supported: the expert units' outer "
                          "reduction would bypass the replica groups / the outer schedule")

@@ -25,6 +25,7 @@ TORCHTITAN_DIM_NAMES = (("dp_replicate", "dp_shard"), ("dp_replicate", "dp_shard
 TORCHTITAN_EP_DIM_NAMES = (("dp_replicate", "efsdp", "ep"), ("efsdp", "ep"))
 
 
+# Process-wide: a mesh is collective to make: the same mesh maps to the same one.
 _RENAMED: dict[tuple, DeviceMesh] = {}  # as_hsdp_mesh's meshes, by the user's mesh
 
 
@@ -35,6 +36,7 @@ def axis_groups(outer: int, inner: int) -> dict[str, list[list[int]]]:
             "inner": [[o * inner + i for i in range(inner)] for o in range(outer)]}
 
 
+# Process-wide: a cache of what each mesh object is (weak; reading its ranks is slow).
 _KEYS: weakref.WeakKeyDictionary[DeviceMesh, tuple] = weakref.WeakKeyDictionary()
 
 

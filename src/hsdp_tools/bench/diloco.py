@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import hsdp
-from hsdp.topology.outer_sync import parse_outer_sync
+from hsdp.runtime.outer_modes import parse_mode
 from hsdp_tools.bench.emulate import fake_mesh
 from hsdp_tools.bench.trainee import Trainee, build, synthetic_batches
 from hsdp_tools.models import LlamaConfig, ModelConfig, lm_loss, preset
@@ -118,7 +118,7 @@ def measure(model: ModelConfig, outer: int, inner: int, row: str, fabric: Fabric
             args: argparse.Namespace) -> dict:
     """One row, emulated: mean step time (ms) over whole periods, outer bytes per step."""
     schedule, outer_sync, links = ROWS[row]
-    sync = parse_outer_sync(outer_sync)
+    sync = parse_mode("outer_sync", outer_sync)
     mesh = hsdp.init_mesh(outer, inner, "cpu", outer_sync=sync)
     mp = hsdp.MixedPrecision(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[
         args.dtype]), torch.float32)

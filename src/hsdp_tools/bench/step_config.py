@@ -13,8 +13,8 @@ import torch
 
 import hsdp
 from hsdp.float8 import INSTALL as FLOAT8_INSTALL
-from hsdp.sharding.policy import parse_outer_gather as as_outer_gather_text
-from hsdp.sharding.policy import parse_outer_reduce as as_outer_reduce_text
+from hsdp.runtime.outer_modes import parse_mode
+from hsdp.topology.outer_mode import OuterMode
 from hsdp_tools.bench.collectives import DTYPES, default_mesh
 from hsdp_tools.bench.graphed import EAGER_STEPS
 from hsdp_tools.bench.launch import (
@@ -121,11 +121,11 @@ def add_arguments(p: argparse.ArgumentParser,
     p.add_argument("--schedules", type=parse_schedules, default=parse_schedules(
         "overlap,serial,fsdp2"), help=f"comma-separated among {', '.join(SCHEDULES)} "
                                       f"(default: overlap,serial,fsdp2)")
-    p.add_argument("--outer-reduce", type=parse_outer_reduce, default=None,
+    p.add_argument("--outer-reduce", type=_mode_arg("outer_reduce"), default=None,
                    metavar="DTYPE[:BLOCK]", help="the compressed outer reduction of the "
                    "schedules overlap-q and hfsdp-q: int8 or fp8_e4m3, block 256 unless "
                    "given (default: int8)")
-    p.add_argument("--outer-gather", type=parse_outer_gather, default=None,
+    p.add_argument("--outer-gather", type=_mode_arg("outer_gather"), default=None,
                    metavar="DTYPE[:BLOCK]", help="the compressed outer parameter all-gather "
                    "of the schedules hfsdp-g and hfsdp-qg: int8 or fp8_e4m3, block 256 unless "
                    "given (default: int8)")
@@ -155,20 +155,15 @@ def add_arguments(p: argparse.ArgumentParser,
                    help="Chrome traces and timeline.png (default: ./out/bench_step)")
 
 
-def parse_outer_reduce(text: str) -> hsdp.OuterReduce | None:
-    """``--outer-reduce``: "int8", "fp8_e4m3:128"."""
-    try:
-        return as_outer_reduce_text(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
-
-
-def parse_outer_gather(text: str) -> hsdp.OuterGather | None:
-    """``--outer-gather``: "int8", "fp8_e4m3:128"."""
-    try:
-        return as_outer_gather_text(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
+def _mode_arg(argument: str) -> Callable[[str], OuterMode | None]:
+    """The argparse type of ``--outer-reduce`` / ``--outer-gather``: "int8",
+    "fp8_e4m3:128" (``parse_mode``)."""
+    def parse(text: str) -> OuterMode | None:
+        try:
+            return parse_mode(argument, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
+    return parse
 
 
 def parse_schedules(text: str) -> tuple[str, ...]:

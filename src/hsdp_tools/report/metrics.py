@@ -19,14 +19,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from hsdp.streams.op_table import OPS, communicator_of
-from hsdp.streams.op_table import OUTER_REDUCTIONS as OUTER_REDUCTION_KINDS
+from hsdp.streams.op_table import OPS, OUTER_REDUCTIONS, communicator_of
 from hsdp.topology.communicators import COMMUNICATORS
 
 Span = tuple[float, float]
 
 KINDS = ("compute", "inner", "outer")
-OUTER_REDUCTIONS = tuple(OPS[k].label for k in OUTER_REDUCTION_KINDS)
+OUTER_REDUCTION_LABELS = tuple(OPS[k].label for k in OUTER_REDUCTIONS)
 OP_KINDS = ("compute", *COMMUNICATORS, "other")
 
 
@@ -158,12 +157,12 @@ def step_metrics(intervals: Iterable[Interval], window: Span | None = None) -> d
 
     # The tail is the gradient path's: hfsdp's outer all-gather after the optimizer step
     # is not part of it.
-    reductions = [iv for iv in ivs if iv.label.startswith(OUTER_REDUCTIONS)]
+    reductions = [iv for iv in ivs if iv.label.startswith(OUTER_REDUCTION_LABELS)]
     last = max(reductions, key=lambda iv: iv.end_us, default=None)
     floor = last.end_us - last.start_us if last else 0.0
     compute_then_tail = total(clip(union([*spans["compute"], *(
         [(last.start_us, last.end_us)] if last else [])]), lo, hi))
-    outer_ends = [e for _, e in busy(lambda iv: iv.label.startswith(OUTER_REDUCTIONS))]
+    outer_ends = [e for _, e in busy(lambda iv: iv.label.startswith(OUTER_REDUCTION_LABELS))]
     tail = 0.0
     if outer_ends:
         last = outer_ends[-1]

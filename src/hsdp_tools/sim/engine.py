@@ -30,10 +30,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils.flop_counter import flop_registry
 
 import hsdp
+from hsdp.runtime.diloco import DiLoCo
+from hsdp.runtime.outer_modes import parse_mode
 from hsdp.sharding.comm import Collectives
-from hsdp.sharding.policy import Strategy, parse_outer_gather, parse_outer_reduce
+from hsdp.sharding.policy import Strategy
 from hsdp.topology.mesh_dims import axis_groups
-from hsdp.topology.outer_sync import DiLoCo, parse_outer_sync
 from hsdp_tools.models import LlamaConfig, ModelConfig, lm_loss
 from hsdp_tools.models_moe import MoEConfig, unit_meshes
 from hsdp_tools.report.args import DTYPES
@@ -72,11 +73,11 @@ class Setup:
 
     def __post_init__(self) -> None:
         Strategy.parse(self.strategy)
-        parse_outer_reduce(self.outer_reduce)  # raises on a bad one
-        if parse_outer_gather(self.outer_gather) is not None and self.strategy != "hfsdp":
+        parse_mode("outer_reduce", self.outer_reduce)  # raises on a bad one
+        if parse_mode("outer_gather", self.outer_gather) is not None and self.strategy != "hfsdp":
             raise ValueError(f"sim: outer_gather={self.outer_gather!r} needs strategy "
                              f"'hfsdp' (hsdp has no outer all-gather of parameters)")
-        period_steps(parse_outer_sync(self.outer_sync))  # raises on a delay it cannot time
+        period_steps(parse_mode("outer_sync", self.outer_sync))  # raises on a delay it cannot time
         if min(self.outer, self.inner, self.microbatches, self.mbs) < 1:
             raise ValueError("sim: outer, inner, microbatches and mbs must be >= 1")
         if self.tp < 1 or (self.tp > 1 and not isinstance(self.model, LlamaConfig)):
@@ -302,8 +303,8 @@ def shard(model: torch.nn.Module, mesh: DeviceMesh, setup: Setup,
     with ``setup``'s strategy; returns stable names for the units' labels (the root: the
     model class; Embed, Block<i>, Head)."""
     kw = dict(strategy=setup.strategy, mp_policy=mp, overlap_outer=setup.overlap_outer,
-              outer_reduce=parse_outer_reduce(setup.outer_reduce),
-              outer_gather=parse_outer_gather(setup.outer_gather))
+              outer_reduce=parse_mode("outer_reduce", setup.outer_reduce),
+              outer_gather=parse_mode("outer_gather", setup.outer_gather))
     for unit, reshard, unit_mesh in unit_meshes(model, mesh):  # an MoE's experts on theirs
         hsdp.fully_shard(unit, mesh=unit_mesh, reshard_after_forward=reshard, **kw)
     hsdp.fully_shard(model, mesh=mesh, **kw)
@@ -334,7 +335,7 @@ def period_steps(sync: DiLoCo | None) -> list[tuple[int | None, int, int]]:
 def _set_period_step(model: torch.nn.Module, step: int | None) -> None:
     """Make the next optimizer step the ``step``-th of its DiLoCo period."""
     if step is not None:
-        for g in model._hsdp_unit.runtime.outer_sync.groups:
+        for g in model._hsdp_unit.runtime.outer.groups:
             g.anchor.steps = step - 1
 
 
@@ -342,7 +343,7 @@ def record(setup: Setup) -> Recording:
     """Run a warm-up step and the measured steps of ``setup`` on virtual streams (one;
     with DiLoCo each of ``period_steps``)."""
     cfg = setup.model
-    outer_sync = parse_outer_sync(setup.outer_sync)
+    outer_sync = parse_mode("outer_sync", setup.outer_sync)
     with fake_world(setup.outer * setup.inner):
         mesh = hsdp.init_mesh(setup.outer, setup.inner, "cpu", outer_sync=outer_sync)
         with torch.device(setup.device):

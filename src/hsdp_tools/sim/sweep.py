@@ -12,7 +12,8 @@ import dataclasses
 import itertools
 from pathlib import Path
 
-from hsdp.sharding.policy import Strategy, parse_outer_gather, parse_outer_reduce
+from hsdp.runtime.outer_modes import parse_mode
+from hsdp.sharding.policy import Strategy
 from hsdp.streams.op_table import OPS, OpKind
 from hsdp.topology.communicators import COMMUNICATORS
 from hsdp_tools.report.args import DTYPES
@@ -48,17 +49,16 @@ def parse_sweep(items: list[str]) -> dict[str, list]:
             raise ValueError(f"bad --sweep item {item!r}: no values")
         bad = [v for v in grid[key] if (key == "reduce" and v not in DTYPES)
                or (key == "strategy" and v not in {s.value for s in Strategy})
-               or (key == "outer_reduce" and not _parses(parse_outer_reduce, v))
-               or (key == "outer_gather" and not _parses(parse_outer_gather, v))
+               or (key in ("outer_reduce", "outer_gather") and not _parses(key, v))
                or (KEYS[key][0] is not str and v <= 0)]
         if bad:
             raise ValueError(f"bad --sweep values for {key}: {bad}")
     return grid
 
 
-def _parses(parse, text: str) -> bool:
+def _parses(argument: str, text: str) -> bool:
     try:
-        parse(text)
+        parse_mode(argument, text)
     except ValueError:
         return False
     return True
@@ -67,7 +67,7 @@ def _parses(parse, text: str) -> bool:
 def _gathers_outer(base: Setup, point: dict) -> bool:
     """False for a point compressing hsdp's outer parameter all-gather, which hsdp does
     not have (the sweep skips it)."""
-    gather = parse_outer_gather(point.get("outer_gather", base.outer_gather))
+    gather = parse_mode("outer_gather", point.get("outer_gather", base.outer_gather))
     return gather is None or point.get("strategy", base.strategy) == "hfsdp"
 
 

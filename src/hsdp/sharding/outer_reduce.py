@@ -1,0 +1,87 @@
+"""The compressed outer gradient reduction, the ``outer_reduce`` mode
+(``fully_shard(..., outer_reduce=hsdp.OuterReduce(...))``; ``topology/outer_mode.py``):
+its settings, its refusals and its state on each group, the codec with its error-feedback
+residual (``compressed.py``). The reductions run where the exact ones run
+(``grad_state.py``); the residual in checkpoints: ``checkpoint/outer_residual.py``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from hsdp.ft.errors import FaultToleranceError
+from hsdp.sharding.compressed import CompressedOuter
+from hsdp.sharding.group import ParamGroup
+from hsdp.sharding.policy import check_format, parse_format
+from hsdp.topology.outer_mode import OuterMode
+
+# Backends known to run all_to_all_single (torch's fake one stands for NCCL in emulation).
+_ALL_TO_ALL = ("nccl", "gloo", "fake", "mpi", "ucc", "xccl")
+
+
+@dataclass(frozen=True)
+class OuterReduce(OuterMode):
+    """Compressed outer gradient reduction (``fully_shard(..., outer_reduce=...)``).
+
+    ``dtype``: what crosses the outer link, "int8" or "fp8_e4m3" (one byte per element).
+    ``block``: elements per quantization block, each with an fp32 scale (4 bytes per
+    block: 1.6 % at the default 256); a power of two from 16 to 65536, so that blocks
+    tile each outer chunk (padded to whole blocks).
+    ``error_feedback``: each rank adds what quantization dropped last step to its next
+    gradient before quantizing (training state: checkpoints carry it).
+    The reduced gradient's sum is taken in fp32 (docs/guide/slow_outer_links.md)."""
+
+    dtype: str = "int8"
+    block: int = 256
+    error_feedback: bool = True
+
+    argument: ClassVar[str] = "outer_reduce"
+    forms: ClassVar[str] = "DTYPE[:BLOCK]"
+
+    def __post_init__(self) -> None:
+        check_format("OuterReduce", self.dtype, self.block)
+        if not isinstance(self.error_feedback, bool):
+            raise TypeError(f"hsdp.OuterReduce: error_feedback must be a bool, got "
+                            f"{self.error_feedback!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> OuterReduce:
+        """"int8", "fp8_e4m3:128" (DTYPE[:BLOCK])."""
+        return parse_format(text, "outer reduction", cls)
+
+    def check_shard(self, strategy: Any, comms: Any, device: Any, params: list,
+                    names: list[str]) -> None:
+        """It needs an all-to-all on the outer communicator, which torchft's managed group
+        (fault tolerance) lacks."""
+        if comms.elastic is not None:
+            raise FaultToleranceError(
+                "fully_shard: outer_reduce (compressed outer reduction) is not supported "
+                "with fault tolerance: torchft's replica-group communicator has no "
+                "all-to-all, and its quorum may change the ranks a residual belongs to. Use "
+                "outer_reduce=None")
+        if comms.outer_size == 1:
+            return
+        name = comms.outer._get_backend(device).name().lower()
+        if name not in _ALL_TO_ALL:
+            raise ValueError(f"fully_shard: outer_reduce needs all_to_all on the outer "
+                             f"communicator; its backend {name!r} is not one known to have "
+                             f"it ({', '.join(_ALL_TO_ALL)})")
+
+    def attach(self, group: ParamGroup) -> None:
+        """The group's codec and residual over more than one outer rank (one: exact)."""
+        c = group.comms
+        if c.outer_size > 1:
+            group.compressed = CompressedOuter(self, group.layout.shard_numel, c.outer_size,
+                                               c.outer_rank, group.main.device)
+
+    def capture_refusal(self, group: ParamGroup) -> tuple[str, str] | None:
+        if group.compressed is None:
+            return None
+        return ("the compressed outer reduction (outer_reduce; its error-feedback "
+                "residual is swapped on the host each step)", "run it eagerly")
+
+    def hook_refusal(self, group: ParamGroup) -> str | None:
+        if group.compressed is None:
+            return None
+        return ("outer_reduce: the compressed outer reduction has no all-reduce output of "
+                "the reduce dtype for the hook; use outer_reduce=None with an all-reduce hook")

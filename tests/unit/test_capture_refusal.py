@@ -119,14 +119,19 @@ def test_refusals_name_what_cannot_be_captured(world_1, monkeypatch):
             fresh.step)
     g = rt.ctx.groups[0]
     for target, name, value, match in [
-            (rt.ctx, "outer_sync", object(), "DiLoCo"),
+            (g, "outer", (hsdp.DiLoCo(inner_steps=2),), "DiLoCo"),
             (rt.ctx, "comms", dataclasses.replace(rt.ctx.comms, elastic=object()),
              "fault tolerance"),
-            (g, "compressed", object(), "compressed outer reduction"),
+            (g, "outer", (hsdp.OuterReduce("int8"),), None),  # no codec: nothing to refuse
+            (g, "compressed", object(), None),  # a codec, but not this mode's group
             (g, "float8", object(), "float8 all-gather")]:
         with monkeypatch.context() as m:
             m.setattr(target, name, value)
-            assert any(match in what for what, _ in rt.graphs.refusals("optimizer step"))
+            if name == "compressed":
+                m.setattr(g, "outer", (hsdp.OuterReduce("int8"),))
+                match = "compressed outer reduction"
+            whats = [what for what, _ in rt.graphs.refusals("optimizer step")]
+            assert any(match in what for what in whats) if match else not whats, whats
     opt.zero_grad(set_to_none=False)
     _step(net, opt, torch.randn(6, 8))  # the model still trains, eagerly
     hsdp.synchronize(net)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch.distributed as dist
+from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
@@ -83,11 +84,15 @@ class HsdpTrainer(Trainer):
     class Config(Trainer.Config):
         hsdp: HsdpConfig = field(default_factory=HsdpConfig)
 
+        def hsdp_model_spec(self) -> ModelSpec | None:
+            """The model spec, its ``parallelize_fn`` given the ``hsdp`` settings (also
+            under pipeline parallelism: ``pipelining_fn`` calls that one per stage)."""
+            spec = self.model_spec
+            return spec and dataclasses.replace(spec, parallelize_fn=functools.partial(
+                spec.parallelize_fn, **self.hsdp.parsed()))
+
     def __init__(self, config: Config) -> None:
-        spec = config.model_spec
-        if spec is not None:
-            config.model_spec = dataclasses.replace(spec, parallelize_fn=functools.partial(
-                spec.parallelize_fn, **config.hsdp.parsed()))
+        config.model_spec = config.hsdp_model_spec()
         super().__init__(config)
         log_active(config.hsdp, self.model_parts, self.parallel_dims.ep,
                    self.parallel_dims.pp)

@@ -35,7 +35,8 @@ from hsdp.sharding.policy import Strategy, parse_outer_gather, parse_outer_reduc
 from hsdp.topology.mesh_dims import axis_groups
 from hsdp.topology.outer_sync import DiLoCo, parse_outer_sync
 from hsdp_tools.models import LlamaConfig, ModelConfig, lm_loss
-from hsdp_tools.models_moe import MoEConfig, unit_meshes
+from hsdp_tools.models_moe import MoEConfig
+from hsdp_tools.moe_placement import unit_meshes
 from hsdp_tools.report.args import DTYPES
 from hsdp_tools.report.metrics import Interval, step_metrics
 from hsdp_tools.sim.clock import Program, virtual_streams

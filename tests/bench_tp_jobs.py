@@ -1,5 +1,5 @@
 """Job of tests/dist/test_bench_step.py's TP parity: the step bench's TP plan for
-``hsdp_tools.models``' Llama (``hsdp_tools.bench.tp_plan.parallelize_llama``) under hsdp and
+``hsdp_tools.models``' Llama (``hsdp_tools.bench.tp_plan.apply_llama_tp_plan``) under hsdp and
 FSDP2 on an
 (outer, inner, tp) mesh, against the same model in one process."""
 
@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 import hsdp
 from hsdp_tools.bench.fsdp2 import shard_fsdp2
-from hsdp_tools.bench.tp_plan import parallelize_llama
+from hsdp_tools.bench.tp_plan import apply_llama_tp_plan
 from hsdp_tools.bench.trainee import synthetic_batches
 from hsdp_tools.models import LlamaConfig, build_model, lm_loss, shard_units
 
@@ -53,7 +53,7 @@ def parity_job(rank: int, world: int, sizes: tuple[int, int, int]) -> dict:
     for lib in ("hsdp", "hfsdp", "fsdp2"):
         torch.manual_seed(0)
         model = build_model(CFG)
-        parallelize_llama(model, mesh["tp"])
+        apply_llama_tp_plan(model, mesh["tp"])
         units = shard_units(model)
         if lib == "fsdp2":
             shard_fsdp2(model, units, mesh["outer", "inner"], MP)

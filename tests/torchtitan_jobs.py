@@ -9,7 +9,6 @@ updates)."""
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -237,19 +236,16 @@ DILOCO_H1 = "diloco:inner_steps=1,outer_lr=1,momentum=0"
 
 
 def _diloco_entries(rank: int, world: int, dims: ParallelDims) -> dict[str, float | str]:
-    """DiLoCo through ``HSDP_OUTER_SYNC``: at H=1, outer_lr=1, momentum=0 each replica's
+    """DiLoCo through ``parallelize_llama``'s ``outer_sync`` (the trainer's
+    ``--hsdp.outer_sync``): at H=1, outer_lr=1, momentum=0 each replica's
     SGD-momentum update (momentum is linear in the gradients) averages to the synchronous
     one, if each replica's gradient is its own mean on torchtitan's scale (the loss is
     divided by every DP rank's tokens): against one process, unclipped (clipping is per
     replica under DiLoCo). Also the schedule the model runs."""
     ref = _reference()
     _train(ref, slice(None), world, 1, max_norm=float("inf"))
-    os.environ["HSDP_OUTER_SYNC"] = DILOCO_H1
-    try:
-        model = _parallelize(hsdp_titan.parallelize_llama, _meta_model(), dims, False,
-                             "default")
-    finally:
-        del os.environ["HSDP_OUTER_SYNC"]
+    model = _parallelize(hsdp_titan.parallelize_llama, _meta_model(), dims, False,
+                         "default", outer_sync=DILOCO_H1)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     with torch.no_grad():

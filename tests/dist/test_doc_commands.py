@@ -73,11 +73,11 @@ NOT_ON_CPU = {
     "pip install -e . && pip install --no-deps $(python -c \"import tomllib; print(' '.join("
     "tomllib.load(open('pyproject.toml','rb'))['project']['optional-dependencies']"
     "['torchtitan']))\")": "installs packages (the test environment has them)",
-    "HSDP_STRATEGY=hsdp HSDP_OVERLAP_OUTER=1 torchrun --nproc-per-node 8 -m torchtitan.train "
+    "torchrun --nproc-per-node 8 -m torchtitan.train "
     "--module hsdp.integrations.torchtitan --config llama3_debugmodel "
-    "--parallelism.data_parallel_replicate_degree 2":
+    "--parallelism.data_parallel_replicate_degree 2 --hsdp.strategy hsdp":
         _GPU.format(": torchtitan 0.3.0 has no CPU device"),
-    "HSDP_STRATEGY=hsdp torchrun --nproc-per-node 8 -m torchtitan.train --module "
+    "torchrun --nproc-per-node 8 -m torchtitan.train --module "
     "hsdp.integrations.torchtitan --config deepseek_v3_debugmodel "
     "--parallelism.data_parallel_replicate_degree 2 --parallelism.expert_parallel_degree 2 "
     "--training.disable_cuda_graphs": _GPU.format(": torchtitan 0.3.0 has no CPU device"),

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -33,6 +34,7 @@ from torchtitan_jobs import (  # noqa: E402
 )
 from torchtitan_pp_jobs import pp_job, reference  # noqa: E402
 
+
 TESTS = str(Path(__file__).resolve().parents[1])  # the job and config modules
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,10 +51,10 @@ def jobs_4(tmp_path_factory) -> dict[str, list[dict]]:
 def test_llama3_debugmodel_matches_one_process_and_fsdp2(jobs_4):
     per_rank = jobs_4["parity"]
     assert len(per_rank[0]) == 19
-    # HSDP_OUTER_SYNC's DiLoCo took effect (H=1: synchronous, its own key below)
+    # outer_sync's DiLoCo took effect (H=1: synchronous, its own key below)
     for r in per_rank:
         assert r.pop("hsdp+diloco schedule") == repr(parse_mode("outer_sync", DILOCO_H1)), r
-    # int8 outer reduction (HSDP_OUTER_REDUCE's): close, and not exact
+    # int8 outer reduction (outer_reduce's): close, and not exact
     compressed = {k for k in per_rank[0] if "+int8" in k and "init" not in k}
     bad = {k: e for r in per_rank for k, e in r.items()
            if not (1e-5 < e < 2e-2 if k in compressed else e < 1e-5)}
@@ -140,9 +142,11 @@ CPU_RECIPE = ["--module", "titan_cpu_configs", "--training.seq_len", "64",
               "--training.local_batch_size", "2"]
 
 
-def _trainer(out: Path, config: str, nproc: int, *args: str) -> dict[int, tuple[float, ...]]:
+def _trainer(out: Path, config: str, nproc: int, *args: str,
+             log: list[str] | None = None) -> dict[int, tuple[float, ...]]:
     """torchtitan's own ``torchtitan.train`` main on ``nproc`` gloo ranks with
-    ``--module titan_cpu_configs --config CONFIG``; (loss, grad norm) per step."""
+    ``--module titan_cpu_configs --config CONFIG``; (loss, grad norm) per step. ``log``
+    gets its output."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, str(ROOT / "src")]),
            "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(out / "hf"),
            "OMP_NUM_THREADS": "1"}
@@ -150,10 +154,13 @@ def _trainer(out: Path, config: str, nproc: int, *args: str) -> dict[int, tuple[
            "--nproc_per_node", str(nproc), "-m", "torchtitan.train", *CPU_RECIPE[:2],
            "--config", config, "--hf_assets_path", str(out / "assets" / "tokenizer"),
            "--dataloader.dataset_path", str(out / "assets" / "data"),
-           "--debug.seed", "0", *CPU_RECIPE[2:], "--metrics.log_freq", "1", "--metrics.disable_color_printing",
+           "--debug.seed", "0", *CPU_RECIPE[2:], "--metrics.log_freq", "1",
+           "--metrics.disable_color_printing",
            "--checkpoint.enable", "--checkpoint.folder", "ckpt", *args]
     run = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    if log is not None:
+        log.append(run.stdout + run.stderr)
     steps = {int(m[1]): (float(m[2]), float(m[3])) for m in re.finditer(
         r"step:\s*(\d+)\s+loss:\s*([-\d.]+)\s+grad_norm:\s*([-\d.]+)\s+memory:\s*[\d.]+GiB"
         r".*tps: [1-9]", run.stdout + run.stderr)}
@@ -177,8 +184,19 @@ def test_torchtitan_trainer_main_with_hsdp_matches_its_fsdp2(tmp_path):
     (``hsdp.integrations.torchtitan.with_hsdp``), trains with hsdp on a 2x2 gloo mesh and
     logs the losses and gradient norms of its FSDP2 run (to the 5 decimals it prints),
     with its metrics (memory, tokens/s, MFU). Both start from one seed checkpoint: hsdp's
-    ``init_weights`` draws other random values than torchtitan's."""
-    _trainer_equals_fsdp2(tmp_path, "debugmodel")
+    ``init_weights`` draws other random values than torchtitan's. hsdp's settings come
+    from the command line (``--hsdp.no-overlap_outer``: the same numbers): the printed job
+    config shows them and hsdp's one line says it is active with them, once per job."""
+    log: list[str] = []
+    _trainer_equals_fsdp2(tmp_path, "debugmodel", hsdp_args=["--hsdp.no-overlap_outer",
+                                                             "--debug.print_config"], log=log)
+    said = re.findall(r"hsdp active \(hsdp.integrations.torchtitan\): .*", log[0])
+    assert said == ["hsdp active (hsdp.integrations.torchtitan): strategy hsdp, mesh outer 2 "
+                    "x inner 2, overlap_outer False, outer_reduce none, outer_sync none"], said
+    printed = re.search(r'"hsdp": (\{[^}]*\})', log[0])
+    assert printed and json.loads(printed[1]) == {
+        "strategy": "hsdp", "overlap_outer": False, "outer_reduce": "none",
+        "outer_sync": "none"}, log[0][-3000:]
 
 
 @pytest.mark.full
@@ -199,8 +217,10 @@ def test_torchtitan_trainer_main_runs_hsdp_with_expert_parallel(tmp_path):
     assert len({loss for loss, _ in got.values()}) == 4, got  # the weights change
 
 
-def _trainer_equals_fsdp2(tmp_path: Path, model: str, *args: str) -> None:
-    """``hsdp_<model>`` and ``fsdp2_<model>`` 4 steps on 2x2 ranks from one seed checkpoint."""
+def _trainer_equals_fsdp2(tmp_path: Path, model: str, *args: str, hsdp_args: list[str],
+                          log: list[str]) -> None:
+    """``hsdp_<model>`` (with ``hsdp_args``; its output appended to ``log``) and
+    ``fsdp2_<model>`` 4 steps on 2x2 ranks from one seed checkpoint."""
     subprocess.run([sys.executable, str(ROOT / "scripts" / "torchtitan_gpu.py"), "assets",
                     str(tmp_path / "assets")], check=True)
     _trainer(tmp_path, f"hsdp_{model}", 1, "--checkpoint.create_seed_checkpoint",
@@ -208,7 +228,8 @@ def _trainer_equals_fsdp2(tmp_path: Path, model: str, *args: str) -> None:
     mesh = ["--checkpoint.initial_load_path", str(tmp_path / "seed" / "ckpt" / "step-0"),
             "--training.steps", "4", "--parallelism.data_parallel_replicate_degree", "2",
             "--parallelism.data_parallel_shard_degree", "2", *args]
-    got = _trainer(tmp_path, f"hsdp_{model}", 4, *mesh, "--dump_folder", "hsdp")
+    got = _trainer(tmp_path, f"hsdp_{model}", 4, *mesh, *hsdp_args, "--dump_folder", "hsdp",
+                   log=log)
     want = _trainer(tmp_path, f"fsdp2_{model}", 4, *mesh, "--dump_folder", "fsdp2")
     assert sorted(got) == sorted(want) == [1, 2, 3, 4]
     # Values a float ulp apart can print one unit apart in the 5th decimal when they sit
@@ -319,42 +340,6 @@ def test_expert_with_tensor_parallel_is_refused_before_sharding():
                              tp=2, ep=2)
 
 
-def test_outer_reduce_from_the_environment(monkeypatch):
-    """``HSDP_OUTER_REDUCE`` picks the compressed outer reduction; a bad value is refused
-    naming the variable."""
-    import hsdp
-    from hsdp.integrations.torchtitan import options_from_env
-
-    monkeypatch.setenv("HSDP_OUTER_REDUCE", "fp8_e4m3:128")
-    assert options_from_env()[2] == hsdp.OuterReduce("fp8_e4m3", 128)
-    monkeypatch.setenv("HSDP_OUTER_REDUCE", "none")
-    assert options_from_env()[2] is None
-    monkeypatch.setenv("HSDP_OUTER_REDUCE", "int4")
-    with pytest.raises(ValueError, match="HSDP_OUTER_REDUCE: hsdp.OuterReduce: unknown dtype"):
-        options_from_env()
-
-
-def test_outer_sync_from_the_environment(monkeypatch):
-    """``HSDP_OUTER_SYNC`` picks DiLoCo with any of its fields; a bad value is refused
-    naming the variable and what it expects."""
-    import hsdp
-    from hsdp.integrations.torchtitan import options_from_env
-
-    assert options_from_env()[3] is None
-    monkeypatch.setenv("HSDP_OUTER_SYNC", "diloco")
-    assert options_from_env()[3] == hsdp.DiLoCo()
-    monkeypatch.setenv("HSDP_OUTER_SYNC", "diloco:inner_steps=50,fragments=4,outer_lr=0.5,"
-                                          "nesterov=false,delay=2")
-    assert options_from_env()[3] == hsdp.DiLoCo(50, 4, outer_lr=0.5, nesterov=False, delay=2)
-    for bad, match in (("local_sgd", "expected none or diloco"),
-                       ("diloco:steps=5", "FIELD one of inner_steps, fragments"),
-                       ("diloco:inner_steps=x", "inner_steps='x': expected int"),
-                       ("diloco:inner_steps=0", "inner_steps must be an int >= 1")):
-        monkeypatch.setenv("HSDP_OUTER_SYNC", bad)
-        with pytest.raises(ValueError, match="HSDP_OUTER_SYNC: .*" + match):
-            options_from_env()
-
-
 def test_cuda_graphs_stay_on_in_hsdps_configs(monkeypatch):
     """torchtitan captures forward + backward in a CUDA graph on CUDA unless
     ``training.disable_cuda_graphs``; hsdp can be captured (docs/guide/cuda_graphs.md), so
@@ -376,33 +361,113 @@ def test_cuda_graphs_stay_on_in_hsdps_configs(monkeypatch):
                                 ParallelismConfig(spmd_backend="partial_dtensor"), None)
 
 
-def test_log_says_hsdp_is_active_with_its_mesh_and_outer_settings(monkeypatch, caplog):
-    """torchtitan's log gets one line from hsdp's ``parallelize_llama`` (rank 0): hsdp is the
-    data-parallel backend, its mesh, outer reduction and outer sync (DiLoCo)."""
+def _parse(*args: str):
+    """torchtitan's ``ConfigManager`` on hsdp's config module (as ``torchtitan.train``)."""
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--module", "hsdp.integrations.torchtitan",
+                                       "--config", "llama3_debugmodel", *args])
+
+
+SETTINGS = ["--hsdp.no-overlap_outer", "--hsdp.outer_reduce", "int8:16", "--hsdp.outer_sync",
+            "diloco:inner_steps=5,fragments=1"]
+
+
+def test_hsdp_settings_are_a_typed_section_of_torchtitans_job_config(capsys):
+    """``--hsdp.*`` are torchtitan job config options: listed by ``--help``, parsed into
+    the config (printed with it: ``to_dict``), a bad value refused at parse time naming
+    its option."""
+    import hsdp
+
+    with pytest.raises(SystemExit):
+        _parse("--help")
+    shown = " ".join(capsys.readouterr().out.split())
+    for option in ("hsdp options", "--hsdp.strategy {hsdp,hfsdp}", "--hsdp.no-overlap-outer",
+                   "--hsdp.outer-reduce STR", "--hsdp.outer-sync STR", "(default: none)"):
+        assert option in shown, option
+    cfg = _parse("--hsdp.strategy", "hfsdp", *SETTINGS)
+    assert cfg.to_dict()["hsdp"] == {"strategy": "hfsdp", "overlap_outer": False,
+                                     "outer_reduce": "int8:16",
+                                     "outer_sync": "diloco:inner_steps=5,fragments=1"}
+    assert cfg.hsdp.parsed() == {"strategy": "hfsdp", "overlap_outer": False,
+                                 "outer_reduce": hsdp.OuterReduce("int8", 16),
+                                 "outer_sync": hsdp.DiLoCo(5, 1)}
+    assert _parse("--hsdp.outer_sync", "diloco:inner_steps=50,fragments=4,outer_lr=0.5,"
+                  "nesterov=false,delay=2").hsdp.parsed()["outer_sync"] == hsdp.DiLoCo(
+        50, 4, outer_lr=0.5, nesterov=False, delay=2)
+    for option, bad, match in (
+            ("strategy", "zero3", "invalid choice 'zero3'"),
+            ("outer_reduce", "int4", "--hsdp.outer_reduce: hsdp.OuterReduce: unknown dtype"),
+            ("outer_sync", "local_sgd", "--hsdp.outer_sync: .*expected none, diloco or"),
+            ("outer_sync", "diloco:steps=5", "--hsdp.outer_sync: .*FIELD one of inner_steps"),
+            ("outer_sync", "diloco:inner_steps=0", "inner_steps must be an int >= 1")):
+        with pytest.raises(SystemExit):
+            _parse(f"--hsdp.{option}", bad)
+        said = " ".join(capsys.readouterr().err.replace("│", " ").split())
+        assert re.search(match, said), (option, bad, said)
+
+
+@pytest.mark.parametrize("name,value,option", [
+    ("HSDP_STRATEGY", "hfsdp", "--hsdp.strategy"),
+    ("HSDP_OVERLAP_OUTER", "0", "--hsdp.overlap_outer"),
+    ("HSDP_OUTER_REDUCE", "int8", "--hsdp.outer_reduce"),
+    ("HSDP_OUTER_SYNC", "diloco", "--hsdp.outer_sync")])
+def test_old_environment_variables_are_refused_naming_the_option(monkeypatch, name, value,
+                                                                 option):
+    """An ``HSDP_*`` variable that an older hsdp read no longer takes effect: set, it stops
+    the config and a direct ``parallelize_llama`` (nothing sharded), naming its option."""
+    from torchtitan.config import TrainingConfig
+
+    from hsdp.integrations import torchtitan as hsdp_titan
+
+    monkeypatch.setenv(name, value)
+    want = re.escape(f"unset {name}={value!r} (use {option})")
+    with pytest.raises(ValueError, match=want):
+        hsdp_titan.llama3_debugmodel()
+    _refused_before_sharding(_meta_model(), TrainingConfig(), want)
+
+
+def test_trainer_gives_each_stage_its_hsdp_settings_and_logs_them_once(caplog):
+    """The trainer's model spec (``HsdpTrainer.Config.hsdp_model_spec``) runs
+    ``parallelize_llama`` with the parsed ``--hsdp.*`` settings: called twice, as
+    ``pipeline_llama`` does for two stages of a rank, each model takes them; the
+    parallelize calls log nothing and ``log_active`` (the trainer's, once per job) logs one
+    line (rank 0) with the mesh, strategy, outer reduction and outer sync."""
     import logging
 
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
 
-    from hsdp.integrations import torchtitan as hsdp_titan
+    from hsdp.integrations.torchtitan_config import log_active
 
-    monkeypatch.setenv("HSDP_OUTER_REDUCE", "int8")
-    monkeypatch.setenv("HSDP_OUTER_SYNC", "diloco:inner_steps=5,fragments=1")
+    def parallelize(cfg):  # as torchtitan's trainer calls the model spec's
+        return cfg.hsdp_model_spec().parallelize_fn(
+            _meta_model(), parallel_dims=dims, training=cfg.training,
+            parallelism=cfg.parallelism, compile_config=cfg.compile, ac_config=None,
+            dump_folder="")
+
+    cfg = _parse(*SETTINGS)
     dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
     try:
         dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=4,
                             spmd_backend="partial_dtensor")
         with caplog.at_level(logging.INFO):
-            hsdp_titan.parallelize_llama(
-                _meta_model(), parallel_dims=dims, training=TrainingConfig(),
-                parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
-                compile_config=CompileConfig(), ac_config=None, dump_folder="")
+            parts = [parallelize(cfg) for _ in range(2)]
+            assert not [r for r in caplog.records if "hsdp" in r.getMessage()]
+            log_active(cfg.hsdp, parts, ep=1, pp=2)
+        # the strategy and DiLoCo reach fully_shard: it refuses the two together
+        with pytest.raises(ValueError, match="strategy='hfsdp' cannot train with outer_sync"):
+            parallelize(_parse("--hsdp.strategy", "hfsdp", "--hsdp.outer_sync", "diloco"))
     finally:
         dist.destroy_process_group()
+    for m in parts:
+        said = m._hsdp_unit.description[0]
+        assert "strategy='hsdp'" in said and "overlap_outer=False" in said, said
+        assert "outer_reduce=OuterReduce(dtype='int8', block=16" in said, said
     lines = [r.getMessage() for r in caplog.records if "hsdp" in r.getMessage()]
     assert len(lines) == 1, lines
-    assert "hsdp active" in lines[0] and "mesh outer 2 x inner 2" in lines[0], lines
-    assert "outer_reduce OuterReduce(dtype='int8'" in lines[0], lines
+    assert "hsdp active" in lines[0] and "mesh outer 2 x inner 2 per stage of pp 2" in lines[0]
+    assert "strategy hsdp" in lines[0] and "overlap_outer False" in lines[0], lines
+    assert "outer_reduce OuterReduce(dtype='int8', block=16" in lines[0], lines
     assert "outer_sync DiLoCo(inner_steps=5, fragments=1" in lines[0], lines

@@ -14,14 +14,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import hsdp
 from hsdp_tools.bench.step_config import add_arguments, resolve
 from hsdp_tools.bench.trainee import build
-from hsdp_tools.models_moe import (
-    EP_KEY,
-    GroupedExperts,
-    MoEConfig,
-    build_bench_model,
-    shard_divisors,
-    unit_meshes,
-)
+from hsdp_tools.models_moe import GroupedExperts, MoEConfig
+from hsdp_tools.moe_exchange import EP_KEY
+from hsdp_tools.moe_placement import build_bench_model, shard_divisors, unit_meshes
 from hsdp_tools.sim.engine import Setup, record
 from hsdp_tools.sim.ep_pricing import ep_pricer
 from hsdp_tools.sim.fabric import Fabric, Link

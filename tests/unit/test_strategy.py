@@ -13,13 +13,3 @@ def test_parse_takes_the_enum_or_its_value_and_names_the_choices():
     with pytest.raises(ValueError, match=r"unknown strategy 'fsdp'.*\['hsdp', 'hfsdp'\]"):
         Strategy.parse("fsdp")
 
-
-def test_torchtitan_environment_is_parsed_the_same_way(monkeypatch):
-    pytest.importorskip("torchtitan")
-    from hsdp.integrations.torchtitan import options_from_env
-
-    monkeypatch.setenv("HSDP_STRATEGY", "hfsdp")
-    assert options_from_env()[:2] == (Strategy.HFSDP, True)
-    monkeypatch.setenv("HSDP_STRATEGY", "zero3")
-    with pytest.raises(ValueError, match="HSDP_STRATEGY: unknown strategy 'zero3'"):
-        options_from_env()

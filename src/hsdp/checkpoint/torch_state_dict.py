@@ -5,14 +5,14 @@
 rank passes the full dict) or ``broadcast_from_rank0=True`` (rank 0 passes it, the others
 ``{}``) cut every full tensor into the ``torch.chunk`` rows that its DTensor's placements
 imply (``_state_dict_utils._distribute_tensors`` / ``_distribute_state_dict``). A Piece
-holds a flat range of the tensor instead (``pieces.py``), so those rows do not fit its local
-tensor. hsdp wraps both functions: each Piece gets its range of the full tensor copied into
-its local tensor in place (memory as torch's: one full tensor at a time when broadcast),
-every other entry goes through torch's code unchanged. Before anything is written, the
-full dict is checked against the model (shapes; in a strict load, keys the model lacks) on
-rank 0 (or on each rank that holds it) and a mismatch raises on every rank: torch checks
-each tensor only once it arrives, after earlier ones were written, and raises a strict
-load's unexpected key on rank 0 alone while the other ranks go on.
+holds a flat range of the tensor instead (``sharding/pieces.py``), so those rows do not
+fit its local tensor. hsdp wraps both functions: each Piece gets its range of the full
+tensor copied into its local tensor in place (memory as torch's: one full tensor at a time
+when broadcast), every other entry goes through torch's code unchanged. Before anything is
+written, the full dict is checked against the model (shapes; in a strict load, keys the
+model lacks) on rank 0 (or on each rank that holds it) and a mismatch raises on every
+rank: torch checks each tensor only once it arrives, after earlier ones were written, and
+raises a strict load's unexpected key on rank 0 alone while the other ranks go on.
 
 hsdp's residuals and DiLoCo state (``extra_state.py``) travel in the optimizer state dicts
 that ``get_optimizer_state_dict`` / ``get_state_dict`` return (torch's code keeps only

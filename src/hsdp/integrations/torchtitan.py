@@ -12,12 +12,11 @@ its ``pipelining_fn`` (``torchtitan_pipeline.py``). ``dp_replicate`` is hsdp's o
 axis, ``dp_shard`` its inner one. With ``expert_parallel_degree`` ep > 1 torchtitan splits
 the experts over ep (its token dispatch) and hsdp shards each block's experts on the
 expert mesh ``hsdp.expert_mesh(mesh, ep)`` (torchtitan's ``dp_replicate, efsdp, ep``),
-nested in the block's unit. The environment
-variables ``HSDP_STRATEGY`` (``hsdp`` | ``hfsdp``) and ``HSDP_OVERLAP_OUTER`` (1 | 0) pick
-the strategy; ``HSDP_OUTER_REDUCE`` (``none`` | ``int8`` | ``fp8_e4m3``, ``:BLOCK`` optional)
-the compressed outer reduction (docs/guide/slow_outer_links.md); ``HSDP_OUTER_SYNC``
-(``none`` | ``diloco`` | ``diloco:inner_steps=50,fragments=4,...``) DiLoCo on the outer
-axis (docs/guide/across_datacenters.md). Gradients are sums over the DP ranks
+nested in the block's unit. The job config's ``hsdp`` section
+(``--hsdp.strategy``, ``--hsdp.overlap_outer``, ``--hsdp.outer_reduce``,
+``--hsdp.outer_sync``: ``torchtitan_config.py``) picks the strategy, the compressed outer
+reduction (docs/guide/slow_outer_links.md) and DiLoCo on the outer axis
+(docs/guide/across_datacenters.md). Gradients are sums over the DP ranks
 (``set_gradient_divide_factor(1.0)``, as torchtitan sets on FSDP2: it divides the loss by
 the global token count itself); with DiLoCo, sums over the replica's ranks times the
 number of replicas (each replica's gradient is its own mean, on torchtitan's scale).
@@ -32,12 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import sys
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -52,34 +49,14 @@ from torchtitan.models.common.attention import FusedQKVLinear
 from torchtitan.models.deepseek_v3 import config_registry as _deepseek_v3_configs
 from torchtitan.models.llama3 import config_registry as _llama3_configs
 from torchtitan.protocols.module import Module as TitanModule
-from torchtitan.tools.logging import logger
 
 import hsdp
 from hsdp.checkpoint import extra_state
 from hsdp.checkpoint.state_dicts import load_state_dict_hook
+from hsdp.integrations.torchtitan_config import as_hsdp_config, refuse_old_env
 from hsdp.integrations.torchtitan_pipeline import check_pipeline, pipeline_llama
 from hsdp.runtime.outer_modes import parse_mode
 from hsdp.sharding.policy import Strategy
-
-
-def options_from_env() -> tuple[Strategy, bool, hsdp.OuterReduce | None, hsdp.DiLoCo | None]:
-    """(strategy, overlap_outer, outer_reduce, outer_sync) from ``HSDP_STRATEGY``,
-    ``HSDP_OVERLAP_OUTER``, ``HSDP_OUTER_REDUCE`` and ``HSDP_OUTER_SYNC``."""
-    try:
-        strategy = Strategy.parse(os.environ.get("HSDP_STRATEGY", "hsdp"))
-    except ValueError as e:
-        raise ValueError(f"hsdp: HSDP_STRATEGY: {e}") from None
-    overlap = os.environ.get("HSDP_OVERLAP_OUTER", "1")
-    if overlap not in ("0", "1"):
-        raise ValueError(f"hsdp: HSDP_OVERLAP_OUTER must be 0 or 1, got {overlap!r}")
-    modes = {}
-    for argument in ("outer_reduce", "outer_sync"):
-        name = f"HSDP_{argument.upper()}"
-        try:
-            modes[argument] = parse_mode(argument, os.environ.get(name, "none"))
-        except ValueError as e:
-            raise ValueError(f"hsdp: {name}: {e}") from None
-    return strategy, overlap == "1", modes["outer_reduce"], modes["outer_sync"]
 
 
 def _check_supported(model: nn.Module, parallel_dims: ParallelDims, training: TrainingConfig,
@@ -137,8 +114,7 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
                       training: TrainingConfig, parallelism: ParallelismConfig,
                       compile_config: CompileConfig,
                       ac_config: ActivationCheckpointingConfig | None, dump_folder: str,
-                      strategy: Strategy | str | None = None,
-                      overlap_outer: bool | None = None,
+                      strategy: Strategy | str = "hsdp", overlap_outer: bool = True,
                       outer_reduce: hsdp.OuterReduce | str | None = None,
                       outer_sync: hsdp.DiLoCo | str | None = None,
                       mesh: DeviceMesh | None = None) -> nn.Module:
@@ -149,25 +125,23 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
     hsdp unit per block (and one for the embedding unless it is tied to the output), the
     norm and output head in the root's; with expert parallelism each MoE block's experts
     in a unit of their own on the expert mesh, inside the block's. ``strategy`` /
-    ``overlap_outer`` / ``outer_reduce`` / ``outer_sync`` (``init_mesh``'s): default from
-    the environment (``options_from_env``). ``mesh``: the stage's mesh under pipeline
+    ``overlap_outer`` / ``outer_reduce`` / ``outer_sync``: ``fully_shard``'s (and
+    ``init_mesh``'s); torchtitan's trainer passes its ``--hsdp.*`` settings
+    (``HsdpTrainer``). ``mesh``: the stage's mesh under pipeline
     parallelism (``pipeline_llama`` passes it), else ``hsdp.init_mesh``'s over the world."""
+    refuse_old_env()
     _check_supported(model, parallel_dims, training, parallelism, mesh)
     if any(_is_float8_linear(m) for m in model.modules()):
         from hsdp.integrations.torchtitan_float8 import wrap_float8_all_gather_weights
 
         wrap_float8_all_gather_weights(model)
-    env_strategy, env_overlap, env_outer_reduce, env_outer_sync = options_from_env()
-    strategy = Strategy.parse(strategy or env_strategy)
-    outer_reduce = outer_reduce or env_outer_reduce
+    strategy = Strategy.parse(strategy)
     if isinstance(outer_sync, str):
         outer_sync = parse_mode("outer_sync", outer_sync)
-    outer_sync = outer_sync or env_outer_sync
     if outer_sync is not None and mesh is not None:
         raise NotImplementedError(
-            "hsdp: DiLoCo (HSDP_OUTER_SYNC / outer_sync) with pipeline_parallel_degree > 1 is "
-            "not supported: train DiLoCo without pipeline parallelism")
-    overlap_outer = env_overlap if overlap_outer is None else overlap_outer
+            "hsdp: DiLoCo (--hsdp.outer_sync / outer_sync) with pipeline_parallel_degree > 1 "
+            "is not supported: train DiLoCo without pipeline parallelism")
     if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
         model.parallelize(parallel_dims)
     if ac_config is not None:
@@ -204,22 +178,7 @@ def parallelize_llama(model: nn.Module, *, parallel_dims: ParallelDims,
                                      else 1.0 / parallel_dims.dp_replicate)
     _adopt_meta_init(model)
     _load_merged_qkv(model)
-    _log_active(mesh, strategy, overlap_outer, outer_reduce, outer_sync, parallel_dims.ep)
     return model
-
-
-def _log_active(mesh: DeviceMesh, strategy: Strategy, overlap_outer: bool,
-                outer_reduce: hsdp.OuterReduce | str | None, outer_sync: hsdp.DiLoCo | None,
-                ep: int) -> None:
-    """One line in torchtitan's log (rank 0): hsdp is the data-parallel backend, on which
-    mesh, with which outer reduction and outer sync."""
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    shape = " x ".join(f"{n} {s}" for n, s in zip(mesh.mesh_dim_names, mesh.shape))
-    logger.info(f"hsdp active (hsdp.integrations.torchtitan): strategy {strategy.value}, "
-                f"mesh {shape}{f', experts on ep {ep}' if ep > 1 else ''}, overlap_outer "
-                f"{overlap_outer}, outer_reduce {outer_reduce or 'none'}, outer_sync "
-                f"{outer_sync or 'none'}")
 
 
 def _load_merged_qkv(model: nn.Module) -> None:
@@ -326,7 +285,8 @@ _carry_extra_state(OptimizersContainer)
 
 def with_hsdp(config_fn: Callable) -> Callable:
     """``config_fn`` (a torchtitan config function) with its model spec parallelized by
-    hsdp: for config modules of your own. torchtitan's ``ChunkedLossWrapper`` becomes its
+    hsdp and hsdp's ``--hsdp.*`` section in its config (``HsdpTrainer.Config``): for
+    config modules of your own. torchtitan's ``ChunkedLossWrapper`` becomes its
     inner loss (the same values): it calls the output head outside the model's forward,
     relying on FSDP2 grouping ``[norm, lm_head]`` in a unit of their own, which hsdp's
     ``fully_shard`` (one module per unit) does not do. Without CUDA, CUDA graphs are off
@@ -334,7 +294,7 @@ def with_hsdp(config_fn: Callable) -> Callable:
     parallelism even where no graph can be captured)."""
     @functools.wraps(config_fn)
     def config():
-        cfg = config_fn()
+        cfg = as_hsdp_config(config_fn())
         cfg.model_spec = dataclasses.replace(cfg.model_spec,
                                              name=f"hsdp_{cfg.model_spec.name}",
                                              parallelize_fn=parallelize_llama,

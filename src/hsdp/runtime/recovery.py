@@ -1,5 +1,5 @@
 """Recovery: abandon a step that raised on some rank, consistently on every rank
-(the agreement of ``agreement.py``, then replay of the collectives other ranks issued)."""
+(the agreement of ``step_agreement.py``, then replay of the collectives other ranks issued)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ runs it again in backward), ``BWD:<unit>`` from its pre-backward to its post-bac
 and CPU they are trace marks.
 
 Failures (docs/guide/failure_semantics.md): every collective is logged and the step's structure
-is agreed on at its end (``agreement.py``); a step whose forward or backward raised is
+is agreed on at its end (``step_agreement.py``); a step whose forward or backward raised is
 abandoned consistently on every rank by the next call into hsdp (``Recovery.settle``).
 """
 

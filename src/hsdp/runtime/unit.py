@@ -62,7 +62,7 @@ class Unit:
 
     @property
     def tracer(self) -> Tracer:
-        """Records the ops of every model on this device while enabled (see streams.py)."""
+        """Records the ops of every model on this device while enabled (see streams/contract.py)."""
         return (self.streams or Streams.for_device(self.device)).tracer
 
     @property

@@ -36,7 +36,9 @@ from hsdp_tools.report.args import parse_mesh
 
 
 @dataclass(frozen=True)
-class Config:
+class CheckpointBenchConfig:
+    """``bench ckpt``'s resolved arguments, identical on every rank."""
+
     outer: int
     inner: int
     model: str
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     cuda = select_cuda(args.device, "bench ckpt")
     root = args.dir or tempfile.mkdtemp(prefix="hsdp-ckpt-")
 
-    def resolve(world: int) -> Config:
+    def resolve(world: int) -> CheckpointBenchConfig:
         outer, inner = parse_mesh(args.mesh) if args.mesh else (1, world)
         if outer * inner != world:
             raise SystemExit(f"hsdp bench ckpt: mesh {outer}x{inner} needs {outer * inner} "
@@ -80,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
             check_shared_layout("bench ckpt", outer, inner, torch.cuda.device_count())
         overrides = (("layers", args.layers),) + tuple(
             (k, int(v)) for k, v in (kv.split("=", 1) for kv in args.set))
-        return Config(outer, inner, args.model, overrides, args.repeats, root, cuda,
-                      bool(args.share_gpus), args.json)
+        return CheckpointBenchConfig(outer, inner, args.model, overrides, args.repeats, root,
+                                     cuda, bool(args.share_gpus), args.json)
 
     try:
         return launch("bench ckpt", _worker, resolve, args.nproc, cuda, bool(args.share_gpus))
@@ -90,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def _worker(local_rank: int, cfg: Config, port: int | None) -> None:
+def _worker(local_rank: int, cfg: CheckpointBenchConfig, port: int | None) -> None:
     with rank_process_group(local_rank, cfg.world, port, cfg.cuda,
                             cfg.inner if cfg.share_gpus else None) as device:
         result = bench(cfg, device)
@@ -101,7 +103,7 @@ def _worker(local_rank: int, cfg: Config, port: int | None) -> None:
                     json.dump(result, f, indent=1)
 
 
-def _trained(cfg: Config, device: torch.device, sharded: str, mesh) -> tuple:
+def _trained(cfg: CheckpointBenchConfig, device: torch.device, sharded: str, mesh) -> tuple:
     """The model (seed 0) sharded by hsdp or FSDP2, after one AdamW step."""
     mcfg = preset(cfg.model, **dict(cfg.overrides))
     torch.manual_seed(0)
@@ -135,7 +137,7 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def bench(cfg: Config, device: torch.device) -> dict:
+def bench(cfg: CheckpointBenchConfig, device: torch.device) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 

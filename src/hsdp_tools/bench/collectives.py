@@ -147,8 +147,8 @@ def default_mesh(world: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class Config:
-    """Resolved arguments, identical on every rank."""
+class CollectivesBenchConfig:
+    """``bench collectives``' resolved arguments, identical on every rank."""
 
     world: int
     outer: int
@@ -164,7 +164,7 @@ class Config:
     shared_links: bool = False
 
 
-def resolve(args: argparse.Namespace, cuda: bool, world: int) -> Config:
+def resolve(args: argparse.Namespace, cuda: bool, world: int) -> CollectivesBenchConfig:
     """Fill defaults that depend on the device and the world size; check the rest."""
     if world < 1:
         raise SystemExit(f"hsdp bench collectives: need at least one rank, got {world}")
@@ -181,9 +181,10 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int) -> Config:
     if share:
         check_shared_layout("bench collectives", outer, inner, torch.cuda.device_count())
     sizes = args.sizes or parse_sizes(GPU_SIZES if cuda else "256KiB,1MiB,4MiB")
-    return Config(world, outer, inner, tuple(sizes), args.dtype or ("bf16" if cuda else "fp32"),
-                  args.iters, args.warmup, args.max_ctas, args.json, cuda, share,
-                  bool(args.shared_links))
+    return CollectivesBenchConfig(world, outer, inner, tuple(sizes),
+                                  args.dtype or ("bf16" if cuda else "fp32"), args.iters,
+                                  args.warmup, args.max_ctas, args.json, cuda, share,
+                                  bool(args.shared_links))
 
 
 # --------------------------------------------------------------------------- launch
@@ -196,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
                   args.nproc, cuda, bool(args.share_gpus))
 
 
-def _worker(local_rank: int, cfg: Config, port: int | None) -> None:
+def _worker(local_rank: int, cfg: CollectivesBenchConfig, port: int | None) -> None:
     with rank_process_group(local_rank, cfg.world, port, cfg.cuda,
                             cfg.inner if cfg.share_gpus else None) as device:
         rows = bench(cfg, device)
@@ -288,7 +289,7 @@ def time_ms(parts: list[Part], s: Streams, cuda: bool) -> float:
     return ms
 
 
-def bench(cfg: Config, device: torch.device) -> list[dict]:
+def bench(cfg: CollectivesBenchConfig, device: torch.device) -> list[dict]:
     """All sizes on this rank; returns the rows (same on every rank)."""
     mesh = init_mesh(cfg.outer, cfg.inner, device.type, nccl=cfg.max_ctas)
     g = comm_groups(mesh)
@@ -337,7 +338,7 @@ def make_row(size_bytes: int, samples: dict[str, list[float]]) -> dict:
 # --------------------------------------------------------------------------- report
 
 
-def _meta(cfg: Config, device: torch.device) -> dict:
+def _meta(cfg: CollectivesBenchConfig, device: torch.device) -> dict:
     meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),

@@ -18,8 +18,8 @@ must read and write, each input read once and each output written once. ``floor`
 bytes over the card's copy bandwidth (a device-to-device copy of 1 GiB measured in the
 same run, bytes read + written); ``x floor`` = time / floor (target: at most 2).
 
-Paths: ``fused`` (``quant_kernels.py``, what runs on CUDA), ``eager`` (the torch ops, the
-CPU path and the reference; each fused result is checked equal to it bit for bit, the
+Paths: ``fused`` (``hsdp/sharding/quant_kernels.py``, what runs on CUDA), ``eager`` (the
+torch ops, the CPU path and the reference; each fused result is checked equal to it bit for bit, the
 ``identical`` column), ``compile`` (``torch.compile`` of the eager passes, int8, at the
 ``--compile-sizes`` only: each size compiles anew), ``torchft`` (``torchft.quantization``:
 fp8, one fp32 scale per row of a 2-D tensor, here ``[numel / --torchft-cols, cols]``, no

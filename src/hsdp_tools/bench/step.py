@@ -101,7 +101,7 @@ from hsdp_tools.bench.launch import (
     rank_process_group,
     select_cuda,
 )
-from hsdp_tools.bench.step_config import Config, add_arguments, resolve  # noqa: F401  (add_arguments: the command table)
+from hsdp_tools.bench.step_config import StepBenchConfig, add_arguments, resolve  # noqa: F401  (add_arguments: the command table)
 from hsdp_tools.bench.step_results import report, results
 from hsdp_tools.bench.trace import host_marks, intervals_from_chrome_trace, intervals_from_records
 from hsdp_tools.bench.trainee import (
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
                   cuda, bool(args.share_gpus))
 
 
-def _worker(local_rank: int, cfg: Config, port: int | None) -> None:
+def _worker(local_rank: int, cfg: StepBenchConfig, port: int | None) -> None:
     with rank_process_group(local_rank, cfg.world, port, cfg.cuda,
                             cfg.inner if cfg.share_gpus else None) as device:
         mesh = hsdp.init_mesh(cfg.outer, cfg.inner, device.type, tp=cfg.tp)
@@ -143,7 +143,7 @@ def _worker(local_rank: int, cfg: Config, port: int | None) -> None:
 
 
 @contextmanager
-def _oom_guard(schedule: str, cfg: Config) -> Iterator[None]:
+def _oom_guard(schedule: str, cfg: StepBenchConfig) -> Iterator[None]:
     """Turn a CUDA out-of-memory error into a clear exit naming the schedule and model."""
     try:
         yield
@@ -181,7 +181,7 @@ class _Progress:
         self.t0 = now
 
 
-def bench(cfg: Config, device: torch.device, mesh: DeviceMesh) -> dict:
+def bench(cfg: StepBenchConfig, device: torch.device, mesh: DeviceMesh) -> dict:
     """Every phase of the module docstring; the result dict on rank 0 (partial on the
     others)."""
     cuda = device.type == "cuda"
@@ -237,7 +237,7 @@ def bench(cfg: Config, device: torch.device, mesh: DeviceMesh) -> dict:
     return results(cfg, device, trainees, traces, reference)
 
 
-def _record(cfg: Config, trainees: list[Trainee], batches: list[torch.Tensor],
+def _record(cfg: StepBenchConfig, trainees: list[Trainee], batches: list[torch.Tensor],
             cuda: bool) -> dict[str, tuple[list[OpRecord], float, float]]:
     """The recorded steps (module docstring): each hsdp trainee's host marks and side-op
     stream times per step; returns, on CPU, each schedule's first recorded step (records,
@@ -303,7 +303,7 @@ def _phase_memory(t: Trainee, batches: list[torch.Tensor], device: torch.device)
     t.phase_peak_bytes = peaks
 
 
-def _collective_free(cfg: Config, trainees: list[Trainee], batches: list[torch.Tensor],
+def _collective_free(cfg: StepBenchConfig, trainees: list[Trainee], batches: list[torch.Tensor],
                      device: torch.device, mesh: DeviceMesh) -> Trainee:
     """Interleaved steps without emulated delays, and the unsharded reference's steps."""
     with _oom_guard("unsharded", cfg):
@@ -323,7 +323,7 @@ def _collective_free(cfg: Config, trainees: list[Trainee], batches: list[torch.T
     return ref
 
 
-def _trace(t: Trainee, batches: list[torch.Tensor], cfg: Config, k: int,
+def _trace(t: Trainee, batches: list[torch.Tensor], cfg: StepBenchConfig, k: int,
            cuda: bool) -> str | None:
     """Profile one step, the schedule's ``k``-th profiled one; rank 0 returns the path of
     its Chrome trace (module docstring)."""

@@ -1,5 +1,5 @@
-"""``bench step``'s command line and its resolved configuration (``Config``): model, mesh,
-schedules, fabric, emulation."""
+"""``bench step``'s command line and its resolved configuration (``StepBenchConfig``):
+model, mesh, schedules, fabric, emulation."""
 
 from __future__ import annotations
 
@@ -208,8 +208,8 @@ def fabric_from_collectives(path: str | Path, default: Fabric) -> tuple[Fabric, 
 
 
 @dataclass(frozen=True)
-class Config:
-    """Resolved arguments, identical on every rank."""
+class StepBenchConfig:
+    """``bench step``'s resolved arguments, identical on every rank."""
 
     world: int
     outer: int
@@ -257,7 +257,7 @@ class Config:
                 f"{' + float8' if self.float8 else ''}: {m.num_params / 1e6:.1f} M params")
 
 
-def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
+def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> StepBenchConfig:
     """Fill defaults that depend on the device and world; check the rest. ``world`` is
     None with ``--emulate`` (the mesh decides it)."""
     def fail(msg: str) -> SystemExit:
@@ -344,12 +344,12 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> Config:
     if args.emulate and args.fabric_json:
         fabric, fit = fabric_from_collectives(args.fabric_json, fabric)
         source = args.fabric_json
-    return Config(world, outer, inner, model, mbs, args.microbatches,
-                  args.dtype or ("bf16" if cuda else "fp32"), args.reduce_dtype,
-                  tuple(args.schedules), args.steps, args.warmup, args.record_steps,
-                  args.trace_steps, args.emulate, fabric,
-                  source, args.json, args.out_dir, cuda, share, fit, args.float8, tp,
-                  tp_fabric, args.outer_reduce, args.outer_gather)
+    return StepBenchConfig(world, outer, inner, model, mbs, args.microbatches,
+                           args.dtype or ("bf16" if cuda else "fp32"), args.reduce_dtype,
+                           tuple(args.schedules), args.steps, args.warmup, args.record_steps,
+                           args.trace_steps, args.emulate, fabric,
+                           source, args.json, args.out_dir, cuda, share, fit, args.float8, tp,
+                           tp_fabric, args.outer_reduce, args.outer_gather)
 
 
 def _check_moe(args: argparse.Namespace, inner: int, fail: Callable[[str], SystemExit]

@@ -21,7 +21,7 @@ from hsdp_tools.bench.launch import (
     bookkeeping_device,
 )
 from hsdp_tools.bench.mfsdp import import_mfsdp
-from hsdp_tools.bench.step_config import GIB, GRAPH_PAIRS, PAIRS, Config
+from hsdp_tools.bench.step_config import GIB, GRAPH_PAIRS, PAIRS, StepBenchConfig
 from hsdp_tools.bench.trainee import (
     PEERS,
     PHASES,
@@ -71,7 +71,7 @@ def _spread(samples: list[float], key: str) -> dict:
             f"{key}_max_ms": max(samples)}
 
 
-def results(cfg: Config, device: torch.device, trainees: list[Trainee],
+def results(cfg: StepBenchConfig, device: torch.device, trainees: list[Trainee],
              traces: dict[str, tuple[list[Interval], list[str]]],
              reference: Trainee | None) -> dict:
     """Slowest rank per step and largest peak over ranks; metrics from rank 0's trace."""
@@ -146,7 +146,7 @@ def _summary(schedules: dict[str, dict]) -> dict:
             if a in schedules and b in schedules}
 
 
-def _meta(cfg: Config, device: torch.device, trainees: list[Trainee]) -> dict:
+def _meta(cfg: StepBenchConfig, device: torch.device, trainees: list[Trainee]) -> dict:
     cuda = device.type == "cuda"
     meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -193,7 +193,7 @@ def _meta(cfg: Config, device: torch.device, trainees: list[Trainee]) -> dict:
     return meta
 
 
-def report(result: dict, cfg: Config) -> None:
+def report(result: dict, cfg: StepBenchConfig) -> None:
     """Print the table; write the JSON and the timeline PNG; say where they went."""
     intervals = result.pop("intervals")
     if any(intervals.values()):

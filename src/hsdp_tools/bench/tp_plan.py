@@ -45,7 +45,7 @@ WRAPPED = {"all_gather_single": "all_gather", "all_gather_tensor": "all_gather",
            "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
 
 
-def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_llama_tp_plan(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """torch's TP plan (module docstring) on ``model``, an ``hsdp_tools.models.Llama``."""
     whole = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
     parallelize_module(model, tp_mesh, {

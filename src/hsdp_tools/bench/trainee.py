@@ -49,9 +49,10 @@ from hsdp_tools.bench.emulate import DelayedCollectives, SleepClock, emulate
 from hsdp_tools.bench.fsdp2 import fsdp2_collectives, shard_fsdp2
 from hsdp_tools.bench.graphed import EAGER_STEPS, GraphedSteps
 from hsdp_tools.bench.mfsdp import shard_mfsdp
-from hsdp_tools.bench.tp_plan import parallelize_llama, tp_collectives
+from hsdp_tools.bench.tp_plan import apply_llama_tp_plan, tp_collectives
 from hsdp_tools.models import ModelConfig, lm_loss
-from hsdp_tools.models_moe import EPExchange, build_bench_model, shard_divisors, unit_meshes
+from hsdp_tools.moe_exchange import EPExchange
+from hsdp_tools.moe_placement import build_bench_model, shard_divisors, unit_meshes
 from hsdp_tools.sim.fabric import Fabric
 
 
@@ -197,7 +198,7 @@ def _build(name: str, model_cfg: ModelConfig, mp: hsdp.MixedPrecision, mesh: Dev
     with torch.device(device):
         model = build_bench_model(model_cfg, mesh)
     if tp_mesh is not None:
-        parallelize_llama(model, tp_mesh)
+        apply_llama_tp_plan(model, tp_mesh)
     if float8:
         model = float8_model(model, device)
     cuda = device.type == "cuda"
@@ -260,7 +261,7 @@ def build_unsharded(model_cfg: ModelConfig, mp: hsdp.MixedPrecision, inner: int,
     with torch.device(device):
         model = build_bench_model(model_cfg, None).to(mp.param_dtype or torch.float32)
         if tp_mesh is not None:
-            parallelize_llama(model, tp_mesh)
+            apply_llama_tp_plan(model, tp_mesh)
         shards = [torch.zeros(math.ceil(local_of(p).numel() / n))
                   for p, n in zip(model.parameters(), shard_divisors(model, inner))]
     if float8:

@@ -36,7 +36,8 @@ from hsdp.sharding.comm import Collectives
 from hsdp.sharding.policy import Strategy
 from hsdp.topology.mesh_dims import axis_groups
 from hsdp_tools.models import LlamaConfig, ModelConfig, lm_loss
-from hsdp_tools.models_moe import MoEConfig, unit_meshes
+from hsdp_tools.models_moe import MoEConfig
+from hsdp_tools.moe_placement import unit_meshes
 from hsdp_tools.report.args import DTYPES
 from hsdp_tools.report.metrics import Interval, step_metrics
 from hsdp_tools.sim.clock import Program, virtual_streams

@@ -20,7 +20,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp_tools.models import ModelConfig
-from hsdp_tools.models_moe import MoEBlock, MoEConfig, build_bench_model
+from hsdp_tools.models_moe import MoEBlock, MoEConfig
+from hsdp_tools.moe_placement import build_bench_model
 from hsdp_tools.sim.clock import Program, ProgramOp
 from hsdp_tools.sim.costs import Price
 from hsdp_tools.sim.fabric import Fabric, Link

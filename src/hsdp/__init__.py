@@ -17,7 +17,7 @@ from hsdp.ft.outer import FaultTolerance
 from hsdp.ft.transport import RecoveryTransport
 from hsdp.materialize import materialize
 from hsdp.module import register_forward_method
-from hsdp.runtime.optim import attach_optimizer
+from hsdp.runtime.optim_hooks import attach_optimizer
 from hsdp.sharding.policy import MixedPrecision, OuterGather, OuterReduce, Strategy
 from hsdp.topology.communicators import NcclConfig
 from hsdp.topology.mesh import expert_mesh, init_mesh

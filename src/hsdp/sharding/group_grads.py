@@ -71,6 +71,10 @@ class GradientState:
         self.reduced = False
         _hook_unsharded(self)
 
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None) -> None:
+        """FSDP2's ``set_all_reduce_hook``: ``hook`` runs on the outer all-reduce's result."""
+        self.all_reduce_hook = hook
+
     def set_trainable(self, count: int) -> None:
         """The group's number of trainable parameters changed (``requires_grad_``)."""
         self.trainable_count = count

@@ -2,7 +2,7 @@
 
 Calls are synchronous from the caller's point of view (``async_op=False``): on CUDA they
 are ordered on the current stream, which the schedule sets to the named stream; on CPU
-they block the stream's worker thread (see ``streams.py``). A group of one rank needs no
+they block the stream's worker thread (see ``streams/cpu_backend.py``). A group of one rank needs no
 collective at all.
 
 Tools plug in by subclassing: ``before`` is called ahead of each collective with other

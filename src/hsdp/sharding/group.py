@@ -163,7 +163,7 @@ class ParamGroup:
 
     def _tp_locals(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         """Mark the original parameters (for ties and stale optimizers) and return what
-        hsdp shards of them: their TP-local tensors (see ``tp.py``). Keeps, per parameter,
+        hsdp shards of them: their TP-local tensors (see ``tp_blocks.py``). Keeps, per parameter,
         the spec of its gathered DTensor on mesh["tp"] (None: a plain parameter) and the
         TP placement of its shards (None without a tp dim)."""
         for idx, p in enumerate(params):

@@ -1,5 +1,6 @@
-"""The stream contract: named streams and events (backends: ``cuda.py``, ``cpu.py``; the
-named set: ``stream_set.py``); CUDA streams on GPU, one worker thread per stream on CPU.
+"""The stream contract: named streams and events (backends: ``cuda_backend.py``,
+``cpu_backend.py``; the named set: ``stream_set.py``); CUDA streams on GPU, one worker
+thread per stream on CPU.
 
 The schedule is written once against this interface. Work for a communication stream is
 a closure handed to ``SideStream.submit(fn, after, label)``: it runs after the events in

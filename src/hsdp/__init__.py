@@ -18,7 +18,7 @@ from hsdp.ft.transport import RecoveryTransport
 from hsdp.materialize import materialize
 from hsdp.module import register_forward_method
 from hsdp.runtime.diloco import DiLoCo
-from hsdp.runtime.optim import attach_optimizer
+from hsdp.runtime.optim_hooks import attach_optimizer
 from hsdp.sharding.outer_gather import OuterGather
 from hsdp.sharding.outer_reduce import OuterReduce
 from hsdp.sharding.policy import MixedPrecision, Strategy

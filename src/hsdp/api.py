@@ -17,7 +17,7 @@ from hsdp.checkpoint.state_dicts import load_state_dict_hook, state_dict_hook
 from hsdp.ft.errors import FaultToleranceError
 from hsdp.module import adopt
 from hsdp.runtime.hooks import units_below
-from hsdp.runtime.optim import watch_optimizers
+from hsdp.runtime.optim_hooks import watch_optimizers
 from hsdp.runtime.outer_modes import as_mode
 from hsdp.runtime.unit import Unit
 from hsdp.sharding.float8_weights import float8_dtype

@@ -13,8 +13,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp.api import _root_unit
-from hsdp.runtime.state import Phase
-from hsdp.runtime.step_agreement import joined
+from hsdp.runtime.agreement import joined
+from hsdp.runtime.step import Phase
 from hsdp.runtime.unit import Unit
 from hsdp.sharding.group import owner
 from hsdp.sharding.tp_blocks import block_of
@@ -112,7 +112,7 @@ def _stage_part(model: nn.Module, norm: _Norm) -> tuple[torch.Tensor, list[torch
         total = joined(f"clip_grad_norm_ after step {step}", key, reduce_norm, comms.timeout)
     except RuntimeError as exc:
         if rt is not None:
-            rt.broken = str(exc)
+            rt.step.mark_broken(str(exc))
         raise
     return total, [g for _, gs in spread.values() for g in gs]
 

@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import hsdp
-from hsdp.sharding.grad_state import GradientState
+from hsdp.sharding.group_grads import GradientState
 
 
 def _model() -> nn.Sequential:

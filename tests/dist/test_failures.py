@@ -23,8 +23,8 @@ from dist_utils import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
 import hsdp
+from hsdp.runtime.note_board import post_note, read_note
 from hsdp.topology.communicators import comm_groups
-from hsdp.runtime.step_agreement import post_note, read_note
 
 WORLD = 4
 V, H, ROWS = 11, 8, 2  # vocabulary, hidden size, rows per rank
@@ -443,8 +443,8 @@ def test_a_stuck_rank_makes_the_others_raise_within_the_timeout() -> None:
 def test_the_slow_agreement_watch_fires_only_when_still_armed() -> None:
     """The agreement's slow-wait callback (which leaves the note blocked peers read) runs
     once its time has passed, not after a disarm, and again when re-armed."""
-    from hsdp.runtime.step_agreement import _SlowWatch
-    watch, fired = _SlowWatch(), []
+    from hsdp.runtime.slow_watch import SlowWatch
+    watch, fired = SlowWatch(), []
     armed = watch.arm(0.05, lambda: fired.append("a"))
     watch.disarm(armed)
     watch.arm(0.05, lambda: fired.append("b"))

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import hsdp
-from hsdp.sharding.group_state_dict import GroupState
+from hsdp.sharding.group_io import GroupIO
 
 
 def _net(strategy: str) -> nn.Sequential:
@@ -75,7 +75,7 @@ def test_optimizer_state_is_one_buffer_per_group_and_key(fake_world_8, strategy,
     again at the next step."""
     snapshots = []
 
-    def pack_and_check(self, state, pack=GroupState.pack_state):
+    def pack_and_check(self, state, pack=GroupIO.pack_state):
         before = {(id(p), k): v._local_tensor.clone() for p in self.b.sharded if p in state
                   for k, v in state[p].items() if v.dim()}
         pack(self, state)
@@ -86,7 +86,7 @@ def test_optimizer_state_is_one_buffer_per_group_and_key(fake_world_8, strategy,
             torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8))
             for k in before))
 
-    monkeypatch.setattr(GroupState, "pack_state", pack_and_check)
+    monkeypatch.setattr(GroupIO, "pack_state", pack_and_check)
     mesh = hsdp.init_mesh(2, 4, "cpu")
     # Small sizes: several pieces of odd lengths in this rank's part of the root.
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 40), nn.Tanh(),

@@ -16,7 +16,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import hsdp
 import hsdp.runtime.recovery
-from hsdp.runtime.state import Phase
+from hsdp.runtime.step import Phase
 from hsdp.streams.capture import CaptureError, CaptureScope
 
 
@@ -62,7 +62,7 @@ def test_cpu_never_takes_the_capture_paths(world_1, monkeypatch):
     for _ in range(2):
         _step(net, opt, torch.randn(6, 8))
     rt = net._hsdp_unit.runtime
-    assert len(calls) == 2 and not rt.ctx.graphed and rt.graphs.captured is None
+    assert len(calls) == 2 and not rt.graphs.graphed and rt.graphs.captured is None
 
 
 @pytest.mark.parametrize("n_micro", [1, 3])
@@ -87,7 +87,7 @@ def test_a_captured_step_equals_the_eager_one(world_1, monkeypatch, n_micro):
         opts[1].step()  # eager: runs the deferred agreement first
         opts[1].zero_grad(set_to_none=False)
     graphs = captured._hsdp_unit.runtime.graphs
-    assert captured._hsdp_unit.runtime.ctx.graphed and graphs.steps == 3
+    assert captured._hsdp_unit.runtime.graphs.graphed and graphs.steps == 3
     assert graphs.captured.microbatches == n_micro
     for a, b in zip(eager.parameters(), captured.parameters()):
         assert torch.equal(a.detach().full_tensor(), b.detach().full_tensor())
@@ -211,13 +211,13 @@ def test_a_captured_step_adds_uncleared_gradients_where_they_lie(world_1, monkey
     for m, opt in zip((eager, captured), opts):  # gradients and optimizer state exist
         _step(m, opt, xs[0])
     kept: dict[int, list] = {}
-    hide = hsdp.sharding.grad_state.GradientState.hide_grads
+    hide = hsdp.sharding.group_grads.GradientState.hide_grads
 
     def spy(grads, capturing=False, single=False):
         hide(grads, capturing, single)
         kept.setdefault(id(grads), []).append((grads.carry is None, grads.carry_in_buf))
 
-    monkeypatch.setattr(hsdp.sharding.grad_state.GradientState, "hide_grads", spy)
+    monkeypatch.setattr(hsdp.sharding.group_grads.GradientState, "hide_grads", spy)
     compute = captured._hsdp_unit.runtime.ctx.streams.compute
     for k, x in enumerate(xs[1:]):
         for m, opt in zip((eager, captured), opts):

@@ -1,7 +1,10 @@
 """Objects own their state: no class of the runtime or sharding packages is assembled from
 several hsdp classes (mixins), and none reads ``self.<name>`` that it does not define
 itself (assigned in a method, a class-level name such as a dataclass field, a method or
-a property), inherit from its one hsdp base, or inherit from a class outside hsdp."""
+a property), inherit from its one hsdp base, or inherit from a class outside hsdp. A write
+through an object it holds (``self.ctx.step.phase = ...``, ``step.gave_up = True`` after
+``step = self.ctx.step``, ``self.ctx.log.forwards += 1``, ``self.ctx.step.reduced.append``)
+counts as a read of state it does not own: the holder's own methods change it."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ import ast
 import importlib
 import inspect
 from pathlib import Path
+
+import torch
 
 import hsdp
 
@@ -42,6 +47,73 @@ def _defined(cls: ast.ClassDef) -> set[str]:
     return names
 
 
+TORCH_FIELDS = set(dir(torch.Tensor))  # p.grad = ...: torch's API for a tensor's fields
+MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "add", "discard",
+            "update", "setdefault"}
+
+
+def _chain(node: ast.AST, aliases: dict[str, int]) -> int | None:
+    """How many attributes below ``self`` ``node`` is (``self.a.b``: 2; a local name bound
+    to ``self.a``: 1), None if it is not reached from ``self``."""
+    depth = 0
+    while isinstance(node, ast.Attribute):
+        node, depth = node.value, depth + 1
+    if isinstance(node, ast.Name):
+        if node.id == "self":
+            return depth
+        if node.id in aliases:
+            return depth + aliases[node.id]
+    return None
+
+
+def _aliases(func: ast.AST) -> dict[str, int]:
+    """Local names bound to objects reached from ``self`` (``ctx = self.ctx``, ``ctx, step =
+    self.ctx, self.ctx.step``, ``for g in self.groups``), with their depth below ``self``."""
+    out: dict[str, int] = {}
+    for node in ast.walk(func):
+        if isinstance(node, ast.For) and isinstance(node.target, ast.Name):
+            depth = _chain(node.iter, out)
+            if depth:  # an element of a held list is held one level further down
+                out[node.target.id] = depth + 1
+        if not isinstance(node, ast.Assign):
+            continue
+        for target in node.targets:
+            pairs = ([(target, node.value)] if isinstance(target, ast.Name) else
+                     list(zip(target.elts, node.value.elts))
+                     if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple)
+                     else [])
+            for name, value in pairs:
+                depth = _chain(value, out) if isinstance(name, ast.Name) else None
+                if depth:
+                    out[name.id] = depth
+    return out
+
+
+def _foreign_writes(cls: ast.ClassDef) -> list[str]:
+    """Writes into objects ``cls`` holds rather than into itself: stores, augmented
+    stores and deletes of ``<held>.<name>`` and ``<held>[...]``, and list / set / dict
+    mutators called on a held object's field."""
+    out = []
+    for func in (n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        aliases = _aliases(func)
+        for node in ast.walk(func):
+            if isinstance(node, (ast.Attribute, ast.Subscript)) \
+                    and isinstance(node.ctx, (ast.Store, ast.Del)):
+                depth = _chain(node.value, aliases)  # self.x[k] = v: its own container
+                if getattr(node, "attr", None) in TORCH_FIELDS:
+                    continue
+                if depth is not None and depth >= 1 + isinstance(node, ast.Subscript):
+                    out.append(ast.unparse(node))
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in MUTATORS:
+                depth = _chain(node.func.value, aliases)
+                if depth is not None and depth >= 3 - (
+                        isinstance(node.func.value, ast.Name)
+                        and node.func.value.id in aliases):
+                    out.append(ast.unparse(node.func))
+    return sorted(set(out))
+
+
 def _class_def(cls: type) -> ast.ClassDef:
     tree = ast.parse(Path(inspect.getfile(cls)).read_text())
     return next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)
@@ -71,7 +143,9 @@ def _problems(where: str, cls: type, node: ast.ClassDef) -> list[str]:
     for base in cls.__mro__[1:]:
         known |= _defined(_class_def(base)) if _is_hsdp(base) else set(dir(base))
     unknown = sorted({a.attr for a in _self_nodes(node) if isinstance(a.ctx, ast.Load)} - known)
-    return [f"{where}: {cls.__name__} reads self.{n}, defined elsewhere" for n in unknown]
+    return [f"{where}: {cls.__name__} reads self.{n}, defined elsewhere" for n in unknown] + [
+        f"{where}: {cls.__name__} writes {w}, state it does not own"
+        for w in _foreign_writes(node)]
 
 
 def test_no_class_reads_state_it_does_not_own():
@@ -89,3 +163,31 @@ def test_the_check_sees_a_mixin():
     assert _problems("x.py", mixin, node) == ["x.py: M reads self.buf, defined elsewhere"]
     both = type("B", (mixin, type("N", (), {"__module__": "hsdp.y"})), {})
     assert _problems("x.py", both, node)[0].startswith("x.py: B mixes ['M', 'N']")
+
+
+def test_the_check_sees_writes_through_a_shared_context():
+    """The check itself: writes into a held object's fields, direct or through a local
+    name, count; the holder's methods and the class's own containers do not."""
+    tree = ast.parse(
+        "class S:\n"
+        "    def __init__(self, ctx):\n"
+        "        self.ctx, self.own, self.table = ctx, [], {}\n"
+        "    def f(self):\n"
+        "        self.ctx.step.phase = 1\n"
+        "        self.ctx.log.forwards += 1\n"
+        "        ctx, step = self.ctx, self.ctx.step\n"
+        "        ctx.broken = 'x'\n"
+        "        step.reduced.append(2)\n"
+        "        self.ctx.step.pending.clear()\n"
+        "        self.ctx.log.add(3)\n"
+        "        self.ctx.step.begin_backward()\n"
+        "        self.own.append(4)\n"
+        "        self.table[1] = 2\n"
+        "        self.n = 5\n"
+        "        for u in self.ctx.units:\n"
+        "            u.done = True\n")
+    node = tree.body[0]
+    cls = type("S", (), {"__module__": "hsdp.x"})
+    assert [p.split("writes ")[1].split(",")[0] for p in _problems("x.py", cls, node)] == [
+        "ctx.broken", "self.ctx.log.forwards", "self.ctx.step.pending.clear",
+        "self.ctx.step.phase", "step.reduced.append", "u.done"]

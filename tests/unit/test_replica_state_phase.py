@@ -7,7 +7,7 @@ import pytest
 import torch.nn as nn
 
 from hsdp.checkpoint import replica_state
-from hsdp.runtime.state import Phase, StepState
+from hsdp.runtime.step import Phase, Step
 
 
 class _Manager:
@@ -25,7 +25,7 @@ def test_fault_tolerance_follows_the_runtime_phase(monkeypatch, phase):
                         lambda mesh: SimpleNamespace(elastic=SimpleNamespace(manager=manager)))
     model = nn.Linear(2, 2)
     model._hsdp_unit = SimpleNamespace(mesh=None, groups=[],
-                                       runtime=SimpleNamespace(step=StepState(phase=phase)))
+                                       runtime=SimpleNamespace(step=Step(phase=phase)))
     if phase in (Phase.FORWARD, Phase.BACKWARD):
         with pytest.raises(RuntimeError, match="during forward or backward"):
             replica_state.fault_tolerance(model, None)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hsdp.runtime.state import Phase
+from hsdp.runtime.step import Phase
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.group import ParamGroup, owner
 from hsdp.topology.communicators import host_group

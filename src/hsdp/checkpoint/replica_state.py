@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from hsdp.checkpoint.outer_sync_state import anchored_groups
 from hsdp.ft.errors import FaultToleranceError
-from hsdp.runtime.state import Phase
+from hsdp.runtime.step import Phase
 from hsdp.sharding.pieces import Piece, piece_like
 from hsdp.topology.communicators import comm_groups
 

@@ -1,14 +1,15 @@
 """``RuntimeContext``: what the parts of a model's runtime share (``runtime.py`` builds it
-and hands it to ``Schedule``, ``Gathering``, ``Recovery`` and ``OptimizerSteps``): the
-units and groups, the communicators, streams and op table, the step's state and log."""
+and hands it to ``Schedule``, ``Gathering``, ``Recovery``, ``Graphs`` and
+``OptimizerSteps``): the units and groups, the communicators, streams and op table, and
+the current ``Step`` (``step.py``), which alone changes the step's state and log. Every
+field is set once, here; the parts change only what they own."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hsdp.runtime.state import StepState
-from hsdp.runtime.step_agreement import StepLog
+from hsdp.runtime.step import Step
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.group import ParamGroup
 from hsdp.streams.contract import Event, SideStream
@@ -32,11 +33,8 @@ class RuntimeContext:
     coll: Collectives
     streams: Streams
     ops: dict[OpKind, Op]  # the one place streams are chosen
-    step: StepState
-    log: StepLog
-    broken: str | None = None  # why hsdp's communicators cannot be used any more
+    step: Step  # changed only through its methods
     outer: OuterSchedule = field(default_factory=OuterSchedule)  # the outer modes' schedule
-    graphed: bool = False  # a region of this model was captured in a CUDA graph (graphs.py)
 
     def __post_init__(self) -> None:
         self.gid = {g: i for i, g in enumerate(self.groups)}
@@ -47,7 +45,7 @@ class RuntimeContext:
 
     def logged(self, kind: OpKind, g: ParamGroup, event: Event) -> Event:
         """``event`` of a collective of ``kind`` on ``g``, logged for the step agreement."""
-        self.log.add(kind, self.gid[g], self.ops[kind].stream, event)
+        self.step.log.add(kind, self.gid[g], self.ops[kind].stream, event)
         return event
 
     @property
@@ -55,13 +53,13 @@ class RuntimeContext:
         """Groups with gradient state (trainable now or earlier), in group order."""
         return [g for g in self.groups if g.has_grads]
 
-    def release_cleared_grads(self) -> None:
+    def release_cleared_grads(self, graphed: bool) -> None:
         """Once the user has cleared the gradients (zero_grad), free their buffers until
         the next reduce-scatter needs them, so they are not held through the forward;
-        never once a graph was captured (it writes them at their addresses)."""
+        never once a graph was captured (``graphed``: it writes them at their addresses)."""
         groups = [g for u in self.units for g in u.with_grads
                   if g.grads.grads_live and not g.grads.grads_exposed()]
-        if groups and not self.graphed:  # a graph writes them at fixed addresses: kept
+        if groups and not graphed:  # a graph writes them at fixed addresses: kept
             # rs / outer wait: the optimizer on compute may still read the gradients.
             read = self.streams.compute.record()
             for g in groups:
@@ -71,7 +69,6 @@ class RuntimeContext:
     def reset_units(self) -> None:
         """The units' and groups' per-backward flags, for the next backward."""
         for u in self.units:
-            u.backward_started = u.backward_done = False
-            u.pending_bwd = u.unattached = 0
+            u.reset_backward()
         for g in self.trainable:
             g.grads.reset_backward()

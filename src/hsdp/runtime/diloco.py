@@ -259,7 +259,7 @@ class OuterSync(OuterSchedule):
         issue the all-reduces of the fragments whose period it completes (with fault
         tolerance after torchft's quorum), then apply those due at once (``delay=0``)."""
         for g in self.groups:
-            g.anchor.steps += 1
+            g.anchor.count_step()
         self._apply(rt)
         due = self.due()
         if due and self.elastic is not None:
@@ -270,8 +270,8 @@ class OuterSync(OuterSchedule):
             taken = rt.streams.compute.record()
             stream = rt.stream_of(OpKind.OUTER_SYNC)
             for g in due:
-                g.anchor.reduced = rt.logged(OpKind.OUTER_SYNC, g,
-                                             self.reduce(g, stream, rt.coll, [taken]))
+                g.anchor.issued(rt.logged(OpKind.OUTER_SYNC, g,
+                                          self.reduce(g, stream, rt.coll, [taken])))
         self._apply(rt)
 
     def _quorum(self, rt: RuntimeContext) -> list[ParamGroup]:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from hsdp.runtime.context import RuntimeContext
 from hsdp.runtime.hooks import UnshardHandle
-from hsdp.runtime.state import Phase
+from hsdp.runtime.step import Phase
 from hsdp.sharding.group import ParamGroup
 from hsdp.sharding.write_guard import PENDING
 from hsdp.streams.contract import Event

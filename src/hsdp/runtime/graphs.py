@@ -20,11 +20,14 @@ what they issued on the device. So:
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from hsdp.runtime.agreement import Agreement
 from hsdp.runtime.context import RuntimeContext
-from hsdp.runtime.state import Phase
-from hsdp.runtime.step_agreement import Agreement, Issued, StepLog
+from hsdp.runtime.step import Phase
+from hsdp.runtime.step_log import Issued, StepLog
 from hsdp.streams.capture import capture_refusal
 from hsdp.streams.contract import Event
 
@@ -45,6 +48,7 @@ class Graphs:
         self._last_step_done: Event | None = None  # the watchdog's event
         self._pending: Agreement | None = None  # the last step's agreement, not read yet
         self._due = self._fresh = True  # a check is due; read its verdict at once
+        self.graphed = False  # a region of this model was captured in a CUDA graph
 
     def enter(self, region: str) -> bool:
         """At the start of ``region`` ("forward", "optimizer step", "entry"): is it being
@@ -54,7 +58,7 @@ class Graphs:
             bad = self.refusals(region)
             if bad:
                 raise capture_refusal(*bad[0])
-            self.ctx.graphed = True
+            self.graphed = True
         return capturing
 
     def refusals(self, region: str) -> list[tuple[str, str]]:
@@ -88,13 +92,13 @@ class Graphs:
     def end_region(self, capturing: bool) -> None:
         """The end of a region: join the side streams into compute (see the module
         docstring), if captured or once the model was."""
-        if capturing or self.ctx.graphed:
+        if capturing or self.graphed:
             self.ctx.streams.drain()
 
     def keep_captured(self) -> None:
         """A captured step's finalize: keep its structure and gradient flags for the
         agreement outside the graph; the next check reads its verdict at once."""
-        log = self.ctx.log
+        log = self.ctx.step.log
         self.captured = StepLog(forwards=log.forwards, microbatches=log.microbatches,
                                 ops=[Issued(op.desc, None) for op in log.ops])
         self.used = [u for g in self.ctx.trainable for u in g.grads.used]
@@ -113,15 +117,15 @@ class Graphs:
         finished by then, so the host never waits for it), except the first after a
         capture. Then the gradients of parameters some other rank used are exposed here."""
         ctx = self.ctx
-        if not ctx.graphed or self.captured is None or not self._due:
+        if not self.graphed or self.captured is None or not self._due:
             return
         self._due = False
         self._watch()
         cleared = [g.label for g in ctx.trainable if not g.grads.grads_exposed()]
-        self.captured.step = self.steps
+        captured = dataclasses.replace(self.captured, step=self.steps)
         self.steps += 1
         previous, self._pending = self._pending, Agreement(
-            self.captured, "origin" if cleared else "", self.used, ctx.comms.control,
+            captured, "origin" if cleared else "", self.used, ctx.comms.control,
             ctx.comms.timeout)
         if self._fresh or cleared:  # read this step's at once
             self._fresh = False
@@ -141,13 +145,12 @@ class Graphs:
         try:
             verdict = agreement.verdict()
         except RuntimeError as exc:
-            ctx.broken = str(exc)
+            ctx.step.mark_broken(str(exc))
             raise
         if not verdict.ok:
-            ctx.broken = verdict.message(agreement.step) + (
+            raise RuntimeError(ctx.step.mark_broken(verdict.message(agreement.step) + (
                 " The ranks captured different steps, so their graphs' collectives do not "
-                "match: restart the job.")
-            raise RuntimeError(ctx.broken)
+                "match: restart the job.")))
         if verdict.used != self.used:
             used = iter(verdict.used)
             for g in ctx.trainable:
@@ -158,9 +161,8 @@ class Graphs:
         finished within the timeout (a replayed collective whose peer never came)."""
         prev, self._last_step_done = self._last_step_done, self.ctx.streams.compute.record()
         if prev is not None and not prev.wait_for(self.ctx.comms.timeout.total_seconds()):
-            self.ctx.broken = (
+            raise RuntimeError(self.ctx.step.mark_broken(
                 f"hsdp: the replayed steps of a CUDA graph did not finish within the "
                 f"timeout ({self.ctx.comms.timeout}): a peer rank died, is stuck, or "
                 f"replayed another number of times. hsdp's communicators cannot be used "
-                f"any more: restart the job.")
-            raise RuntimeError(self.ctx.broken)
+                f"any more: restart the job."))

@@ -1,5 +1,5 @@
 """Recovery: abandon a step that raised on some rank, consistently on every rank
-(the agreement of ``step_agreement.py``, then replay of the collectives other ranks issued)."""
+(the agreement of ``agreement.py``, then replay of the collectives other ranks issued)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from hsdp.runtime.agreement import Verdict, agree, missing
 from hsdp.runtime.context import RuntimeContext
 from hsdp.runtime.gather import Gathering
+from hsdp.runtime.graphs import Graphs
 from hsdp.runtime.hooks import in_backward
-from hsdp.runtime.state import Phase
-from hsdp.runtime.step_agreement import Verdict, agree, missing, post_note, read_note
+from hsdp.runtime.note_board import post_note, read_note
+from hsdp.runtime.step import Phase
 from hsdp.sharding.group import ParamGroup
 from hsdp.streams.contract import Event
 from hsdp.streams.op_table import OUTER_GATHERS, OUTER_REDUCTIONS, OpKind
@@ -22,34 +24,37 @@ from hsdp.topology.liveness import gone_message
 class Recovery:
     """The failure part of a model's runtime: step agreement, abandon and replay."""
 
-    def __init__(self, ctx: RuntimeContext, gathering: Gathering) -> None:
+    def __init__(self, ctx: RuntimeContext, gathering: Gathering, graphs: Graphs) -> None:
         self.ctx = ctx
         self.gathering = gathering
+        self.graphs = graphs
 
     def agree(self, failed: str, on_slow: Callable[[], None] | None = None) -> Verdict:
         ctx = self.ctx
         used = [u for g in ctx.trainable for u in g.grads.used]
         try:
-            return agree(ctx.log, failed, used, ctx.comms.control, ctx.comms.timeout, on_slow)
+            return agree(ctx.step.log, failed, used, ctx.comms.control, ctx.comms.timeout,
+                         on_slow)
         except RuntimeError as exc:
-            ctx.broken = str(exc)
+            ctx.step.mark_broken(str(exc))
             raise
 
     def note(self, kind: str) -> None:
         """Leave a note for peers blocked in this step (``kind``: failed, ended)."""
-        post_note(f"hsdp/{self.ctx.root.label}/{self.ctx.log.step}",
-                  f"{kind} {dist.get_rank()} {self.ctx.log.forwards}")
+        log = self.ctx.step.log
+        post_note(f"hsdp/{self.ctx.root.label}/{log.step}",
+                  f"{kind} {dist.get_rank()} {log.forwards}")
 
     def poll(self) -> None:
         """CPU, while a wait blocks: raise if another rank gave up this step, or ended it
         after fewer microbatches than this one runs (it will not join our collectives)."""
-        step, log = self.ctx.step, self.ctx.log
+        step, log = self.ctx.step, self.ctx.step.log
         note = read_note(f"hsdp/{self.ctx.root.label}/{log.step}")
         if note is None:
             return
         kind, rank, forwards = note.split()
         if kind == "failed":
-            step.gave_up = True
+            step.give_up()
             gone = gone_message()
             raise RuntimeError(
                 f"hsdp: rank {rank} gave up step {log.step} (its forward or backward "
@@ -57,7 +62,7 @@ class Recovery:
                 f"Handle this like that rank's error: the next forward abandons the step on "
                 f"every rank and starts a new one.")
         if int(forwards) < log.forwards:
-            step.gave_up = True
+            step.give_up()
             raise RuntimeError(
                 f"hsdp: the ranks disagree on the structure of step {log.step}: rank "
                 f"{rank} ended it after {forwards} microbatch(es), this rank runs microbatch "
@@ -68,8 +73,8 @@ class Recovery:
         """If the last forward or backward raised (on this rank), abandon that step on
         every rank before anything else runs: the entry points (forward, optimizer step,
         state dict, clip, synchronize) call this; every rank reaches one of them."""
-        if self.ctx.broken is not None:
-            raise RuntimeError(self.ctx.broken)
+        if self.ctx.step.broken is not None:
+            raise RuntimeError(self.ctx.step.broken)
         self.ctx.streams.compute.capturing()  # an entry point: has a capture ended?
         if self.ctx.step.phase is Phase.IDLE or in_backward():
             return
@@ -81,23 +86,22 @@ class Recovery:
         """Drop the current step consistently: complete the collectives that other ranks
         issued and this one did not, drain every stream, and reset to a clean state (no
         gradients; the next forward starts a new step)."""
-        ctx = self.ctx
-        if any(getattr(op.event, "epoch", None) is not None for op in ctx.log.ops):
-            ctx.broken = (
+        ctx, log = self.ctx, self.ctx.step.log
+        if any(getattr(op.event, "epoch", None) is not None for op in log.ops):
+            raise RuntimeError(ctx.step.mark_broken(
                 "hsdp: a step being captured in a CUDA graph failed: its collectives were "
                 "recorded, not run, on this rank, while other ranks may have replayed "
-                "theirs, so it cannot be abandoned consistently. Restart the job.")
-            raise RuntimeError(ctx.broken)
-        ctx.streams.compute.poll = None  # every rank is here now: waits will complete
+                "theirs, so it cannot be abandoned consistently. Restart the job."))
+        ctx.streams.compute.watch(None)  # every rank is here now: waits will complete
         last: dict[str, Event] = {}
-        for op in ctx.log.ops:
+        for op in log.ops:
             last[ctx.ops[op.desc[0]].communicator] = op.event
         keep_alive = []
         try:
-            extra = missing(ctx.log, ctx.comms.control)
+            extra = missing(log, ctx.comms.control)
         except RuntimeError as exc:  # nothing can complete the pending collectives
-            ctx.streams.failed.append(exc)
-            ctx.broken = str(exc)
+            ctx.streams.fail(exc)
+            ctx.step.mark_broken(str(exc))
             raise
         for kind, gid, _ in extra:
             comm = ctx.ops[kind].communicator
@@ -112,10 +116,9 @@ class Recovery:
         self.gathering.drop_all()
         for g in ctx.trainable:
             g.grads.abandon_step()
-        ctx.release_cleared_grads()
-        ctx.step.reset()
+        ctx.release_cleared_grads(self.graphs.graphed)
+        ctx.step.abandon()
         ctx.reset_units()
-        ctx.log.next_step()
 
     def _replay(self, kind: OpKind, g: ParamGroup, after: list[Event],
                 keep_alive: list) -> Event:

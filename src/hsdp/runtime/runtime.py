@@ -1,8 +1,9 @@
 """``Runtime``: what the root unit of a model shares with every unit below it. It builds
 the shared state (``RuntimeContext``, ``context.py``) and the parts that receive it: the
 schedule (``schedule.py``: forward, backward, reduction), the all-gathers (``gather.py``),
-recovery (``recovery.py``) and the optimizer hooks (``optim.py``); and forwards the entry
-points the units, the public API and tools call."""
+recovery (``recovery.py``), CUDA graphs (``graphs.py``) and the optimizer steps
+(``optim_steps.py``); and forwards the entry points the units, the public API and tools
+call."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from hsdp.runtime.context import RuntimeContext
 from hsdp.runtime.gather import Gathering
 from hsdp.runtime.graphs import Graphs
 from hsdp.runtime.hooks import units_below
-from hsdp.runtime.optim import STEPPERS, OptimizerSteps
+from hsdp.runtime.optim_hooks import STEPPERS
+from hsdp.runtime.optim_steps import OptimizerSteps
 from hsdp.runtime.outer_modes import model_schedule
 from hsdp.runtime.recovery import Recovery
 from hsdp.runtime.schedule import Schedule
-from hsdp.runtime.state import StepState
-from hsdp.runtime.step_agreement import StepLog
+from hsdp.runtime.step import Step
 from hsdp.streams.op_table import op_table
 from hsdp.streams.stream_set import Streams
 from hsdp.topology.build_agreement import agree_on_group
@@ -60,11 +61,10 @@ class Runtime:
         self.ctx = ctx = RuntimeContext(
             root=root, units=units, groups=[g for u in units for g in u.groups], comms=comms,
             coll=root.collectives, streams=root.streams or Streams.for_device(root.device),
-            ops=op_table(root.overlap_outer), step=StepState(), log=StepLog(),
-            outer=self.outer)
+            ops=op_table(root.overlap_outer), step=Step(), outer=self.outer)
         self.gathering = Gathering(ctx)
-        self.recovery = Recovery(ctx, self.gathering)
         self.graphs = Graphs(ctx)
+        self.recovery = Recovery(ctx, self.gathering, self.graphs)
         self.optim = OptimizerSteps(ctx, self.gathering, self.recovery, self.graphs)
         self.schedule = Schedule(ctx, self.gathering, self.recovery, self.optim, self.graphs)
         for u in units:
@@ -72,7 +72,7 @@ class Runtime:
         for g in ctx.groups:
             g.on_all_grads = self.schedule.reduce
         # What units, the public API, tools and tests read.
-        self.root, self.step, self.log = root, ctx.step, ctx.log
+        self.root, self.step, self.log = root, ctx.step, ctx.step.log
         self.float8_groups = self.optim.float8_groups
         self.pre_forward = self.schedule.pre_forward
         self.post_forward = self.schedule.post_forward
@@ -86,11 +86,7 @@ class Runtime:
     @property
     def broken(self) -> str | None:
         """Why hsdp's communicators cannot be used any more (None: they can)."""
-        return self.ctx.broken
-
-    @broken.setter
-    def broken(self, why: str) -> None:
-        self.ctx.broken = why
+        return self.step.broken
 
     def synchronize(self) -> None:
         """Block until every stream is idle (state dict, teardown)."""

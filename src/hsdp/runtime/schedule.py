@@ -3,9 +3,11 @@
 A ``Unit`` (``unit.py``) is one ``fully_shard``-ed module. The outermost unit to run a
 forward becomes the root and owns the ``Runtime`` (``runtime.py``) shared by every unit
 below it. ``Schedule`` receives what it shares with the runtime's other parts (the
-``RuntimeContext`` of ``context.py``: units, groups, streams, op table, step state and
-log) and those parts: the all-gathers (``Gathering``, ``gather.py``), failure handling
-(``Recovery``, ``recovery.py``) and the optimizer hooks (``OptimizerSteps``, ``optim.py``).
+``RuntimeContext`` of ``context.py``: units, groups, streams, op table, and the ``Step``
+of ``step.py``, changed through its methods) and those parts: the all-gathers
+(``Gathering``, ``gather.py``), failure handling (``Recovery``, ``recovery.py``), CUDA
+graphs (``Graphs``, ``graphs.py``) and the optimizer steps (``OptimizerSteps``,
+``optim_steps.py``).
 
 Where each step of docs/design.md lives:
 - forward AG_i, prefetch AG_{i+1} before DO_i ... ``pre_forward`` / ``post_forward``
@@ -21,7 +23,7 @@ runs it again in backward), ``BWD:<unit>`` from its pre-backward to its post-bac
 and CPU they are trace marks.
 
 Failures (docs/guide/failure_semantics.md): every collective is logged and the step's structure
-is agreed on at its end (``step_agreement.py``); a step whose forward or backward raised is
+is agreed on at its end (``agreement.py``); a step whose forward or backward raised is
 abandoned consistently on every rank by the next call into hsdp (``Recovery.settle``).
 """
 
@@ -45,9 +47,9 @@ from hsdp.runtime.hooks import (
     outside_root,
     plain_call,
 )
-from hsdp.runtime.optim import OptimizerSteps
+from hsdp.runtime.optim_steps import OptimizerSteps
 from hsdp.runtime.recovery import Recovery
-from hsdp.runtime.state import Phase
+from hsdp.runtime.step import Phase
 from hsdp.sharding.group import ParamGroup
 from hsdp.streams.op_table import OpKind
 
@@ -79,15 +81,12 @@ class Schedule:
 
     # ------------------------------------------------------------------ forward
 
-    def _begin_forward(self) -> None:
-        self.ctx.step.capturing = self.graphs.enter("forward")
+    def _begin_forward(self) -> bool:
+        """A root forward starts (before its phase does); whether it is captured."""
+        capturing = self.graphs.enter("forward")
         self.recovery.settle()
-        self.ctx.streams.compute.poll = self.recovery.poll
-        if not self.ctx.log.microbatches and not self._backward_expected:
-            # Only forward-only passes since the last agreement (evaluation): every rank
-            # issued all their collectives, so the log need not grow with them.
-            self.ctx.log.forget()
-        self.ctx.log.forwards += 1
+        self.ctx.streams.compute.watch(self.recovery.poll)
+        self.ctx.step.count_forward(self._backward_expected)
         for u in self.ctx.units:  # a forward whose backward never ran leaves buffers behind
             u.swap(False)
             for g in u.groups:
@@ -95,8 +94,9 @@ class Schedule:
             self.gathering.release(u)
         if self.ctx.step.first_microbatch:  # shards unchanged between microbatches of a step
             self.gathering.mark_params_written()
-            self.ctx.release_cleared_grads()
+            self.ctx.release_cleared_grads(self.graphs.graphed)
         self.gathering.refresh_outer_shards()
+        return capturing
 
     def pre_forward(self, unit: Unit, args: tuple, kwargs: dict):
         if unit.input_dtype is not None:
@@ -112,8 +112,7 @@ class Schedule:
             raise RuntimeError(outside_root(unit))
         self.ctx.streams.compute.begin(f"FWD:{unit.label}")
         if unit is self.ctx.root:
-            self._begin_forward()
-            self.ctx.step.phase = Phase.FORWARD
+            self.ctx.step.begin_forward(self._begin_forward())
         self.gathering.record(unit)
         self.gathering.unshard_now(unit)
         self.gathering.prefetch(unit, "forward")  # AG_{i+1} before unit i's buffer is released
@@ -140,8 +139,8 @@ class Schedule:
             self.gathering.end_recording()
             if not expects_backward:  # the region ends here
                 self.graphs.end_region(self.ctx.step.capturing)
-            self.ctx.step.phase = Phase.IDLE
-            self.ctx.streams.compute.poll = None  # the streams are shared: hold no model
+            self.ctx.step.end_forward()
+            self.ctx.streams.compute.watch(None)  # the streams are shared: hold no model
         self.ctx.streams.compute.end(f"FWD:{unit.label}")
         return output
 
@@ -184,13 +183,9 @@ class Schedule:
     # ------------------------------------------------------------------ backward
 
     def _begin_backward(self) -> None:
-        self.ctx.step.capturing = self.graphs.enter("backward")
-        self.ctx.step.phase = Phase.BACKWARD
-        self.ctx.streams.compute.poll = self.recovery.poll
-        self.ctx.log.microbatches += 1
-        override = self.ctx.root.is_last_override
-        self.ctx.step.sync = self.ctx.root.gradient_sync
-        self.ctx.step.is_last = (True if override is None else override) and self.ctx.step.sync
+        self.ctx.step.begin_backward(self.graphs.enter("backward"), self.ctx.root.gradient_sync,
+                                     self.ctx.root.is_last_override)
+        self.ctx.streams.compute.watch(self.recovery.poll)
         if self.ctx.step.first_microbatch:  # uncleared gradients are accumulated into, as in torch
             for u in self.ctx.units:
                 for g in u.with_grads:
@@ -243,18 +238,16 @@ class Schedule:
         if not step.sync:  # no communication: the gradients stay here until a synced one
             g.grads.keep_local(rs_in)
             return
-        if step.is_last:
-            step.reduced.append(g)
         copied = ctx.streams.compute.record()
         outer_next = step.is_last and g.grads.has_outer_reduction
         # rs waits: the reduce-scatter reads rs_in, written on compute by the copy-in.
         ev_rs = ctx.logged(OpKind.REDUCE_SCATTER, g, g.reduce_scatter(
             ctx.stream_of(OpKind.REDUCE_SCATTER), ctx.coll, rs_in, step.rs_first, [copied],
             outer_next))
-        step.pending_rs.append((g, rs_in, ev_rs))
+        step.issued_reduce_scatter(g, rs_in, ev_rs)
         if outer_next:
             # outer waits: it reduces the inner shard that RS_i has just accumulated.
-            step.outer_events.append(ctx.logged(g.grads.outer_reduction, g, g.reduce_outer(
+            step.issued_outer(ctx.logged(g.grads.outer_reduction, g, g.reduce_outer(
                 ctx.stream_of(g.grads.outer_reduction), ctx.coll, [ev_rs])))
 
     def _agree_or_keep(self, capturing: bool) -> list[bool]:
@@ -265,7 +258,7 @@ class Schedule:
             return self.graphs.used
         verdict = self.recovery.agree(failed="", on_slow=lambda: self.recovery.note("ended"))
         if not verdict.ok:
-            msg = verdict.message(self.ctx.log.step)
+            msg = verdict.message(self.ctx.step.log.step)
             self.recovery.abandon()
             raise RuntimeError(msg)
         return verdict.used
@@ -273,15 +266,10 @@ class Schedule:
     def _release_rs_inputs(self, keep: Sequence[ParamGroup] = ()) -> None:
         """Drop the RS inputs of every group but ``keep``'s (normally: the previous unit's,
         when the next unit's copy-in needs the memory)."""
-        kept = []
-        for g, rs_in, ev in self.ctx.step.pending_rs:
-            if g in keep:
-                kept.append((g, rs_in, ev))
-                continue
+        for ev in self.ctx.step.release_rs_inputs(keep):
             # compute waits: rs_in was allocated on compute and is read by RS on rs; its
             # memory may only return to compute's pool once that RS has finished.
             self.ctx.streams.compute.wait(ev)
-        self.ctx.step.pending_rs = kept
 
     def _finalize(self) -> None:
         """End of backward (autograd engine callback): leftovers, the step agreement on the
@@ -292,17 +280,14 @@ class Schedule:
         capturing = self.ctx.step.capturing
         if self.ctx.step.is_last:
             used = iter(self._agree_or_keep(capturing))
-            for ev in self.ctx.step.outer_events:
+            for ev in self.ctx.step.take_outer_events():
                 # compute waits: the optimizer reads grads the outer reduction produced.
                 self.ctx.streams.compute.wait(ev)
-            self.ctx.step.outer_events.clear()
             for g in self.ctx.trainable:
                 g.grads.expose_grads([next(used) for _ in g.grads.used])
-            self.ctx.log.next_step()
         self.graphs.end_region(capturing)
-        self.ctx.step.end_backward()
+        reduced = self.ctx.step.end_backward()
         self.ctx.reset_units()
-        self.ctx.streams.compute.poll = None
-        reduced, self.ctx.step.reduced = self.ctx.step.reduced, []
+        self.ctx.streams.compute.watch(None)
         if self.ctx.step.is_last:
             self.optim.run_grad_hooks(reduced)

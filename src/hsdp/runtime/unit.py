@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten
 
 from hsdp.runtime.hooks import in_backward, outside_root
 from hsdp.runtime.runtime import Runtime
-from hsdp.runtime.state import Phase
+from hsdp.runtime.step import Phase
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.group import ParamGroup, Slot
 from hsdp.sharding.policy import MixedPrecision
@@ -49,16 +49,20 @@ class Unit:
         # Tied parameters owned by another unit's group, used here: (group, index, slot).
         self.borrowed: list[tuple[ParamGroup, int, Slot]] = []
         self.uses: list[ParamGroup] = list(groups)  # groups gathered for this unit
-        self.pending_bwd = 0  # PostBackward nodes of this microbatch yet to run
-        self.unattached = 0  # grad-mode calls with no PostBackward (no input needs grad)
-        self.backward_started = False
-        self.backward_done = False
+        self.reset_backward()
         self.shows_unsharded = False  # what the module's parameter slots show (see swap)
         module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward_hook, always_call=False,
                                      with_kwargs=True)
         module.register_forward_hook(self._forward_failed_hook, always_call=True,
                                      with_kwargs=True)
+
+    def reset_backward(self) -> None:
+        """The per-backward flags, for the next backward."""
+        self.pending_bwd = 0  # PostBackward nodes of this microbatch yet to run
+        self.unattached = 0  # grad-mode calls with no PostBackward (no input needs grad)
+        self.backward_started = False
+        self.backward_done = False
 
     @property
     def tracer(self) -> Tracer:
@@ -131,7 +135,7 @@ class Unit:
             note_gone(exc)  # a collective that lost its peer: name the ranks that are gone
         if (rt is not None and rt.root is self and rt.step.phase is Phase.FORWARD
                 and not in_backward()):
-            rt.step.phase = Phase.FAILED
+            rt.step.fail_forward()
             if exc is not None:
                 note_mixed(exc)
 

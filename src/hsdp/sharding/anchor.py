@@ -34,6 +34,14 @@ class Anchor:
         self.apply_at: int | None = None  # the step count at which it is applied
         self.reduced: Event | None = None  # its all-reduce (None: done)
 
+    def count_step(self) -> None:
+        """An optimizer step was taken (the sync schedule's clock)."""
+        self.steps += 1
+
+    def issued(self, reduced: Event) -> None:
+        """The all-reduce of the pseudo-gradient taken last was issued (``reduced``)."""
+        self.reduced = reduced
+
     def capture(self, main: torch.Tensor) -> None:
         """Take the anchor from ``main`` if there is none (first step, after a load of a
         checkpoint without one)."""

@@ -80,6 +80,10 @@ class Float8Weights:
                              requires_grad=p.requires_grad)
                 for p, proto in zip(params, self._protos)]
 
+    def scaled_at(self, version: int | None) -> None:
+        """The scales were computed from the weights at the group's ``version``."""
+        self.version = version
+
     def set_amax(self, amax: torch.Tensor) -> None:
         """New scales from each weight's global max|w| (``amax``: one per weight)."""
         from torchao.float8.float8_utils import amax_to_scale

@@ -2,9 +2,9 @@
 
 A group holds the parameters of one unit that share a dtype and requires_grad. It builds
 its buffers (``GroupBuffers``, ``group_buffers.py``) and hands them to its parts: its
-all-gathers (``gather``: ``GroupGather``, ``group_comm.py``), its gradient state and
-reductions (``grads``: ``GradientState``, ``grad_state.py``) and its state I/O (``state``:
-``GroupState``, ``group_state_dict.py``). They do HOW; ``runtime/schedule.py`` and
+all-gathers (``gather``: ``GroupGather``, ``group_gather.py``), its gradient state and
+reductions (``grads``: ``GradientState``, ``group_grads.py``) and its state I/O (``state``:
+``GroupIO``, ``group_io.py``). They do HOW; ``runtime/schedule.py`` and
 ``runtime/gather.py`` decide WHEN, on which stream and after which events.
 
 Buffers (S = inner shard, C = optimizer chunk, N = whole group; see ``layout.py``):
@@ -48,10 +48,10 @@ from hsdp.sharding.comm import Collectives
 from hsdp.sharding.compressed import CompressedOuter
 from hsdp.sharding.compressed_gather import CompressedGather
 from hsdp.sharding.float8_weights import Float8Weights, float8_dtype
-from hsdp.sharding.grad_state import GradientState
 from hsdp.sharding.group_buffers import GroupBuffers
-from hsdp.sharding.group_comm import GroupGather
-from hsdp.sharding.group_state_dict import GroupState
+from hsdp.sharding.group_gather import GroupGather
+from hsdp.sharding.group_grads import GradientState
+from hsdp.sharding.group_io import GroupIO
 from hsdp.sharding.layout import FlatLayout
 from hsdp.sharding.pieces import as_dtensor, placeholders_if_empty, spec
 from hsdp.sharding.policy import MixedPrecision, Strategy
@@ -156,8 +156,8 @@ class ParamGroup:
             tp_specs=self.tp_specs, guard_hooks=self._guard_hooks)
         self.gather = GroupGather(self.buffers, self.compressed_gather)
         if self.float8 is not None and not self.main.is_meta:
-            self.float8.version = self.gather.synced_version  # scales of the weights as they are
-        self.state = GroupState(self.buffers)
+            self.float8.scaled_at(self.gather.synced_version)  # scales of the weights as they are
+        self.state = GroupIO(self.buffers)
 
     def _tp_locals(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         """Mark the original parameters (for ties and stale optimizers) and return what
@@ -236,14 +236,14 @@ class ParamGroup:
                                    sum(self.param_requires_grad),
                                    lambda: me()._all_grads_in(),
                                    all(m.reduces_every_step for m in self.outer))
-        self.grads.all_reduce_hook = self.all_reduce_hook
+        self.grads.set_all_reduce_hook(self.all_reduce_hook)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None) -> None:
         """FSDP2's ``set_all_reduce_hook`` for this group: its gradient state runs ``hook``
         on the outer all-reduce's result (kept here for gradient state made later)."""
         self.all_reduce_hook = hook
         if self.grads is not None:
-            self.grads.all_reduce_hook = hook
+            self.grads.set_all_reduce_hook(hook)
 
     def _all_grads_in(self) -> None:
         if self.on_all_grads is not None:
@@ -304,7 +304,7 @@ class ParamGroup:
 
     def load_flat(self, flat: torch.Tensor) -> None:
         """Take this rank's shards (and float8 scales) from ``flat``, the whole group in the
-        original dtype (``GroupState.load_flat``); the inner shard is then up to date."""
+        original dtype (``GroupIO.load_flat``); the inner shard is then up to date."""
         self.state.load_flat(flat)
         self.gather.mark_synced()
 

@@ -1,7 +1,7 @@
 """hfsdp's compressed outer parameter all-gather, the ``outer_gather`` mode
 (``fully_shard(..., outer_gather=hsdp.OuterGather(...))``; ``topology/outer_mode.py``):
 its settings, its refusals and its codec on each group (``compressed_gather.py``), which
-the group's all-gathers use (``group_comm.py``)."""
+the group's all-gathers use (``group_gather.py``)."""
 
 from __future__ import annotations
 

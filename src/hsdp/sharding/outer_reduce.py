@@ -2,7 +2,7 @@
 (``fully_shard(..., outer_reduce=hsdp.OuterReduce(...))``; ``topology/outer_mode.py``):
 its settings, its refusals and its state on each group, the codec with its error-feedback
 residual (``compressed.py``). The reductions run where the exact ones run
-(``grad_state.py``); the residual in checkpoints: ``checkpoint/outer_residual.py``."""
+(``group_grads.py``); the residual in checkpoints: ``checkpoint/outer_residual.py``."""
 
 from __future__ import annotations
 

@@ -138,6 +138,11 @@ class ComputeStream(ABC):
     # wait (another rank gave up this step). CUDA waits never block the host.
     poll: Callable[[], None] | None = None
 
+    def watch(self, poll: Callable[[], None] | None) -> None:
+        """Call ``poll`` while a wait blocks the host (None: nothing; the streams are
+        shared, so a model's runtime sets it only while one of its passes runs)."""
+        self.poll = poll
+
     @abstractmethod
     def record(self) -> Event:
         """An event that completes when compute work issued so far has finished."""

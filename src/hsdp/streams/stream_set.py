@@ -23,6 +23,10 @@ class Streams:
     tracer: Tracer
     failed: list[BaseException] = field(default_factory=list)  # CPU: see ThreadSideStream
 
+    def fail(self, exc: BaseException) -> None:
+        """A failure nothing can recover from (the streams' pending work cannot complete)."""
+        self.failed.append(exc)
+
     @staticmethod
     def of(backend: StreamBackend, tracer: Tracer | None = None) -> Streams:
         """A set of ``backend``'s streams."""

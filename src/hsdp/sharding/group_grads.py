@@ -9,6 +9,7 @@ import weakref
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.compressed import CompressedOuter
@@ -51,12 +52,7 @@ class GradientState:
         self.grad_buf = (torch.empty(C, dtype=b.orig_dtype, device=device)
                          if b.shard_outer else self.accum)
         # The sharded .grad DTensors, made once (while the storage exists), then freed.
-        locals_ = placeholders_if_empty([self.grad_buf[a:a + n] for a, n in b.slices])
-        self._grad_views = [as_dtensor(local, dspec, start, n)
-                            for local, (_, n), dspec, start in zip(
-                                locals_, b.slices, b.specs, b.shard_starts)]
-        self._placeholder_grads = [g._local_tensor for g, (_, n) in
-                                   zip(self._grad_views, b.slices) if n == 0]
+        self._grad_views, self._placeholder_grads = _grad_views(b, self.grad_buf)
         for buf in {id(t): t for t in (self.accum, self.grad_buf)}.values():
             buf.untyped_storage().resize_(0)
         self.grads_live = False  # host view: buffers allocated (or about to be)
@@ -73,6 +69,10 @@ class GradientState:
         self.carried: list[bool] = []  # which parameters had a .grad then
         self.reduced = False
         _hook_unsharded(self)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None) -> None:
+        """FSDP2's ``set_all_reduce_hook``: ``hook`` runs on the outer all-reduce's result."""
+        self.all_reduce_hook = hook
 
     def set_trainable(self, count: int) -> None:
         """The group's number of trainable parameters changed (``requires_grad_``)."""
@@ -328,6 +328,16 @@ class GradientState:
             if self.compressed is not None:  # cleared: so is their residual
                 self.compressed.drop()
 
+
+
+def _grad_views(b: GroupBuffers, grad_buf: torch.Tensor
+                ) -> tuple[list[DTensor], list[torch.Tensor]]:
+    """The sharded ``.grad`` DTensors over ``grad_buf``, and the local tensors of those that
+    hold no element on this rank (placeholders)."""
+    locals_ = placeholders_if_empty([grad_buf[a:a + n] for a, n in b.slices])
+    views = [as_dtensor(local, dspec, start, n) for local, (_, n), dspec, start in zip(
+        locals_, b.slices, b.specs, b.shard_starts)]
+    return views, [g._local_tensor for g, (_, n) in zip(views, b.slices) if n == 0]
 
 
 def _foreign_local(b: GroupBuffers, idx: int, g: torch.Tensor) -> torch.Tensor:

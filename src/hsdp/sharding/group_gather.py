@@ -1,6 +1,6 @@
 """A parameter group's gathers: HOW one group is all-gathered (inner, and hfsdp's outer
 all-gather) and freed (``runtime/gather.py`` decides WHEN, on which stream); its
-reductions are its gradient state's (``grad_state.py``)."""
+reductions are its gradient state's (``group_grads.py``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Step agreement: the collectives a step issued, compared across ranks once per step.
+"""Step agreement: the collectives a step issued (``step_log.py``), compared across ranks
+once per step.
 
 Every collective hsdp issues is logged (kind, group id, stream) until the end of the step.
 At the end of the step's last backward every rank all-reduces ONE small int64 tensor over
@@ -7,11 +8,9 @@ collective counts and a checksum of their sequence), whether this rank's step fa
 which parameters received a gradient. Ranks that ran another structure, or a failed step
 anywhere, are then known to every rank before the optimizer could use the gradients.
 
-A rank that gives up a step (its forward or backward raised) or waits unusually long for
-the agreement leaves a note in the default store; a CPU rank blocked on a collective that
-will never complete reads it while it waits (``streams.POLL_S``) and raises instead of
-waiting for the timeout. (On CUDA the host does not block on collectives: every rank
-reaches the agreement.)
+A rank that waits unusually long for the agreement leaves a note for its peers
+(``note_board.py``; the watchdog of ``slow_watch.py``). The log it compares:
+``step_log.py``.
 
 After a failed step the logs are exchanged: each rank's log is a prefix of the same
 sequence (the schedule is deterministic), so a rank that stopped early completes the
@@ -21,68 +20,24 @@ then be drained without waiting for a peer.
 
 from __future__ import annotations
 
-import threading
 import time
-import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-from hsdp.streams.contract import Event
-from hsdp.streams.op_table import OPS, OpKind
+from hsdp.runtime.slow_watch import SLOW_S, WATCH
+from hsdp.runtime.step_log import Desc, StepLog
 from hsdp.topology.communicators import COMMUNICATORS
 from hsdp.topology.liveness import gone_message
 
-SLOW_S = 1.0  # an agreement waiting this long leaves a note for blocked peers
 _FIELDS = ("step", "forwards", "microbatches", *(f"{c} collectives" for c in COMMUNICATORS),
            *(f"{c} sequence" for c in COMMUNICATORS))
 
 T = TypeVar("T")
-Desc = tuple[OpKind, int, str]  # (kind, group id, stream name): the same on every rank
-
-
-@dataclass
-class Issued:
-    desc: Desc
-    event: Event
-
-
-@dataclass
-class StepLog:
-    """What this rank issued since the last agreement (or recovery)."""
-
-    step: int = 0
-    forwards: int = 0
-    microbatches: int = 0
-    ops: list[Issued] = field(default_factory=list)
-
-    def add(self, kind: OpKind, gid: int, stream: str, event: Event) -> None:
-        self.ops.append(Issued((kind, gid, stream), event))
-
-    def descs(self) -> list[Desc]:
-        return [op.desc for op in self.ops]
-
-    def fields(self) -> list[int]:
-        counts = dict.fromkeys(COMMUNICATORS, 0)
-        crcs = dict.fromkeys(COMMUNICATORS, 0)
-        for kind, gid, stream in self.descs():
-            comm = OPS[kind].communicator  # the op table's: the same for every schedule
-            counts[comm] += 1
-            crcs[comm] = zlib.crc32(f"{kind.name}:{gid}:{stream};".encode(), crcs[comm])
-        return [self.step, self.forwards, self.microbatches, *counts.values(), *crcs.values()]
-
-    def forget(self) -> None:
-        """Drop what this step has logged so far (every rank does, at the same point)."""
-        self.forwards = self.microbatches = 0
-        self.ops.clear()
-
-    def next_step(self) -> None:
-        self.step += 1
-        self.forget()
 
 
 @dataclass
@@ -108,45 +63,6 @@ class Verdict:
                    f"one) and the same units in the same order")
         return (f"hsdp: step {step} was abandoned on every rank: {why}. Its gradients are "
                 f"discarded; the next forward starts a new step.")
-
-
-class _SlowWatch:
-    """Runs a callback when an armed wait has lasted its time, from one daemon thread for
-    the process (a ``threading.Timer`` per step starts a thread each time: about 0.5 ms of
-    host time in every step's agreement)."""
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._armed: tuple[float, Callable[[], None]] | None = None
-        self._thread: threading.Thread | None = None
-
-    def arm(self, seconds: float, fn: Callable[[], None]) -> tuple:
-        with self._cv:
-            if self._thread is None or not self._thread.is_alive():  # first use, or forked
-                self._thread = threading.Thread(target=self._loop, name="hsdp-slow-watch",
-                                                daemon=True)
-                self._thread.start()
-            self._armed = (time.monotonic() + seconds, fn)
-            self._cv.notify()
-            return self._armed
-
-    def disarm(self, armed: tuple) -> None:
-        with self._cv:
-            if self._armed is armed:
-                self._armed = None
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while self._armed is None or self._armed[0] > time.monotonic():
-                    self._cv.wait(None if self._armed is None
-                                  else self._armed[0] - time.monotonic())
-                fn = self._armed[1]
-                self._armed = None
-            fn()
-
-
-_WATCH = _SlowWatch()
 
 
 class Agreement:
@@ -192,12 +108,12 @@ def agree(log: StepLog, failed: str, used: list[bool], group: dist.ProcessGroup,
     -fields, used flags] (MAX of -x is -min). ``failed``: this rank's step raised, "origin"
     if it raised on its own, "peer" if only because another rank gave up (see ``read_note``).
     ``on_slow`` runs if it takes SLOW_S."""
-    armed = _WATCH.arm(SLOW_S, on_slow) if on_slow is not None else None
+    armed = WATCH.arm(SLOW_S, on_slow) if on_slow is not None else None
     try:
         return Agreement(log, failed, used, group, timeout).verdict()
     finally:
         if armed is not None:
-            _WATCH.disarm(armed)
+            WATCH.disarm(armed)
 
 
 def joined(what: str, key: str, run: Callable[[], T], timeout: timedelta) -> T:
@@ -212,11 +128,11 @@ def joined(what: str, key: str, run: Callable[[], T], timeout: timedelta) -> T:
         store.set(f"{key}/{rank}", "")
 
     start = time.monotonic()
-    armed = _WATCH.arm(SLOW_S, mark)
+    armed = WATCH.arm(SLOW_S, mark)
     try:
         return run()
     except RuntimeError as exc:
-        _WATCH.disarm(armed)
+        WATCH.disarm(armed)
         mark()
         # Peers that entered when this rank did have marked by then (a dead peer can make
         # this rank fail before its own mark was due).
@@ -227,7 +143,7 @@ def joined(what: str, key: str, run: Callable[[], T], timeout: timedelta) -> T:
             f"they died, are stuck, or did not call it (every rank must). hsdp's "
             f"communicators cannot be used any more: restart the job.") from exc
     finally:
-        _WATCH.disarm(armed)
+        WATCH.disarm(armed)
 
 
 def missing(log: StepLog, group: dist.ProcessGroup) -> list[Desc]:
@@ -247,30 +163,3 @@ def missing(log: StepLog, group: dist.ProcessGroup) -> list[Desc]:
             f"another microbatch, or data-dependent control flow around hsdp units). hsdp's "
             f"communicators cannot be used any more: restart the job.")
     return [tuple(d) for d in longest[len(mine):]]
-
-
-def _strength(note: str) -> tuple[int, int]:
-    """Lower says more: a failure, then an end after fewer forwards ("KIND RANK FORWARDS")."""
-    kind, _, forwards = note.split()
-    return (0, 0) if kind == "failed" else (1, int(forwards))
-
-
-def post_note(key: str, text: str) -> None:
-    """Leave ``text`` ("KIND RANK FORWARDS") for peers blocked in this step (see the module
-    docstring), unless the note there says more: a rank that ended the step after more
-    microbatches must not hide the earlier end from ranks blocked in between."""
-    if dist.get_backend() == "fake":
-        return
-    store = dist.distributed_c10d._get_default_store()
-    current = store.get(key).decode() if store.check([key]) else ""
-    while not current or _strength(text) < _strength(current):
-        current = store.compare_set(key, current, text).decode()
-        if current == text:
-            return
-
-
-def read_note(key: str) -> str | None:
-    if dist.get_backend() == "fake":
-        return None
-    store = dist.distributed_c10d._get_default_store()
-    return store.get(key).decode() if store.check([key]) else None

@@ -35,7 +35,7 @@ def _pack(states: list[dict], key: str, pieces: list[tuple[Piece, int, int]],
 
 
 
-class GroupState:
+class GroupIO:
     """Optimizer-state packing and loading of one group's buffers."""
 
     def __init__(self, buffers: GroupBuffers) -> None:
@@ -80,4 +80,4 @@ class GroupState:
             else:
                 self.b.float8.cast(self.b.inner_shard, flat[a:b], self.b.layout.pieces(a, b))
         if self.b.float8 is not None:
-            self.b.float8.version = self.b.version()
+            self.b.float8.scaled_at(self.b.version())

@@ -119,10 +119,10 @@ def test_checkpoint_manager_carries_the_residual_and_diloco_state(extra_state):
 
 
 @pytest.mark.full
-@pytest.mark.xfail(strict=True, reason="torchtitan loads the model after the optimizer; "
-                   "FusedQKVLinear's merge writes the checkpoint's (replica 0's) wqkv over "
-                   "the replica's own values that the optimizer's load restored")
 def test_checkpoint_manager_resumes_diloco_mid_period_bit_for_bit(extra_state):
+    """Saved in the middle of a DiLoCo period, every outer replica resumes with its own
+    parameters: once torchtitan's model load (after the optimizer's, FusedQKVLinear's
+    merge writing the checkpoint's replica-0 wqkv) left replicas other than 0 off."""
     for r in extra_state:
         assert r["diloco resume equal"], r
 

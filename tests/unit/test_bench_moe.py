@@ -75,6 +75,7 @@ def test_sim_prices_expert_units_on_their_groups_and_the_exchange():
     exchange adds four all-to-alls per block to compute."""
     cfg = dataclasses.replace(CFG, ep=4)
     rec = record(Setup(cfg, 2, 4, reduce_dtype="bf16"))
+    assert len(rec.names) == Setup(cfg, 2, 4).units()  # with the expert units
     side = [op for op in rec.program.ops[rec.start:] if op.kind == "side" and op.payload]
     experts = [c for op in side if "GroupedExperts" in op.label for c in op.payload]
     local = 3 * (cfg.experts // 4) * cfg.hidden * cfg.ffn * 2  # bf16, every local expert

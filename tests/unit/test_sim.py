@@ -957,13 +957,24 @@ def test_diloco_period_is_timed_by_its_distinct_runs_of_steps():
         Setup(TINY_LLAMA, 2, 4, outer_sync="diloco:inner_steps=8,fragments=4,delay=2")
 
 
+def test_cli_refuses_diloco_fragments_that_do_not_divide_the_units():
+    """A clear error before anything runs (once: the runtime's ValueError with a
+    traceback from inside the fake world)."""
+    with pytest.raises(SystemExit, match=r"^hsdp sim: DiLoCo fragments=4 does not divide the "
+                       r"model's 5 fully_shard units \(the embedding, 2 blocks, the head and "
+                       r"the root\); choose fragments among \[1, 5\]"):
+        main(["sim", *MODEL, "--outer-sync", "diloco:inner_steps=8,fragments=4"])
+
+
 def test_diloco_moves_the_outer_bytes_once_per_period_and_delay_hides_them(fake_world_8):
     """DiLoCo H=4: a quarter of synchronous hsdp's fp32 outer bytes per step (the fp32
     pseudo-gradient of the same shards, once per period); the period's mean is its runs
     weighted; on a slow outer link the all-reduce is exposed at delay 0 and hidden behind
     the next step's compute at delay 1."""
     costs = CostModel(Fabric(Link(FREE, 0.0), Link(1e-3, 0.0)), tflops=1e-4, mem_gbps=FREE)
-    sync = evaluate(record(Setup(TINY_LLAMA, 2, 4)), costs)
+    rec = record(Setup(TINY_LLAMA, 2, 4))
+    assert len(rec.names) == Setup(TINY_LLAMA, 2, 4).units()  # what the fragments divide
+    sync = evaluate(rec, costs)
     runs = {d: evaluate(record(Setup(TINY_LLAMA, 2, 4, outer_sync=f"diloco:inner_steps=4,"
                                      f"fragments=2,delay={d}")), costs) for d in (0, 1)}
     for r in runs.values():

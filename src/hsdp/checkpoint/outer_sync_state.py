@@ -88,8 +88,16 @@ def load_outer_sync(model: nn.Module, state: dict[str, torch.Tensor] | None,
         found = {name: state.get(f"{key}/{name}") for name in FIELDS}
         g.anchor.load(found if all(v is not None for v in found.values()) else None,
                       g.main.device)
-    with torch.no_grad():
-        local = _replica_local(model, opt_state)
-        for key, target in list(local):
-            if key in state:
-                target.copy_(state[key])
+    restore_replica_local(model, state, opt_state)
+
+
+@torch.no_grad()
+def restore_replica_local(model: nn.Module, state: dict[str, torch.Tensor],
+                          opt_state: Mapping[torch.Tensor, dict] | None = None) -> None:
+    """Copy this rank's replica-local values found in ``state`` (``outer_sync_state``'s
+    form) into its shards and optimizer state. Also what puts them back after a model
+    load of the same checkpoint wrote outer replica 0's parameters over them (torchtitan
+    loads the model after the optimizer)."""
+    for key, target in list(_replica_local(model, opt_state)):
+        if key in state:
+            target.copy_(state[key])

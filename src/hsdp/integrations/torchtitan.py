@@ -24,7 +24,9 @@ torchao float8 linears (torchtitan's float8 converter, or ``torchtitan_float8``'
 float8 all-gather) train under hsdp; other torchao modules (MX, NVFP4) are refused.
 torchtitan's ``CheckpointManager`` saves and loads hsdp's residuals and DiLoCo state with
 the optimizer's state (``OptimizersContainer``'s state dict, here given hsdp's entries:
-``checkpoint/extra_state.py``).
+``checkpoint/extra_state.py``); its load puts each DiLoCo replica's own parameters back
+after the model's entries (outer replica 0's) are loaded, so a resume in the middle of a
+period is exact on every replica.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ import dataclasses
 import functools
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torchtitan.components.checkpoint import OPTIMIZER, CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
@@ -52,6 +56,7 @@ from torchtitan.protocols.module import Module as TitanModule
 
 import hsdp
 from hsdp.checkpoint import extra_state
+from hsdp.checkpoint.outer_sync_state import restore_replica_local
 from hsdp.checkpoint.state_dicts import load_state_dict_hook
 from hsdp.integrations.torchtitan_config import as_hsdp_config, refuse_old_env
 from hsdp.integrations.torchtitan_pipeline import check_pipeline, pipeline_llama
@@ -275,12 +280,52 @@ def _carry_extra_state(container: type) -> None:
         live = extra_state.merged_state(self.optimizers)
         for model, done in zip(self.model_parts, loaded):
             extra_state.apply(model, done, live)
+        pending = getattr(self, _REPLICAS, None)
+        if pending is not None:  # inside CheckpointManager.dcp_load: see _replicas_last
+            pending.extend((m, done.outer_sync) for m, done in zip(self.model_parts, loaded)
+                           if done.outer_sync)
 
     state_dict._hsdp = True
     container.state_dict, container.load_state_dict = state_dict, load_state_dict
 
 
+_REPLICAS = "_hsdp_replicas_to_restore"
+
+
+def _replicas_last(manager: type) -> None:
+    """torchtitan's ``CheckpointManager.dcp_load`` reads a checkpoint into one flat dict,
+    loads the optimizer container from it (which puts back each DiLoCo replica's own
+    parameters, ``hsdp_outer_sync``) and then the model from the same dict, whose entries
+    are outer replica 0's: ``FusedQKVLinear``'s merge writes replica 0's ``wqkv`` over the
+    replica's own. Within one ``dcp_load`` the container's load records what it read, and
+    once the model's load is done those replica-local values are put back. The record
+    exists only during that call (a load of anything else never sees it)."""
+    load = manager.dcp_load
+    if getattr(load, "_hsdp", False):
+        return
+
+    @functools.wraps(load)
+    def dcp_load(self: CheckpointManager, state_dict: dict, *args: Any, **kwargs: Any) -> None:
+        container = state_dict.get(OPTIMIZER)
+        if not isinstance(container, OptimizersContainer):
+            return load(self, state_dict, *args, **kwargs)
+        pending: list[tuple[nn.Module, dict]] = []
+        setattr(container, _REPLICAS, pending)
+        try:
+            load(self, state_dict, *args, **kwargs)
+            live = extra_state.merged_state(container.optimizers)
+            for model, state in pending:
+                restore_replica_local(model, state, live)
+        finally:
+            delattr(container, _REPLICAS)
+        return None
+
+    dcp_load._hsdp = True
+    manager.dcp_load = dcp_load
+
+
 _carry_extra_state(OptimizersContainer)
+_replicas_last(CheckpointManager)
 
 
 def with_hsdp(config_fn: Callable) -> Callable:

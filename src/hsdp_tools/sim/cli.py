@@ -173,7 +173,7 @@ def resolve(args: argparse.Namespace) -> tuple[Setup, CostModel]:
         if args.float8:
             costs = dataclasses.replace(costs, float8_speedup=args.float8_speedup)
     except ValueError as e:
-        raise SystemExit(f"hsdp sim: {e}") from None
+        raise SystemExit(f"hsdp sim: {str(e).removeprefix('sim: ')}") from None
     return setup, costs
 
 

@@ -78,7 +78,16 @@ class Setup:
         if parse_mode("outer_gather", self.outer_gather) is not None and self.strategy != "hfsdp":
             raise ValueError(f"sim: outer_gather={self.outer_gather!r} needs strategy "
                              f"'hfsdp' (hsdp has no outer all-gather of parameters)")
-        period_steps(parse_mode("outer_sync", self.outer_sync))  # raises on a delay it cannot time
+        sync = parse_mode("outer_sync", self.outer_sync)
+        period_steps(sync)  # raises on a delay it cannot time
+        if sync is not None and self.units() % sync.fragments:
+            n, layers = self.units(), self.model.layers
+            experts = f", {layers} expert units" if n > layers + 3 else ""
+            raise ValueError(
+                f"sim: DiLoCo fragments={sync.fragments} does not divide the model's {n} "
+                f"fully_shard units (the embedding, {layers} blocks{experts}, the head and "
+                f"the root); choose fragments among {[d for d in range(1, n + 1) if n % d == 0]}"
+                f" or another number of layers")
         if min(self.outer, self.inner, self.microbatches, self.mbs) < 1:
             raise ValueError("sim: outer, inner, microbatches and mbs must be >= 1")
         if self.tp < 1 or (self.tp > 1 and not isinstance(self.model, LlamaConfig)):
@@ -94,6 +103,12 @@ class Setup:
         for d in (self.dtype, self.reduce_dtype):
             if d not in DTYPES:
                 raise ValueError(f"sim: unknown dtype {d!r}; known: {', '.join(DTYPES)}")
+
+    def units(self) -> int:
+        """How many ``fully_shard`` units ``shard`` makes of the model: the embedding, each
+        block (and each block's experts, with expert parallelism), the head and the root."""
+        experts = isinstance(self.model, MoEConfig) and self.model.ep > 1
+        return self.model.layers * (2 if experts else 1) + 3
 
     def phase_key(self) -> str:
         """What measured phase costs depend on: model, micro-batch size, dtypes."""

@@ -14,6 +14,8 @@ what they issued on the device. So:
   structure is kept (``captured``) and agreed on outside the graph, before each optimizer
   step (``check_replayed``), with a watchdog on the previous step's device work; a rank
   that failed, died or diverged still ends in an error on every rank;
+- the compressed outer reduction keeps its error-feedback residual in fixed buffers from
+  the first capture on, the pending one chosen on the device (``compressed.py``);
 - the gradients must stay set between replays (``zero_grad(set_to_none=False)``): a
   captured backward adds into them, and nothing may free their buffers.
 """
@@ -54,6 +56,9 @@ class Graphs:
             bad = self.refusals(region)
             if bad:
                 raise capture_refusal(*bad[0])
+            for g in self.ctx.groups:  # the compressed reductions' residuals: fixed buffers
+                if g.compressed is not None:
+                    g.compressed.make_static()
             self.ctx.graphed = True
         return capturing
 
@@ -71,11 +76,10 @@ class Graphs:
         if ctx.comms.elastic is not None:
             out.append(("fault tolerance (torchft's quorum waits on the host)",
                         "run fault-tolerant training eagerly"))
-        if any(g.compressed is not None for g in groups):
-            out.append(("the compressed outer reduction (outer_reduce; its error-feedback "
-                        "residual is swapped on the host each step)", "run it eagerly"))
-        if any(g.compressed_gather is not None for g in groups):
-            out.append(("the compressed outer all-gather (outer_gather)", "run it eagerly"))
+        unready = [why for g in groups if g.compressed is not None
+                   for why in [g.compressed.capture_refusal()] if why]
+        if unready:
+            out.append((unready[0], "run one eager optimizer step before capturing"))
         if any(g.float8 is not None for g in groups):
             out.append(("the float8 all-gather (its scales are refreshed through host "
                         "collectives)", "run float8 all-gather models eagerly"))

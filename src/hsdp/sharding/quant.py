@@ -157,22 +157,52 @@ def uses_kernels(t: torch.Tensor, block: int, fused: bool | None = None) -> bool
     return can
 
 
+@dataclass(frozen=True)
+class Pending:
+    """Where a reduction of fixed buffers (CUDA graphs) keeps its residual: ``rows``
+    (fp32 ``[n, m]``) receives what the quantization dropped, and is its residual too
+    while ``flag`` (int32 ``[1]``, on the device) is not 0 (a reduction's residual not
+    yet committed); else the residual is the committed one."""
+
+    rows: torch.Tensor
+    flag: torch.Tensor
+
+
 def encode(src: torch.Tensor, rows: Rows, fmt: str, residual: torch.Tensor | None = None,
-           feedback: bool = False, fused: bool | None = None
+           feedback: bool = False, fused: bool | None = None, pending: Pending | None = None
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``src`` (1-D, ``rows.numel``) cut into ``rows`` plus ``residual`` (fp32 ``[n, m]``;
     None: zeros), quantized: (packed ``[n, rows.packed]``, with ``feedback`` what the
     quantization dropped, fp32 ``[n, m]``, else None). New tensors: the caller decides what
-    becomes its residual."""
+    becomes its residual; with ``pending`` (and ``residual`` and ``feedback``), the residual
+    is ``pending.rows`` where its flag is set, and what was dropped is written into
+    ``pending.rows`` (both chosen on the device: a graph replays it as it runs)."""
+    if pending is not None and (residual is None or not feedback):
+        raise ValueError("quant.encode: pending needs a residual and feedback")
     if uses_kernels(src, rows.block, fused):
-        return _kernels().encode(src, rows, fmt, residual, feedback)
+        return _kernels().encode(src, rows, fmt, residual, feedback, pending)
     x = rows.split(src)
-    if residual is not None:
+    if pending is not None:
+        x.add_(torch.where(pending.flag.bool(), pending.rows, residual))
+    elif residual is not None:
         x.add_(residual)
     packed = quantize(x, fmt, rows.block)
     if not feedback:
         return packed, None
-    return packed, x.sub_(dequantize(packed, fmt, rows.block, rows.m))
+    error = x.sub_(dequantize(packed, fmt, rows.block, rows.m))
+    if pending is None:
+        return packed, error
+    return packed, pending.rows.copy_(error)
+
+
+def commit_pending(residual: torch.Tensor, pending: Pending) -> None:
+    """``residual`` = ``pending.rows`` if its flag is set, then the flag cleared (on the
+    device: a graph replays it as it runs)."""
+    if _kernels() is not None and residual.is_cuda:
+        _kernels().commit(residual, pending)
+    else:
+        torch.where(pending.flag.bool(), pending.rows, residual, out=residual)
+    pending.flag.zero_()
 
 
 def reduce_rows(received: torch.Tensor, rows: Rows, fmt: str, mean: bool,

@@ -1,11 +1,15 @@
 """CUDA graph checks, each in a fresh process (one process group per process).
 
-    python tests/gpu/graph_child.py parity|overlap   -> prints one JSON line
+    python tests/gpu/graph_child.py parity|overlap|compressed   -> prints one JSON line
 
 parity: real NCCL at world size 1 (a 1x1 mesh): 10 steps of graph replay against eager,
 hsdp and hfsdp, 1 and 3 microbatches, activation checkpointing, forward + backward
 captured (all microbatches in one graph, and torchtitan's way: one graph per microbatch
 replayed for each), the optimizer step eager or captured on its own.
+compressed: the compressed outer reduction (int8, error feedback) and hfsdp's compressed
+outer all-gather on a fake 2x2 mesh whose collectives give every rank what this one holds
+(``Loopback``: deterministic values, so replay and eager must agree bit for bit), the same
+ways of capturing as parity's.
 overlap: a fake 2x2 mesh with emulated collectives (slow outer link): the replayed step
 with the outer reduction on its own stream against the serialized schedule.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import sys
 
@@ -21,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import hsdp
+from hsdp.sharding.comm import Collectives
 from hsdp.streams.capture import CaptureError
 from hsdp_tools.bench.emulate import emulate, fake_mesh
 from hsdp_tools.models import GPT, GPTConfig, lm_loss
@@ -160,6 +166,73 @@ def _refusal(mesh) -> str:
     return "not refused"
 
 
+class Loopback(Collectives):
+    """Collectives on a fake process group as if every rank held what this one holds
+    (every result written: nothing is left as the fake backend leaves it)."""
+
+    def all_gather(self, out, inp, group, axis) -> None:
+        n = dist.get_world_size(group)
+        out.view(n, -1).copy_(inp.reshape(1, -1).clone().expand(n, -1))
+
+    def all_to_all(self, out, inp, group, axis) -> None:
+        out.copy_(inp)
+
+    def reduce_scatter(self, out, inp, group, axis, avg=False) -> None:
+        n = dist.get_world_size(group)
+        out.copy_(inp.reshape(n, -1)[0].view_as(out))
+        if not avg:
+            out.mul_(n)
+
+    def all_reduce(self, t, group, axis, avg=False) -> None:
+        if not avg:
+            t.mul_(dist.get_world_size(group))
+
+
+def compressed() -> dict:
+    """Eager against graphed, 10 steps each: hsdp and hfsdp with outer_reduce="int8",
+    hfsdp with outer_gather="int8" too; 1 and 3 microbatches in one graph, one graph per
+    microbatch (each backward a reduction: the residual chains on the device), the
+    optimizer step captured."""
+    mesh = fake_mesh(2, 2, "cuda")
+    out = {}
+    for strategy, gather in (("hsdp", None), ("hfsdp", None), ("hfsdp", "int8")):
+        for n_micro, per_micro, capture_opt in ((1, False, False), (3, False, False),
+                                                (3, True, False), (1, False, True)):
+            torch.manual_seed(0)
+            ref = GPT(CFG).to(DEV)
+            kw = dict(strategy=strategy, outer_reduce="int8")
+            if gather:
+                kw["outer_gather"] = gather
+            models = [_shard(copy.deepcopy(ref), mesh, **kw) for _ in range(2)]
+            for m in models:
+                m._hsdp_unit.collectives = Loopback()
+            opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+            graphed = Graphed(models[1], opts[1], n_micro, per_micro, capture_opt)
+            loss_diff = 0.0
+            for step in range(10):
+                tokens = torch.randint(0, CFG.vocab, (6, CFG.seq), device=DEV,
+                                       generator=torch.Generator(DEV).manual_seed(step))
+                a = _eager_step(models[0], opts[0], tokens, n_micro, per_micro)
+                b = graphed.step(step, tokens)
+                loss_diff = max(loss_diff, *(abs(x - y) for x, y in zip(a, b)))
+            torch.cuda.synchronize()
+            with torch.no_grad():
+                equal = all(torch.equal(p.to_local(), q.to_local())
+                            for p, q in zip(*(m.parameters() for m in models)))
+                residuals = [[g.compressed.residual for g in m._hsdp_unit.runtime.ctx.groups
+                              if g.compressed is not None] for m in models]
+                same_residual = all(torch.equal(x, y) for x, y in zip(*residuals))
+            key = (f"{strategy}{'-gather' if gather else ''}/micro{n_micro}/"
+                   f"{'per_micro' if per_micro else 'one_graph'}"
+                   f"{'/opt_graph' if capture_opt else ''}")
+            out[key] = {"bit_equal": equal, "residual_equal": same_residual,
+                        "residuals": len(residuals[1]), "max_loss_diff": loss_diff,
+                        "finite": all(math.isfinite(x) for x in b)}
+            for m in models:
+                hsdp.synchronize(m)
+    return out
+
+
 def overlap() -> dict:
     """Replayed steps on a fake 2x2 mesh, outer link at 10 GB/s: overlap vs serial
     (interleaved), hsdp and hfsdp; step time in ms, median [min, max] of 10 replays."""
@@ -205,7 +278,8 @@ def overlap() -> dict:
 if __name__ == "__main__":
     torch.cuda.set_device(DEV)
     try:
-        print(json.dumps({"parity": parity, "overlap": overlap}[sys.argv[1]]()))
+        modes = {"parity": parity, "overlap": overlap, "compressed": compressed}
+        print(json.dumps(modes[sys.argv[1]]()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -41,6 +41,17 @@ def test_graph_replay_equals_eager_for_10_steps():
         assert v["steps_agreed"] >= 1, (key, v)  # the agreement ran outside the graph
 
 
+def test_compressed_outer_reduction_and_gather_replay_equal_eager():
+    """outer_reduce="int8" (hsdp and hfsdp) and outer_gather="int8" under CUDA graphs: the
+    residual in fixed buffers, committed on the device, chained across backwards replayed
+    per microbatch; the same parameters, losses and residuals as eager, bit for bit."""
+    r = _child("compressed")
+    assert len(r) == 12
+    for key, v in r.items():
+        assert v["bit_equal"] and v["residual_equal"] and v["max_loss_diff"] == 0.0, (key, v)
+        assert v["residuals"] > 0 and v["finite"], (key, v)
+
+
 def test_outer_stream_overlaps_in_a_replay():
     """Fake 2x2 mesh, emulated collectives, outer link at 10 GB/s: the replayed step with
     the outer reduction on its own stream is faster than the serialized one."""

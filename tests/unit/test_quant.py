@@ -168,3 +168,57 @@ def test_fused_kernels_equal_eager_in_tritons_interpreter() -> None:
     run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+class _Echo:
+    """The outer collectives as if every rank sent what this one sends."""
+
+    def all_to_all(self, out, inp, group, axis):
+        out.copy_(inp)
+
+    def all_gather(self, out, inp, group, axis):
+        n = out.numel() // inp.numel()
+        out.view(n, -1).copy_(inp.reshape(1, -1).expand(n, -1))
+
+
+@pytest.mark.parametrize("hfsdp", [False, True])
+def test_compressed_residual_in_fixed_buffers_equals_swapped(hfsdp: bool) -> None:
+    """CUDA graphs' fixed residual buffers (``make_static``: pending chosen by a device
+    flag, committed by a copy) give the host-swapped residual's results bit for bit:
+    chained backwards, a commit, a drop of pending gradients, a step without feedback
+    committed twice, a loaded residual; and no buffer is replaced once static."""
+    from hsdp.sharding.compressed import CompressedOuter
+
+    cfg = hsdp.OuterReduce("int8", block=16)
+    units = [CompressedOuter(cfg, 1000, 4, 1, torch.device("cpu")) for _ in range(2)]
+    reduce = "reduce_scatter" if hfsdp else "all_reduce"
+    c = Rows(1000, 4, 16).c
+    gen = torch.Generator().manual_seed(0)
+
+    def backward(step: int) -> list[torch.Tensor]:
+        src = torch.randn(1000, generator=gen) * (1 + step)
+        outs = [torch.empty(c if hfsdp else 1000) for _ in units]
+        for u, out in zip(units, outs):
+            getattr(u, reduce)(_Echo(), out, src.clone(), None, avg=True)
+        return outs
+
+    backward(0)
+    for u in units:
+        u.commit()
+    units[1].make_static()
+    buffers = (units[1].residual, units[1]._static.rows)
+    script = ["b", "b", "c", "b", "d", "b", "c", "c", "b", "b", "c", "l", "b", "c"]
+    for step, what in enumerate(script):
+        if what == "b":
+            a, b = backward(step)
+            assert torch.equal(a, b), (step, what)
+        loaded = units[0].residual_flat() * 0.5
+        for u in units:
+            if what == "c":
+                u.commit()
+            elif what == "d":
+                u.drop()
+            elif what == "l":
+                u.load_residual(loaded)
+        assert torch.equal(units[0].residual_flat(), units[1].residual_flat()), (step, what)
+    assert (units[1].residual, units[1]._static.rows) == buffers

@@ -52,3 +52,23 @@ def test_sweep_skips_hsdp_with_a_compressed_gather(fake_world_8):
     report = run_sweep(Setup(TINY_LLAMA, 2, 4), CostModel(), grid, progress=lambda _: None)
     points = [(r["strategy"], r["outer_gather"]) for r in report["rows"]]
     assert sorted(points) == [("hfsdp", "int8:64"), ("hfsdp", "none"), ("hsdp", "none")]
+
+
+def test_quantization_passes_are_priced_as_the_fused_kernels(fake_world_8):
+    """The compressed outer reduction and gather record their fused passes (one read of
+    each input, one write of each output; ``sim/quant_pricing.py``) instead of the eager
+    ops' many passes, priced per pass by the profile's ``quant_x_floor``."""
+    rec = record(Setup(TINY_LLAMA, 2, 4, "hfsdp", reduce_dtype="bf16", outer_reduce="int8",
+                       outer_gather="int8"))
+    hs = record(Setup(TINY_LLAMA, 2, 4, "hsdp", reduce_dtype="bf16", outer_reduce="int8"))
+    passes = {}
+    for r in (rec, hs):
+        for op in r.program.ops[r.start:]:
+            if op.kind == "side" and op.label.split(":")[0].startswith("OUTER_Q"):
+                passes.setdefault(op.label.split(":")[0], set()).update(
+                    k for k, _ in op.kernel_bytes)
+    assert passes == {"OUTER_QRS": {"encode", "reduce"}, "OUTER_QAG": {"encode", "decode"},
+                      "OUTER_QAR": {"encode", "requant", "decode"}}
+    fast, slow = (evaluate(hs, CostModel(quant_x_floor=dict.fromkeys(
+        ("encode", "requant", "decode"), x))).t_step_ms for x in (1.0, 1e5))
+    assert slow > fast

@@ -14,6 +14,8 @@ what they issued on the device. So:
   structure is kept (``captured``) and agreed on outside the graph, before each optimizer
   step (``check_replayed``), with a watchdog on the previous step's device work; a rank
   that failed, died or diverged still ends in an error on every rank;
+- the compressed outer reduction keeps its error-feedback residual in fixed buffers from
+  the first capture on, the pending one chosen on the device (``compressed.py``);
 - the gradients must stay set between replays (``zero_grad(set_to_none=False)``): a
   captured backward adds into them, and nothing may free their buffers.
 """
@@ -58,6 +60,9 @@ class Graphs:
             bad = self.refusals(region)
             if bad:
                 raise capture_refusal(*bad[0])
+            for g in self.ctx.groups:  # the compressed reductions' residuals: fixed buffers
+                if g.compressed is not None:
+                    g.compressed.make_static()
             self.graphed = True
         return capturing
 

@@ -19,6 +19,17 @@ the second (hsdp) dropped from the row this rank owns is added to its residual's
 times ``n`` for a mean (the row's next reduction divides it by ``n`` again), so every
 dropped bit re-enters the next step's reduction once.
 
+Under CUDA graphs (``make_static``, when a capture begins) the residual lives in fixed
+buffers, as a graph's replay reads and writes the addresses its capture saw: the committed
+residual and the pending one, with a device flag that says whether the pending one is set
+(``quant.Pending``); a reduction reads the pending residual where the flag is set, else the
+committed one, and writes its new residual into the pending buffer; a commit copies it into
+the committed buffer where the flag is set (``quant.commit_pending``: one pass over the
+residual per optimizer step), a drop clears the flag. The flag is kept in eager steps too,
+so that a capture may begin at any point. What a reduction does is then decided on the
+device: a graph replayed once per microbatch (each backward a reduction) chains the
+residual as eager backwards do.
+
 The residual is training state only once the optimizer applied the gradients it belongs
 to: a reduction's new residual is pending (``_pending``) until an optimizer step
 (``commit``); gradients discarded before one (cleared by ``zero_grad``, a skipped step, an
@@ -39,7 +50,15 @@ import torch
 import torch.distributed as dist
 
 from hsdp.sharding.comm import Collectives
-from hsdp.sharding.quant import Rows, decode_into, encode, reduce_requantize, reduce_rows
+from hsdp.sharding.quant import (
+    Pending,
+    Rows,
+    commit_pending,
+    decode_into,
+    encode,
+    reduce_requantize,
+    reduce_rows,
+)
 
 if TYPE_CHECKING:
     from hsdp.sharding.outer_reduce import OuterReduce
@@ -63,13 +82,38 @@ class CompressedOuter:
         self.rank = rank
         self.residual: torch.Tensor | None = None  # [n, m]; None: zeros
         self._pending: torch.Tensor | None = None  # the exposed gradients', until commit
+        # set on the device while a residual is pending (read once static: make_static)
+        self._flag = (torch.zeros(1, dtype=torch.int32, device=device)
+                      if config.error_feedback else None)
+        self._static: Pending | None = None  # the fixed pending buffer, once static
+
+    def make_static(self) -> None:
+        """From now on keep the residual in fixed buffers (module doc): the committed
+        residual as it is, the pending one (a new buffer where none is pending). Host
+        only, so it may run at a capture's start; needs a committed residual
+        (``capture_refusal``)."""
+        if self._flag is None or self._static is not None:
+            return
+        if self.residual is None:
+            raise RuntimeError("CompressedOuter.make_static: no committed residual yet")
+        rows = self._pending if self._pending is not None else torch.empty_like(self.residual)
+        self._static, self._pending = Pending(rows, self._flag), None
+
+    def capture_refusal(self) -> str | None:
+        """Why a capture cannot begin now, or None: fixed buffers need a committed
+        residual (an eager optimizer step with error feedback)."""
+        if self._flag is not None and self._static is None and self.residual is None:
+            return ("the compressed outer reduction before its first optimizer step (its "
+                    "error-feedback residual is made by an eager step)")
+        return None
 
     def _scatter(self, coll: Collectives, src: torch.Tensor, group: dist.ProcessGroup
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the ``n`` packed rows this rank received; with error feedback the quantization
         error rows, else None)."""
         feedback = self.config.error_feedback
-        packed, error = encode(src, self.rows, self.config.dtype, self._base, feedback)
+        packed, error = encode(src, self.rows, self.config.dtype, self._base, feedback,
+                               pending=self._static)
         received = torch.empty_like(packed)
         coll.all_to_all(received, packed, group, "outer")
         return received, error
@@ -100,33 +144,44 @@ class CompressedOuter:
     @property
     def _base(self) -> torch.Tensor | None:
         """The residual a reduction starts from: the pending one (a backward accumulating
-        into gradients not yet applied), else the committed one (None: zeros)."""
+        into gradients not yet applied), else the committed one (None: zeros); once
+        static, the committed one (the device chooses: ``quant.Pending``)."""
         return self._pending if self._pending is not None else self.residual
 
     def _keep(self, error: torch.Tensor | None) -> None:
         """``error`` (None without error feedback) becomes the pending residual; in a
         block with a value past ``LIMIT`` or NaN, the base's values (no host sync: a
-        masked copy)."""
-        if error is not None:
-            blocks = error.view(self.rows.n, -1, self.config.block)
-            bad = torch.linalg.vector_norm(blocks, float("inf"), dim=-1,
-                                           keepdim=True).le(LIMIT).logical_not_()
-            base = self._base
-            if base is None:
-                blocks.masked_fill_(bad, 0.0)
-            else:
-                torch.where(bad, base.view_as(blocks), blocks, out=blocks)
-        self._pending = error
+        masked copy). Once static, ``error`` is the pending buffer, the base the committed
+        residual (the one before a step's backwards: a chained backward's bad block falls
+        back to it, not to the previous backward's)."""
+        if error is None:
+            return
+        blocks = error.view(self.rows.n, -1, self.config.block)
+        bad = torch.linalg.vector_norm(blocks, float("inf"), dim=-1,
+                                       keepdim=True).le(LIMIT).logical_not_()
+        base = self._base
+        if base is None:
+            blocks.masked_fill_(bad, 0.0)
+        else:
+            torch.where(bad, base.view_as(blocks), blocks, out=blocks)
+        self._flag.fill_(1)
+        if self._static is None:
+            self._pending = error
 
     def commit(self) -> None:
         """The optimizer applied the gradients: their residual becomes the state."""
-        if self._pending is not None:
+        if self._static is not None:
+            commit_pending(self.residual, self._static)
+        elif self._pending is not None:
             self.residual, self._pending = self._pending, None
+            self._flag.zero_()
 
     def drop(self) -> None:
         """The gradients were discarded before an optimizer step: back to the committed
         residual."""
         self._pending = None
+        if self._flag is not None:
+            self._flag.zero_()
 
     def residual_flat(self) -> torch.Tensor:
         """The residual over the inner shard (``numel`` fp32 elements; zeros if none)."""
@@ -136,7 +191,13 @@ class CompressedOuter:
 
     def load_residual(self, flat: torch.Tensor | None) -> None:
         """Set the residual from ``residual_flat``'s form (None: zeros)."""
-        self._pending = None
+        self.drop()
+        if self._static is not None:  # the graphs' buffer: written, not replaced
+            if flat is None:
+                self.residual.zero_()
+            else:
+                self.residual.copy_(self.rows.split(flat.to(self.device, torch.float32)))
+            return
         if flat is None or not self.config.error_feedback:
             self.residual = None
             return

@@ -10,7 +10,9 @@ every rank every packed row, and every rank writes the dequantized rows into its
 shard, cast to the parameter dtype: its own row too, dequantized from the bytes it sent.
 So the inner shards, and the weights the inner all-gather builds from them, are the same
 bit for bit on every rank of an outer group (every rank runs the same dequantization on
-the same bytes).
+the same bytes). Its passes are ``quant.encode`` (one row) and ``quant.decode_into``: the
+fused kernels on CUDA, the eager ops elsewhere. Nothing is kept between gathers, so a CUDA
+graph records it as it runs.
 
 ``main`` is never written here: the optimizer keeps stepping the exact weights, and each
 gather quantizes them afresh, so a quantization error lives for one step and does not
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hsdp.sharding.comm import Collectives
-from hsdp.sharding.quant import Rows, dequantize, quantize
+from hsdp.sharding.quant import Rows, decode_into, encode
 
 if TYPE_CHECKING:
     from hsdp.sharding.outer_gather import OuterGather
@@ -43,15 +45,14 @@ class CompressedGather:
     def __init__(self, config: OuterGather, numel: int, n: int) -> None:
         self.config = config
         self.rows = Rows(numel, n, config.block)
+        self.mine = Rows(self.rows.c, 1, config.block)  # this rank's chunk: one row
 
     def all_gather(self, coll: Collectives, inner_shard: torch.Tensor, main: torch.Tensor,
                    group: dist.ProcessGroup) -> None:
         """``inner_shard`` (``S`` elements, any float dtype) = the dequantized chunks
         ``main`` (``C = S / n`` elements) of every outer rank, in outer rank order."""
-        rows, fmt, block = self.rows, self.config.dtype, self.config.block
-        mine = torch.zeros(1, rows.m, dtype=torch.float32, device=main.device)
-        mine[0, :main.numel()].copy_(main)
-        packed = quantize(mine, fmt, block)
+        rows, fmt = self.rows, self.config.dtype
+        packed, _ = encode(main.reshape(-1), self.mine, fmt)
         gathered = torch.empty(rows.n, rows.packed, dtype=torch.uint8, device=main.device)
         coll.all_gather(gathered.view(-1), packed.view(-1), group, "outer")
-        rows.join_into(inner_shard, dequantize(gathered, fmt, block, rows.m))
+        decode_into(inner_shard, gathered, rows, fmt)

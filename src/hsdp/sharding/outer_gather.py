@@ -70,7 +70,3 @@ class OuterGather(OuterMode):
             group.compressed_gather = CompressedGather(self, group.layout.shard_numel,
                                                        c.outer_size)
 
-    def capture_refusal(self, group: ParamGroup) -> tuple[str, str] | None:
-        if group.compressed_gather is None:
-            return None
-        return ("the compressed outer all-gather (outer_gather)", "run it eagerly")

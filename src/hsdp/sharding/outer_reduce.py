@@ -75,10 +75,8 @@ class OuterReduce(OuterMode):
                                                c.outer_rank, group.main.device)
 
     def capture_refusal(self, group: ParamGroup) -> tuple[str, str] | None:
-        if group.compressed is None:
-            return None
-        return ("the compressed outer reduction (outer_reduce; its error-feedback "
-                "residual is swapped on the host each step)", "run it eagerly")
+        why = None if group.compressed is None else group.compressed.capture_refusal()
+        return None if why is None else (why, "run one eager optimizer step before capturing")
 
     def hook_refusal(self, group: ParamGroup) -> str | None:
         if group.compressed is None:

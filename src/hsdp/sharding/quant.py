@@ -134,7 +134,7 @@ def dequantize_sum(packed: torch.Tensor, fmt: str, block: int, m: int) -> torch.
 
 
 @cache
-def _kernels() -> ModuleType | None:
+def _cuda_kernels() -> ModuleType | None:
     """``quant_kernels`` (None where triton does not import)."""
     try:
         return importlib.import_module("hsdp.sharding.quant_kernels")
@@ -142,14 +142,25 @@ def _kernels() -> ModuleType | None:
         return None
 
 
+# Fused passes of other device types, ``quant_kernels``' interface: the simulator's on
+# meta tensors (hsdp_tools.sim.quant_pricing: it prices the passes as the kernels run).
+KERNELS: dict[str, object] = {}
+
+
+def _kernels(device_type: str = "cuda") -> ModuleType | object | None:
+    """The fused passes for ``device_type`` (None: none)."""
+    return _cuda_kernels() if device_type == "cuda" else KERNELS.get(device_type)
+
+
 def uses_kernels(t: torch.Tensor, block: int, fused: bool | None = None) -> bool:
     """Whether a pass over ``t`` runs the fused kernels: CUDA tensors, triton importable
-    and blocks of at most ``quant_kernels.MAX_BLOCK``; ``fused`` True / False forces a path
-    (tests and benchmarks; True where the kernels cannot run is an error)."""
+    and blocks of at most ``quant_kernels.MAX_BLOCK`` (or a device type in ``KERNELS``);
+    ``fused`` True / False forces a path (tests and benchmarks; True where the kernels
+    cannot run is an error)."""
     if fused is False:
         return False
-    kernels = _kernels()
-    can = kernels is not None and t.is_cuda and block <= kernels.MAX_BLOCK
+    kernels = _kernels(t.device.type)
+    can = kernels is not None and block <= kernels.MAX_BLOCK
     if fused and not can:
         raise RuntimeError(f"quant: the fused kernels need a CUDA tensor, triton and a block "
                            f"of at most 8192 (got {t.device}, block {block}, triton "
@@ -157,22 +168,52 @@ def uses_kernels(t: torch.Tensor, block: int, fused: bool | None = None) -> bool
     return can
 
 
+@dataclass(frozen=True)
+class Pending:
+    """Where a reduction of fixed buffers (CUDA graphs) keeps its residual: ``rows``
+    (fp32 ``[n, m]``) receives what the quantization dropped, and is its residual too
+    while ``flag`` (int32 ``[1]``, on the device) is not 0 (a reduction's residual not
+    yet committed); else the residual is the committed one."""
+
+    rows: torch.Tensor
+    flag: torch.Tensor
+
+
 def encode(src: torch.Tensor, rows: Rows, fmt: str, residual: torch.Tensor | None = None,
-           feedback: bool = False, fused: bool | None = None
+           feedback: bool = False, fused: bool | None = None, pending: Pending | None = None
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``src`` (1-D, ``rows.numel``) cut into ``rows`` plus ``residual`` (fp32 ``[n, m]``;
     None: zeros), quantized: (packed ``[n, rows.packed]``, with ``feedback`` what the
     quantization dropped, fp32 ``[n, m]``, else None). New tensors: the caller decides what
-    becomes its residual."""
+    becomes its residual; with ``pending`` (and ``residual`` and ``feedback``), the residual
+    is ``pending.rows`` where its flag is set, and what was dropped is written into
+    ``pending.rows`` (both chosen on the device: a graph replays it as it runs)."""
+    if pending is not None and (residual is None or not feedback):
+        raise ValueError("quant.encode: pending needs a residual and feedback")
     if uses_kernels(src, rows.block, fused):
-        return _kernels().encode(src, rows, fmt, residual, feedback)
+        return _kernels(src.device.type).encode(src, rows, fmt, residual, feedback, pending)
     x = rows.split(src)
-    if residual is not None:
+    if pending is not None:
+        x.add_(torch.where(pending.flag.bool(), pending.rows, residual))
+    elif residual is not None:
         x.add_(residual)
     packed = quantize(x, fmt, rows.block)
     if not feedback:
         return packed, None
-    return packed, x.sub_(dequantize(packed, fmt, rows.block, rows.m))
+    error = x.sub_(dequantize(packed, fmt, rows.block, rows.m))
+    if pending is None:
+        return packed, error
+    return packed, pending.rows.copy_(error)
+
+
+def commit_pending(residual: torch.Tensor, pending: Pending) -> None:
+    """``residual`` = ``pending.rows`` if its flag is set, then the flag cleared (on the
+    device: a graph replays it as it runs)."""
+    if _kernels(residual.device.type) is not None:
+        _kernels(residual.device.type).commit(residual, pending)
+    else:
+        torch.where(pending.flag.bool(), pending.rows, residual, out=residual)
+    pending.flag.zero_()
 
 
 def reduce_rows(received: torch.Tensor, rows: Rows, fmt: str, mean: bool,
@@ -180,7 +221,7 @@ def reduce_rows(received: torch.Tensor, rows: Rows, fmt: str, mean: bool,
     """The fp32 sum ``[m]`` (``mean``: divided by ``n``) of the ``n`` packed rows
     ``received``, dequantized (``dequantize_sum``)."""
     if uses_kernels(received, rows.block, fused):
-        return _kernels().reduce(received, rows, fmt, mean, False)[0]
+        return _kernels(received.device.type).reduce(received, rows, fmt, mean, False)[0]
     reduced = dequantize_sum(received, fmt, rows.block, rows.m)
     return reduced.mul_(1 / rows.n) if mean else reduced  # as ``quantize``'s scale
 
@@ -190,7 +231,7 @@ def reduce_requantize(received: torch.Tensor, rows: Rows, fmt: str, mean: bool,
     """``reduce_rows``'s row quantized again: (packed ``[1, rows.packed]``, what that
     dropped: the row minus the packed row dequantized, fp32 ``[m]``)."""
     if uses_kernels(received, rows.block, fused):
-        dropped, mine = _kernels().reduce(received, rows, fmt, mean, True)
+        dropped, mine = _kernels(received.device.type).reduce(received, rows, fmt, mean, True)
         return mine, dropped
     reduced = reduce_rows(received, rows, fmt, mean, fused=False)
     mine = quantize(reduced.unsqueeze(0), fmt, rows.block)
@@ -202,6 +243,6 @@ def decode_into(out: torch.Tensor, packed: torch.Tensor, rows: Rows, fmt: str,
     """``out`` (``rows.numel`` elements, any float dtype) = the packed rows dequantized and
     joined (``Rows.join``)."""
     if uses_kernels(packed, rows.block, fused):
-        _kernels().decode_into(out, packed, rows, fmt)
+        _kernels(packed.device.type).decode_into(out, packed, rows, fmt)
     else:
         rows.join_into(out, dequantize(packed, fmt, rows.block, rows.m))

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from hsdp.sharding.quant import Rows
+    from hsdp.sharding.quant import Pending, Rows
 
 MAX_BLOCK = 8192  # a block is one program's tile at most: larger blocks run eagerly
 TILE = 4096  # elements per program (whole blocks)
@@ -63,12 +63,14 @@ def _to_format(y, INT8: tl.constexpr):
 
 
 @triton.jit
-def _encode(src, res, vals, scales, err, numel, c, m, row_bytes, row_words, scale_off,
+def _encode(src, res, vals, scales, err, flag, numel, c, m, row_bytes, row_words, scale_off,
             BLOCK: tl.constexpr, GROUP: tl.constexpr, QMAX_RECIP: tl.constexpr,
             SMIN: tl.constexpr, SMAX: tl.constexpr, INT8: tl.constexpr, HAS_RES: tl.constexpr,
-            FEEDBACK: tl.constexpr):
-    """One program: ``GROUP`` blocks of row ``i``. ``x = src's row (zero-padded) + res``;
-    writes the values and scales, and ``err = x - dequantized`` with ``FEEDBACK``."""
+            FEEDBACK: tl.constexpr, SELECT: tl.constexpr):
+    """One program: ``GROUP`` blocks of row ``i``. ``x = src's row (zero-padded) + res``
+    (``SELECT``: + ``err`` where ``flag`` is set: each element read, then written, by its
+    own program); writes the values and scales, and ``err = x - dequantized`` with
+    ``FEEDBACK``."""
     tiles = tl.cdiv(m, BLOCK * GROUP)
     i = (tl.program_id(0) // tiles).to(tl.int64)
     blocks = (tl.program_id(0) % tiles) * GROUP + tl.arange(0, GROUP)
@@ -77,7 +79,13 @@ def _encode(src, res, vals, scales, err, numel, c, m, row_bytes, row_words, scal
     flat = i * c + j
     x = tl.load(src + flat, mask=(j < c) & (flat < numel), other=0.0).to(tl.float32)
     if HAS_RES:
-        x = x + tl.load(res + i * m + j, mask=inside, other=0.0)
+        if SELECT:  # the pending rows (``err``) while the flag is set, else ``res``
+            if tl.load(flag) != 0:
+                x = x + tl.load(err + i * m + j, mask=inside, other=0.0)
+            else:
+                x = x + tl.load(res + i * m + j, mask=inside, other=0.0)
+        else:
+            x = x + tl.load(res + i * m + j, mask=inside, other=0.0)
     scale = _block_scale(x, QMAX_RECIP, SMIN, SMAX)
     q = _to_format(tl.math.div_rn(x, scale[:, None]), INT8)
     tl.store(vals + i * row_bytes + j, q, mask=inside)
@@ -168,20 +176,38 @@ def _launch(block: int, blocks: int, device: torch.device) -> dict:
 
 
 def encode(src: torch.Tensor, rows: Rows, fmt: str, residual: torch.Tensor | None,
-           feedback: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+           feedback: bool, pending: Pending | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``quant.encode`` in one pass."""
     src = src.contiguous()  # no copy where it is (the kernel reads it flat)
     packed = torch.empty(rows.n, rows.packed, dtype=torch.uint8, device=src.device)
-    error = (torch.empty(rows.n, rows.m, dtype=torch.float32, device=src.device)
+    error = (pending.rows if pending is not None else
+             torch.empty(rows.n, rows.m, dtype=torch.float32, device=src.device)
              if feedback else None)
     vals, scales, geometry = _views(packed, fmt, rows.m)
     launch = _launch(rows.block, rows.n * rows.m // rows.block, src.device)
     grid = (rows.n * triton.cdiv(rows.m, rows.block * launch["GROUP"]),)
     _encode[grid](src, residual if residual is not None else src, vals, scales,
-                  error if feedback else src, rows.numel, rows.c, **geometry,
-                  QMAX_RECIP=1 / _QMAX[fmt], **_scale_range(fmt), INT8=fmt == "int8",
-                  HAS_RES=residual is not None, FEEDBACK=feedback, **launch)
+                  error if feedback else src, pending.flag if pending is not None else src,
+                  rows.numel, rows.c, **geometry, QMAX_RECIP=1 / _QMAX[fmt],
+                  **_scale_range(fmt), INT8=fmt == "int8", HAS_RES=residual is not None,
+                  FEEDBACK=feedback, SELECT=pending is not None, **launch)
     return packed, error
+
+
+@triton.jit
+def _commit(flag, src, dst, numel, TILE_: tl.constexpr):
+    """One program: ``TILE_`` elements of ``dst`` = ``src`` if ``flag`` is set."""
+    if tl.load(flag) != 0:
+        k = tl.program_id(0).to(tl.int64) * TILE_ + tl.arange(0, TILE_)
+        tl.store(dst + k, tl.load(src + k, mask=k < numel), mask=k < numel)
+
+
+def commit(residual: torch.Tensor, pending: Pending) -> None:
+    """``quant.commit_pending``'s copy: one pass where the flag is set, none else."""
+    numel = residual.numel()
+    _commit[(triton.cdiv(numel, TILE),)](pending.flag, pending.rows, residual, numel,
+                                         TILE_=TILE, num_warps=8)
 
 
 def reduce(received: torch.Tensor, rows: Rows, fmt: str, mean: bool,

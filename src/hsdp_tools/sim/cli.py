@@ -28,6 +28,7 @@ from hsdp_tools.sim.costs import CostModel
 from hsdp_tools.sim.engine import Setup, SimResult, simulate
 from hsdp_tools.sim.fabric import Fabric, Link
 from hsdp_tools.sim.profile import MachineProfile, calibrate_profile
+from hsdp_tools.sim.quant_pricing import x_floor_from_bench
 from hsdp_tools.sim.sweep import parse_sweep, print_sweep, run_sweep
 
 # (overlapped, serialized) schedule names per strategy, as in ``bench step``
@@ -121,6 +122,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cal.add_argument("--collectives", nargs="*", default=[], metavar="JSON",
                      help="`bench collectives` JSONs of the same machine: its links")
     cal.add_argument("--machine", default="", help="a name for the machine (e.g. h200)")
+    cal.add_argument("--quant", default=None, metavar="JSON",
+                     help="`bench quant` JSON of the same kind of card: the fused "
+                          "quantization passes' time over the copy floor")
     cal.add_argument("--out", required=True, help="where the profile goes")
     cal.set_defaults(run=run_calibrate)
 
@@ -128,6 +132,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_calibrate(args: argparse.Namespace) -> int:
     try:
         profile = calibrate_profile(args.step, args.collectives, args.machine)
+        if args.quant:
+            profile = dataclasses.replace(profile, quant_x_floor=x_floor_from_bench(args.quant))
     except ValueError as e:
         raise SystemExit(f"hsdp sim calibrate: {e}") from None
     profile.save(args.out)

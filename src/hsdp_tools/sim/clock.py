@@ -34,7 +34,8 @@ class ProgramOp:
     ``kind``: ``"compute"`` (one compute op; ``payload`` is what a cost model prices),
     ``"side"`` (an op of side stream ``stream``; ``payload``: its collectives as
     ``(kind, axis, nbytes, group_size)``; ``local_bytes``: what its own tensor ops, e.g. the
-    cast into the all-gather buffer, read and write), ``"record"`` (an event at the end of the
+    cast into the all-gather buffer, read and write; ``kernel_bytes``: what its fused
+    quantization passes read and write, per pass), ``"record"`` (an event at the end of the
     compute issued so far), ``"wait"`` (compute waits for op ``deps[0]``), ``"sync"`` (the
     host blocks until op ``deps[0]`` has finished), ``"begin"`` / ``"end"`` (a compute
     phase's boundaries). ``label``: the runtime's; a compute op's is its phase (the
@@ -49,6 +50,7 @@ class ProgramOp:
     payload: Any = None
     phase: int = -1
     local_bytes: int = 0
+    kernel_bytes: tuple[tuple[str, int], ...] = ()  # fused quantization passes: (pass, bytes)
 
 
 @dataclass
@@ -71,10 +73,13 @@ class Program:
         self._phases: list[int] = []  # begin ops of the open phases, innermost last
         self._side: list[tuple] | None = None  # collectives of the side op being issued
         self._side_bytes = 0  # bytes its own tensor ops touch
+        self._side_kernels: list[tuple[str, int]] = []  # its fused quantization passes
 
     def add(self, kind: str, stream: str, label: str, deps: tuple[int, ...] = (),
-            payload: Any = None, phase: int = -1, local_bytes: int = 0) -> int:
-        self.ops.append(ProgramOp(kind, stream, label, deps, payload, phase, local_bytes))
+            payload: Any = None, phase: int = -1, local_bytes: int = 0,
+            kernel_bytes: tuple[tuple[str, int], ...] = ()) -> int:
+        self.ops.append(ProgramOp(kind, stream, label, deps, payload, phase, local_bytes,
+                                  kernel_bytes))
         return len(self.ops) - 1
 
     @property
@@ -99,6 +104,11 @@ class Program:
         """A tensor op of the side op being issued (memory bound: ``nbytes`` touched)."""
         self._side_bytes += nbytes
 
+    def kernel(self, name: str, nbytes: int) -> None:
+        """A fused quantization pass ``name`` of the side op being issued (``nbytes`` read
+        and written; ``hsdp_tools.sim.quant_pricing``)."""
+        self._side_kernels.append((name, nbytes))
+
     def begin(self, label: str) -> None:
         self._phases.append(self.add("begin", "compute", label))
 
@@ -112,15 +122,17 @@ class Program:
     def side(self, stream: str, fn: Callable[[], None], after: Sequence[Event],
              label: str) -> int:
         """Run ``fn`` (the op's tensor work, on meta tensors: instant) and add the op."""
-        outer, self._side = (self._side, self._side_bytes), []
-        self._side_bytes = 0
+        outer = (self._side, self._side_bytes, self._side_kernels)
+        self._side, self._side_bytes, self._side_kernels = [], 0, []
         try:
             fn()
             collectives, nbytes = tuple(self._side), self._side_bytes
+            kernels = tuple(self._side_kernels)
         finally:
-            self._side, self._side_bytes = outer
+            self._side, self._side_bytes, self._side_kernels = outer
         deps = tuple(_virtual(e).index for e in after)
-        return self.add("side", stream, label, deps, collectives, local_bytes=nbytes)
+        return self.add("side", stream, label, deps, collectives, local_bytes=nbytes,
+                        kernel_bytes=kernels)
 
     def evaluate(self, cost: Callable[[ProgramOp], tuple[float, ...]], start: int = 0,
                  host_blocks: bool = False, shared_sms: bool = False) -> Timing:

@@ -31,6 +31,9 @@
   rank of an axis) runs alone and leaves a 0.7 ms gap on compute (share 0.7-1 at seq
   4096), while the small casts of a 1/8 shard mostly fit beside a running matmul
   (share 0.1-0.3); a calibration measures the share per kind.
+  The fused quantization passes of the compressed outer reduction and gather
+  (``quant_pricing``) count as such work: their bytes at ``mem_gbps`` times the pass's
+  ``quant_x_floor`` (the kernels' measured time over the copy floor; 1 where unknown).
 - Compute beside a collective kernel: a phase class's ``drag`` is the share of its
   compute's speed lost while one runs (NCCL's kernels hold SMs: in one real 2x1 trace a
   backward GEMM took 44 us alone and 200-280 us beside an all-reduce; a calibration
@@ -137,6 +140,8 @@ class CostModel:
     peers: tuple[CostModel, ...] = ()  # ranks 1, 2, ... (module doc)
     # Float8 setups: how much faster their (float8) matmuls run than ``tflops`` says.
     float8_speedup: float = 1.0
+    # per fused quantization pass (``quant_pricing``): its time over its bytes at mem_gbps
+    quant_x_floor: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if min(self.tflops, self.mem_gbps, *self.class_tflops.values()) <= 0:
@@ -193,7 +198,9 @@ class CostModel:
             if op.kind == "side":
                 kind = op_kind(Interval(op.stream, op.label, 0, 0))
                 scale = self.comm_scale.get(kind, 1.0)
-                local = scale * op.local_bytes / (self.mem_gbps * 1e9)
+                local = scale * (op.local_bytes + sum(
+                    n * self.quant_x_floor.get(k, 1.0) for k, n in op.kernel_bytes)
+                ) / (self.mem_gbps * 1e9)
                 host = host_side + by_class.get(side_class(op.stream, op.label), unknown)
                 busy = scale * sum(self.fabric.seconds(*c) for c in op.payload) + local
                 if op.payload:

@@ -44,6 +44,7 @@ from hsdp_tools.sim.clock import Program, virtual_streams
 from hsdp_tools.sim.costs import CostModel
 from hsdp_tools.sim.ep_pricing import ep_pricer, expert_names, sim_model
 from hsdp_tools.sim.fabric import Link
+from hsdp_tools.sim.quant_pricing import fused_passes
 from hsdp_tools.sim.tp_pricing import tp_pricer
 
 
@@ -376,7 +377,7 @@ def record(setup: Setup) -> Recording:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         tokens = torch.zeros(setup.mbs, cfg.seq, dtype=torch.long, device=setup.device)
         rec = Recording(setup, program, 0, names)
-        with _IssueCompute(program):
+        with _IssueCompute(program), fused_passes(program):
             train_step(model, opt, tokens, 1)
             rec.start = len(program.ops)
             for step, steps, weight in period_steps(outer_sync):

@@ -58,6 +58,9 @@ class MachineProfile:
     exclusive: dict[str, float]
     comm_wait: dict[str, float]
     links: dict[str, dict[str, float]]  # axis -> Link fields; {} on an emulated machine
+    # per fused quantization pass: time over the copy floor (``quant_pricing``; a
+    # ``bench quant`` JSON's); {}: at the copy floor
+    quant_x_floor: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def fabric(self, default: Fabric) -> Fabric:
         """``default`` with the profile's measured links in place of its own."""
@@ -72,7 +75,7 @@ class MachineProfile:
                          class_host_us=dict(self.class_host_us),
                          comm_wait=dict(self.comm_wait),
                          exclusive=dict(self.exclusive),
-                         drag=dict(self.drag))
+                         drag=dict(self.drag), quant_x_floor=dict(self.quant_x_floor))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"format": FORMAT, **dataclasses.asdict(self)},

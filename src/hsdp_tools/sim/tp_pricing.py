@@ -94,7 +94,8 @@ def tp_pricer(price: Price, program: Program, model: LlamaConfig, mbs: int,
         if op.kind == "side":
             share = dataclasses.replace(
                 op, payload=[(k, a, n // tp, g) for k, a, n, g in op.payload],
-                local_bytes=op.local_bytes // tp)
+                local_bytes=op.local_bytes // tp,
+                kernel_bytes=tuple((k, n // tp) for k, n in op.kernel_bytes))
             return price(share)
         if op.kind != "compute":
             return price(op)

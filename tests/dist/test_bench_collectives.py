@@ -119,6 +119,7 @@ def test_shared_gpu_layout_keeps_every_communicator_on_distinct_gpus():
         check_shared_layout("test", 2, 4, 2)
 
 
+@pytest.mark.full
 def test_shared_links_put_the_outer_communicator_on_the_inner_ranks(tmp_path):
     out = tmp_path / "collectives.json"
     proc = bench_collectives("--nproc", "2", "--mesh", "1x2", "--shared-links", "--sizes",

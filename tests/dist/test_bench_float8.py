@@ -40,6 +40,7 @@ def _bytes(tmp_path: Path, *extra: str) -> dict[str, dict[str, int]]:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs hsdp[float8]")
+@pytest.mark.full
 def test_bench_step_float8_halves_all_gather_bytes(tmp_path: Path) -> None:
     fp32, float8 = _bytes(tmp_path), _bytes(tmp_path, "--float8")
     # FSDP2 moves the same bytes but for its padding (rows, not hsdp's 16 elements)
@@ -55,6 +56,7 @@ def test_bench_step_float8_halves_all_gather_bytes(tmp_path: Path) -> None:
     assert fp32["overlap"]["reduce_scatter:inner"] == float8["overlap"]["reduce_scatter:inner"]
 
 
+@pytest.mark.full
 def test_bench_step_float8_without_torchao_says_how_to_install(tmp_path: Path) -> None:
     hide = tmp_path / "hide"
     (hide / "torchao").mkdir(parents=True)

@@ -172,6 +172,7 @@ def test_emulated_compressed_outer_reduction(tmp_path):
     assert nbytes["overlap-q"]["all_gather:outer"] == nbytes["overlap-q"]["all_to_all:outer"]
 
 
+@pytest.mark.full
 def test_emulated_tp(tmp_path):
     """--tp 2 on an emulated 2x2 mesh: a 2x2x2 world whose every schedule issues the TP
     collectives of torch's plan, by the bytes a hand count gives, delayed on compute."""
@@ -229,6 +230,7 @@ def test_tp_options_are_checked():
             cfg(*argv)
 
 
+@pytest.mark.full
 def test_missing_or_unsupported_peer_is_a_clear_error():
     proc = bench_step("--emulate", "--mesh", "2x2", *TINY, "--schedules", "overlap,mfsdp",
                       timeout=60)
@@ -254,6 +256,7 @@ def test_compare_flags_overlapping_ranges_as_noise():
     assert compare(entry(11, 12, 13), entry(8, 9, 11.5))["within_noise"]
 
 
+@pytest.mark.full
 def test_mesh_not_matching_world_is_a_clear_error():
     proc = bench_step("--nproc", "4", "--mesh", "2x3", *TINY, timeout=60)
     assert proc.returncode != 0

@@ -146,8 +146,10 @@ def test_replica_group_lost_and_recovered(tmp_path, library):
     _reference(g0_rec)
 
 
-@pytest.mark.parametrize("dying,allowed", [([0], False), ([0, 1], False), ([0, 1], True)],
-                         ids=["rank0", "both", "both_allowed"])
+@pytest.mark.parametrize("dying,allowed", [
+    pytest.param([0], False, id="rank0", marks=pytest.mark.full),
+    pytest.param([0, 1], False, id="both"),
+    pytest.param([0, 1], True, id="both_allowed", marks=pytest.mark.full)])
 def test_live_group_dies_while_sending(tmp_path, dying, allowed):
     """Group 0 trains alone; group 1 starts after its step JOIN_AT - 1 and joins at
     step JOIN_AT; asked for its state, its

@@ -1,8 +1,9 @@
 """hsdp with tensor parallelism on an (outer, inner, tp) = (2, 2, 2) CPU gloo mesh: a tiny
 Llama-style model with torchtitan's TP plan equals one process and FSDP2 + the same plan.
 
-ONE spawned 8-rank job runs every case, the checkpoint and the errors (process start-up
-dominates on two cores).
+ONE spawned 8-rank job runs the cases in which every pair of settings meets once
+(tests/case_cover.py), the checkpoint and the errors (process start-up dominates on two
+cores); the full tier runs the other cases in a second job.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from case_cover import pairwise_split
 from dist_utils import run_jobs
 from tp_jobs import CKPT_TARGETS, TPCase, checkpoint_job, errors_job, parity_job
 
@@ -32,12 +34,14 @@ CASES = [TPCase(strategy, overlap, mb) for strategy, overlap, mb in itertools.pr
     TPCase("hsdp", False, 1, frozen=True, meta=True), TPCase("hfsdp", True, 3, meta=True)] + [
     TPCase("hsdp", True, 1, outer_reduce="int8"),
     TPCase("hfsdp", True, 3, outer_reduce="int8")]
+# every FSDP2 case in both jobs: the hsdp cases are compared with them
+COVER, REST = pairwise_split(FSDP2_CASES + CASES, keep=FSDP2_CASES)
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> dict[str, list[dict]]:
     ckpt = str(tmp_path_factory.mktemp("tp") / "ckpt")
-    return run_jobs(8, {"parity": (parity_job, ((2, 2, 2), FSDP2_CASES + CASES)),
+    return run_jobs(8, {"parity": (parity_job, ((2, 2, 2), COVER)),
                         "checkpoint": (checkpoint_job, (ckpt,)), "errors": (errors_job, ())})
 
 
@@ -62,8 +66,23 @@ def test_init_mesh_3d(results: list[dict]) -> None:
     assert "outer*inner*tp = 1*2*2 = 4" in errors[3]
 
 
-@pytest.mark.parametrize("case", FSDP2_CASES + CASES, ids=str)
+@pytest.fixture(scope="module")
+def results_rest() -> list[dict]:
+    return run_jobs(8, {"parity": (parity_job, ((2, 2, 2), FSDP2_CASES + REST))})["parity"]
+
+
+@pytest.mark.parametrize("case", COVER, ids=str)
 def test_tp_parity(case: TPCase, results: list[dict]) -> None:
+    _check(case, results)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", REST, ids=str)
+def test_tp_parity_rest(case: TPCase, results_rest: list[dict]) -> None:
+    _check(case, results_rest)
+
+
+def _check(case: TPCase, results: list[dict]) -> None:
     errs = [r[case] for r in results]
     assert all(e == errs[0] for e in errs), f"ranks disagree: {errs}"
     if case.outer_reduce:  # compressed (3 SGD steps: 7.7e-5 hfsdp): not exact, close

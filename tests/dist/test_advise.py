@@ -1,0 +1,24 @@
+"""``hsdp_tools.advise`` in a running job: the links measured on the job's communicators,
+every mode priced, one choice on every rank (4 gloo ranks; the long tier: the simulator
+runs once per mode)."""
+
+from __future__ import annotations
+
+import pytest
+from advise_jobs import advise_job
+from dist_utils import run_ranks, same_on_every_rank
+
+
+@pytest.mark.full
+def test_advise_measures_prices_and_agrees() -> None:
+    report = same_on_every_rank(run_ranks(advise_job, 4))
+    modes = {r["mode"]: r for r in report["modes"]}
+    assert list(modes) == ["exact", "int8", "diloco H10", "diloco H50"], modes
+    assert all(li["bus_gbps"] > 0 for li in report["links"].values()), report["links"]
+    fastest = min(r["t_step_ms"] for r in modes.values())
+    assert modes[report["choice"]]["t_step_ms"] <= fastest * 1.02, report
+    assert all(r["t_step_ms"] >= report["t_free_ms"] for r in modes.values()), report
+    # fewer outer bytes: int8 below exact, DiLoCo by its period
+    b = {k: r["outer_bytes_per_step"] for k, r in modes.items()}
+    assert b["exact"] > b["int8"] > b["diloco H10"] > b["diloco H50"] > 0, b
+    assert modes["int8"]["convergence"]["source"].startswith("docs/results/cpu/"), modes

@@ -22,7 +22,9 @@ None of it is silent: each load that drops or starts state afresh logs one line 
 (``note``). For torch DCP this module extends ``DefaultLoadPlanner.set_up_planner`` (torch's
 ``dcp.load`` and torchtitan's checkpointer use it): an hsdp entry of the state dict that
 the checkpoint lacks is taken out of the dict (whose set then starts it afresh) instead of
-failing the whole load with DCP's "Missing key in checkpoint state_dict".
+failing the whole load with DCP's "Missing key in checkpoint state_dict". The extension is
+installed (``install``) the first time hsdp is asked for its entries of a state dict
+(``extra_state.extra_state``), not at import: importing hsdp changes nothing of torch's.
 """
 
 from __future__ import annotations
@@ -130,5 +132,7 @@ def _wrap_set_up(original: Callable) -> Callable:
     return set_up_planner
 
 
-if not getattr(DefaultLoadPlanner.set_up_planner, "_hsdp", False):
-    DefaultLoadPlanner.set_up_planner = _wrap_set_up(DefaultLoadPlanner.set_up_planner)
+def install() -> None:
+    """Extend ``DefaultLoadPlanner.set_up_planner`` (once; later calls do nothing)."""
+    if not getattr(DefaultLoadPlanner.set_up_planner, "_hsdp", False):
+        DefaultLoadPlanner.set_up_planner = _wrap_set_up(DefaultLoadPlanner.set_up_planner)

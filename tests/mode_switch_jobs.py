@@ -18,6 +18,7 @@ import hsdp
 from hsdp.checkpoint.outer_residual import residual_state
 from hsdp.checkpoint.outer_sync_state import anchored_groups
 from hsdp_tools.bench.convergence import train_steps
+from hsdp_tools.bench.mode_switch import world_job
 
 H = 4
 INT8 = hsdp.OuterReduce("int8", block=16)
@@ -163,3 +164,9 @@ def check(results: list[dict[str, object]]) -> None:
         assert bool(got["note"]) == bool(want["note"]), (case, got["note"])
     for r in results[1:]:  # the note is rank 0's alone
         assert all(not got["note"] for got in r.values()), r
+
+
+def converge_job(rank: int, world: int, root: str, steps: int) -> dict[str, list[float]]:
+    """hsdp_tools.bench.mode_switch's runs, short: seeds 0 and 1, exact and switched
+    (exact -> int8 -> DiLoCo H=10 -> exact across three resumes), 8 ranks (4x2)."""
+    return world_job(rank, world, [0, 1], steps, root)

@@ -17,6 +17,7 @@ from hsdp.ft.outer import FaultTolerance
 from hsdp.ft.transport import RecoveryTransport
 from hsdp.materialize import materialize
 from hsdp.module import register_forward_method
+from hsdp.outer_auto import Auto, OuterChoice
 from hsdp.runtime.optim import attach_optimizer
 from hsdp.sharding.policy import MixedPrecision, OuterGather, OuterReduce, Strategy
 from hsdp.topology.communicators import NcclConfig
@@ -26,6 +27,7 @@ from hsdp.topology.outer_sync import DiLoCo
 __version__ = "0.1.0"
 
 __all__ = [
+    "Auto",
     "CheckpointBusyError",
     "CheckpointError",
     "DiLoCo",
@@ -33,6 +35,7 @@ __all__ = [
     "FaultToleranceError",
     "MixedPrecision",
     "OuterGather",
+    "OuterChoice",
     "OuterReduce",
     "Strategy",
     "NcclConfig",

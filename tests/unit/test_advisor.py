@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hsdp_tools.advisor import MODES, convergence_cost
+from hsdp_tools.advisor import MODES, choose, convergence_cost
 
 
 def test_convergence_cost_reads_the_cited_runs(tmp_path) -> None:
@@ -26,3 +26,19 @@ def test_every_committed_run_is_found() -> None:
         for f in (1, 4):
             run = None if m.run is None else (m.run[0], m.run[1].format(f=f))
             assert convergence_cost(run)["source"]
+
+
+def test_choice_counts_no_loss_cost_within_the_exact_seed_spread() -> None:
+    """Modes as fast as each other: a loss difference inside the exact runs' spread over
+    seeds tells nothing, so the least departure from exact wins (it once chose DiLoCo H50
+    on a fast link for its -0.08 % within a 2.3 % spread)."""
+    def row(mode: str, ms: float, pct: float) -> dict:
+        return {"mode": mode, "t_step_ms": ms, "convergence": {"pct": pct, "spread_pct": 2.3}}
+
+    tied = [row("exact", 155.7, 0.0), row("int8", 193.4, 0.0), row("diloco H10", 156.8, 0.23),
+            row("diloco H50", 155.1, -0.08)]
+    assert choose(tied) == "exact"
+    costly = [row("exact", 155.7, 0.0), row("diloco H50", 155.1, 0.0),
+              row("diloco H10", 100.0, 5.0), row("int8", 101.0, 0.5)]
+    assert choose(costly) == "int8"  # as fast as H10 (within 2 %), no cost beyond spread
+    assert choose([row("exact", 300.0, 0.0), row("diloco H50", 100.0, 5.0)]) == "diloco H50"

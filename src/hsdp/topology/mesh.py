@@ -47,7 +47,7 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
               nccl: dict[str, NcclConfig] | None = None, timeout: timedelta | None = None,
               allow_inner_across_hosts: bool = False,
               fault_tolerance: FaultTolerance | Any | None = None,
-              outer_sync: DiLoCo | None = None) -> DeviceMesh:
+              outer_sync: DiLoCo | Any | None = None) -> DeviceMesh:
     """A 2-D DeviceMesh with dims ("outer", "inner") plus hsdp's three communicators; with
     ``tp > 1`` (keyword only) a 3-D one, ("outer", "inner", "tp"), rank ``(o * inner + i) * tp + t``
     (tp fastest, as torchtitan): give ``mesh["tp"]`` to torch's ``parallelize_module``,
@@ -73,11 +73,11 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
     number of groups launched; the returned mesh covers this group, (1, inner), and the
     outer gradient all-reduce runs over the live groups. Only ``strategy="hsdp"``.
 
-    ``outer_sync=hsdp.DiLoCo(...)``: the outer axis synchronizes every ``inner_steps``
-    optimizer steps instead of every step (docs/guide/across_datacenters.md); only
-    ``strategy="hsdp"``. With ``fault_tolerance`` each sync is one torchft quorum and
-    commit, driven by hsdp inside ``optimizer.step()`` (the Manager then runs its quorum
-    synchronously).
+    ``outer_sync=hsdp.DiLoCo(...)``: the outer axis synchronizes every ``inner_steps`` optimizer
+    steps instead of every step (docs/guide/across_datacenters.md); only ``strategy="hsdp"``. With
+    ``fault_tolerance`` each sync is one torchft quorum and commit, driven by hsdp inside
+    ``optimizer.step()`` (the Manager then runs its quorum synchronously).
+    ``outer_sync=hsdp.Auto(...)``: as it chooses, once the mesh is built (``outer_auto.py``).
     """
     nccl = _check_arguments(outer, inner, tp, nccl, timeout)
     _check_outer_sync(outer_sync, fault_tolerance)
@@ -108,7 +108,13 @@ def _mesh_of_world(outer: int, inner: int, tp: int, device_type: str,
                    nccl: dict[str, NcclConfig], timeout: timedelta,
                    outer_sync: DiLoCo | None) -> DeviceMesh:
     """The mesh over the whole world and its communicators (those cached for the same
-    arguments, with this ``outer_sync``)."""
+    arguments, with this ``outer_sync``; an ``hsdp.Auto``: with the DiLoCo or none it
+    chooses on the mesh, the same on every rank: ``outer_auto.py``)."""
+    if _is_auto(outer_sync):
+        mesh = _mesh_of_world(outer, inner, tp, device_type, nccl, timeout, None)
+        chosen = outer_sync.outer_sync_for(mesh)
+        return mesh if chosen is None else _mesh_of_world(outer, inner, tp, device_type, nccl,
+                                                          timeout, chosen)
     shape, names = ((outer, inner, tp), TP_DIM_NAMES) if tp > 1 else ((outer, inner), DIM_NAMES)
     cached = mesh_groups().get((device_type, tuple(range(outer * inner * tp)), shape))
     if cached is not None and (cached.nccl, cached.timeout) == (nccl, timeout):
@@ -121,14 +127,26 @@ def _mesh_of_world(outer: int, inner: int, tp: int, device_type: str,
     return mesh
 
 
+def _is_auto(outer_sync: object) -> bool:
+    """Whether ``outer_sync`` is an ``hsdp.Auto`` (``outer_auto.py``, above this layer)."""
+    return callable(getattr(outer_sync, "outer_sync_for", None))
+
+
 def _check_outer_sync(outer_sync: object, fault_tolerance: object) -> None:
     """Raise on a bad ``outer_sync`` or one fault tolerance cannot serve: a delay that
     would overlap two syncs' quorums, a torchft Manager made with an asynchronous quorum
     (the sync waits for its quorum, and a recovering group must receive the state first:
     torchft's own DiLoCo refuses it too)."""
-    if outer_sync is not None and not isinstance(outer_sync, DiLoCo):
-        raise TypeError(f"init_mesh: outer_sync must be an hsdp.DiLoCo or None, got "
-                        f"{outer_sync!r}")
+    if _is_auto(outer_sync) and fault_tolerance is not None:
+        raise FaultToleranceError(
+            f"init_mesh: outer_sync={outer_sync!r} with fault_tolerance is not supported (the "
+            f"torchft Manager is made for one outer schedule before the mesh exists); pass "
+            f"outer_sync=hsdp.DiLoCo(...) or None")
+    if outer_sync is not None and not isinstance(outer_sync, DiLoCo) and not _is_auto(
+            outer_sync):
+        raise TypeError(f"init_mesh: outer_sync must be an hsdp.DiLoCo, an hsdp.Auto (the "
+                        f"mode chosen from a measurement: hsdp_tools.auto(model)) or None, "
+                        f"got {outer_sync!r}")
     if outer_sync is None or fault_tolerance is None:
         return
     outer_sync.check_fault_tolerant()

@@ -22,9 +22,10 @@ def test_every_mode_pair_resumes_by_the_rule(tmp_path) -> None:
 @pytest.mark.full
 def test_switching_exact_int8_diloco_exact_across_resumes_converges(tmp_path) -> None:
     """The short form of scripts/mode_switch_convergence.py (8 gloo ranks, 2 seeds, 80
-    steps): the switched run's first phase is the exact run's bit for bit, no resume
-    throws the loss back (a load that kept nothing restarts near ln(vocab) = 4.85), and
-    it ends within 2 % of the exact run of its seed."""
+    steps): the switched run's first phase is the exact run's bit for bit, after every
+    resume each step's loss stays within 10 % of the exact run's on the same batch (a load
+    that kept nothing restarts near ln(vocab) = 4.85, three times the loss by then), and
+    the last 10 steps' mean is within 2 % of the exact run's."""
     steps = 80
     curves = run_jobs(8, {"c": (converge_job, (str(tmp_path), steps))})["c"][0]
     for seed in (0, 1):
@@ -32,7 +33,7 @@ def test_switching_exact_int8_diloco_exact_across_resumes_converges(tmp_path) ->
         switched = curves[f"4x2 hsdp/seed{seed}/switched"]
         quarter = steps // 4
         assert switched[:quarter] == exact[:quarter], seed
-        for b in (quarter, 2 * quarter, 3 * quarter):
-            assert switched[b] < switched[b - 1] * 1.1, (seed, b, switched[b - 3:b + 3])
+        worst = max(abs(s / e - 1) for s, e in zip(switched[quarter:], exact[quarter:]))
+        assert worst < 0.1, (seed, worst)
         assert abs(statistics.fmean(switched[-10:]) / statistics.fmean(exact[-10:]) - 1) < 0.02, (
             seed, switched[-10:], exact[-10:])

@@ -1,5 +1,6 @@
 """Importing hsdp changes nothing global: torch's ``destroy_process_group`` is wrapped once
-hsdp makes its first groups, and optimizers get hsdp's step hooks one by one, when they
+hsdp makes its first groups, DCP's load planner is extended once hsdp is first asked for
+its entries of a state dict, and optimizers get hsdp's step hooks one by one, when they
 are found to hold fully_shard-ed parameters."""
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ SCRIPT = textwrap.dedent("""
     import torch.optim.optimizer as optim_mod
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
     original = dist.destroy_process_group
+    planner = DefaultLoadPlanner.set_up_planner
     import hsdp
 
     assert dist.destroy_process_group is original, "import patched destroy_process_group"
+    assert DefaultLoadPlanner.set_up_planner is planner, "import patched DCP's load planner"
     assert not optim_mod._global_optimizer_pre_hooks, "import installed optimizer hooks"
     assert not optim_mod._global_optimizer_post_hooks, "import installed optimizer hooks"
 
@@ -40,6 +45,9 @@ SCRIPT = textwrap.dedent("""
     assert not other._optimizer_step_pre_hooks and not other._optimizer_step_post_hooks
     assert len(optim_mod._global_optimizer_pre_hooks) == 1  # the detector only
     assert not optim_mod._global_optimizer_post_hooks
+    assert DefaultLoadPlanner.set_up_planner is planner, "patched before a state dict"
+    hsdp.get_state_dict(net, opt)  # hsdp's entries may now meet a checkpoint without them
+    assert getattr(DefaultLoadPlanner.set_up_planner, "_hsdp", False), "planner not extended"
     dist.destroy_process_group()
     print("ok")
 """)

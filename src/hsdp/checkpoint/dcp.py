@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.tensor import DTensor
 
-from hsdp.checkpoint import integrity
+from hsdp.checkpoint import integrity, mode_switch
 from hsdp.checkpoint.extra_state import Loaded, apply
 from hsdp.checkpoint.full_state import clean_keys, model_keys, quiesce
 from hsdp.checkpoint.load_targets import check_model, optim_targets
@@ -287,7 +287,8 @@ def load(path: str | os.PathLike, model: nn.Module,
     read = _to_cpu(state)
     try:
         with meeting.at("reading"):
-            dcp.load(read, storage_reader=_Reader(path, opened), process_group=group)
+            dcp.load(read, storage_reader=_Reader(path, opened), process_group=group,
+                     planner=mode_switch.Quiet())
     except CheckpointException as e:  # a BaseException: keep it catchable as an error
         raise CheckpointError(f"hsdp.load: reading {path} failed; the model and optimizer "
                               f"are unchanged. {_failures(e)}") from e
@@ -336,4 +337,5 @@ def _load_targets(path: str, model: nn.Module, optimizer: torch.optim.Optimizer 
         optim[KEY] = to_read(model, ours[KEY], saved, f"optim.{KEY}.")
     if SYNC_KEY in ours:  # DiLoCo: this rank's where the checkpoint has them (same mesh)
         optim[SYNC_KEY] = in_checkpoint(ours[SYNC_KEY], saved, f"optim.{SYNC_KEY}.")
+    mode_switch.note_read(f"hsdp.load of {path}", saved, ours, optim)
     return opened, {"model": model_sd, "optim": optim}

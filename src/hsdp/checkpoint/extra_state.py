@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from hsdp.checkpoint import outer_residual, outer_sync_state
+from hsdp.checkpoint import mode_switch, outer_residual, outer_sync_state
 from hsdp.checkpoint.outer_residual import load_residuals, residual_state
 from hsdp.checkpoint.outer_sync_state import load_outer_sync
 
@@ -43,7 +43,9 @@ def merged_state(optimizers: Iterable[torch.optim.Optimizer]) -> dict[torch.Tens
 def extra_state(model: nn.Module, opt_state: OptState | None) -> dict[str, dict[str, Any]]:
     """``{KEY: {key: tensor}}`` of ``model``'s residuals and DiLoCo state (copies; none
     for a model without them); ``opt_state``: the optimizer state by parameter, whose
-    replica-local values DiLoCo saves."""
+    replica-local values DiLoCo saves. The first call extends DCP's load planner
+    (``mode_switch.install``): a load of these entries may meet a checkpoint without them."""
+    mode_switch.install()
     out = {outer_residual.KEY: residual_state(model),
            outer_sync_state.KEY: outer_sync_state.outer_sync_state(model, opt_state)}
     return {k: v for k, v in out.items() if v}

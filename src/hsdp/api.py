@@ -12,6 +12,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import OffloadPolicy
 
+from hsdp.checkpoint import torch_state_dict
 from hsdp.checkpoint.dcp import finish_saves
 from hsdp.checkpoint.state_dicts import load_state_dict_hook, state_dict_hook
 from hsdp.ft.errors import FaultToleranceError
@@ -102,6 +103,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
     device = (torch.device("cuda", torch.cuda.current_device())
               if mesh.device_type == "cuda" else torch.device(mesh.device_type))
     watch_optimizers()
+    torch_state_dict.install()  # torch's state-dict functions learn hsdp's Pieces
 
     # torch.compile(module) made before fully_shard: hooks go on the wrapper (outside the
     # compiled region), the unit and the hsdp methods on the module it wraps.

@@ -18,9 +18,18 @@ SCRIPT = textwrap.dedent("""
 
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+    import torch.distributed._state_dict_utils as sd_utils
+    import torch.distributed.checkpoint.state_dict as torch_sd
+
     original = dist.destroy_process_group
     planner = DefaultLoadPlanner.set_up_planner
     import hsdp
+
+    def patched():
+        return [f for f in (sd_utils._distribute_tensors, torch_sd._get_optim_state_dict)
+                if getattr(f, "_hsdp", False)]
+
+    assert not patched(), "import wrapped torch's state-dict functions"
 
     assert dist.destroy_process_group is original, "import patched destroy_process_group"
     assert DefaultLoadPlanner.set_up_planner is planner, "import patched DCP's load planner"
@@ -33,6 +42,7 @@ SCRIPT = textwrap.dedent("""
 
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     hsdp.fully_shard(net, mesh=mesh)
+    assert len(patched()) == 2, "fully_shard did not wrap torch's state-dict functions"
     plain = nn.Linear(4, 4)
     opt, other = torch.optim.SGD(net.parameters(), lr=0.1), torch.optim.SGD(
         plain.parameters(), lr=0.1)

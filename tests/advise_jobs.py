@@ -6,7 +6,7 @@ import logging
 
 import hsdp
 import hsdp_tools
-from hsdp.topology.communicators import comm_groups
+from hsdp.topology.outer_mode import outer_sync_of
 from hsdp_tools.models import build_model, preset
 from hsdp_tools.sim.fabric import Link
 
@@ -39,8 +39,9 @@ def advise_job(rank: int, world: int) -> dict[str, object]:
         for block in model.blocks:
             hsdp.fully_shard(block, mesh=mesh, outer_reduce=auto)
         hsdp.fully_shard(model, mesh=mesh, outer_reduce=auto)
-        out[name] = {"outer_sync": str(comm_groups(mesh).outer_sync),
-                     "outer_reduce": str(model._hsdp_unit.groups[0].outer_config),
+        out[name] = {"outer_sync": str(outer_sync_of(mesh)),
+                     "outer_reduce": str(next((o for o in model._hsdp_unit.groups[0].outer
+                                               if isinstance(o, hsdp.OuterReduce)), None)),
                      "logged": list(notes)}
         notes.clear()
     logger.removeHandler(handler)

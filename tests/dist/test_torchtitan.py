@@ -398,7 +398,7 @@ def test_hsdp_settings_are_a_typed_section_of_torchtitans_job_config(capsys):
     for option, bad, match in (
             ("strategy", "zero3", "invalid choice 'zero3'"),
             ("outer_reduce", "int4", "--hsdp.outer_reduce: hsdp.OuterReduce: unknown dtype"),
-            ("outer_sync", "local_sgd", "--hsdp.outer_sync: .*expected none, diloco or"),
+            ("outer_sync", "local_sgd", "--hsdp.outer_sync: .*expected none or diloco"),
             ("outer_sync", "diloco:steps=5", "--hsdp.outer_sync: .*FIELD one of inner_steps"),
             ("outer_sync", "diloco:inner_steps=0", "inner_steps must be an int >= 1")):
         with pytest.raises(SystemExit):

@@ -158,9 +158,14 @@ def test_emulated_compressed_outer_reduction(tmp_path):
     schedules = ["overlap", "overlap-q", "hfsdp-q"]
     proc = bench_step("--emulate", "--mesh", "2x4", *TINY, "--schedules", ",".join(schedules),
                       "--outer-reduce", "int8:16", "--record-steps", "1", "--trace-steps", "1",
-                      "--json", str(out), "--out-dir", str(tmp_path / "traces"))
+                      "--run-steps", "2", "--json", str(out),
+                      "--out-dir", str(tmp_path / "traces"))
     check_output(proc)
     result = check_result(out, tmp_path / "traces", schedules, recorded=1, traced=1)
+    # --run-steps: each schedule's steps back to back, a column of the table
+    assert "bench step: back to back: 2 steps" in proc.stderr and "back-to-back" in proc.stdout
+    assert result["meta"]["run_steps"] == 2
+    assert all(s["t_run_ms"] > 0 for s in result["schedules"].values())
     assert result["meta"]["outer_reduce"] == {"dtype": "int8", "block": 16,
                                               "error_feedback": True}
     nbytes = {n: s["collective_bytes_per_step"] for n, s in result["schedules"].items()}

@@ -16,6 +16,11 @@ Phases (one progress line each on rank 0):
    until the host has issued all of it (the optimizer step and clearing of gradients
    returned), before it waits for the device; on GPU, a host time close to the step time
    means the step is host-bound. tokens/s = global tokens per step / median step time;
+   ``--run-steps N``: then, one schedule at a time, N more steps back to back with every
+   stream drained once at the end (barriers around them), ``t_run`` = their wall time / N
+   (slowest rank): what a training loop sees, where what one step leaves on a side stream
+   (hfsdp's outer all-gather after the optimizer step) overlaps the next step's forward.
+   Not for the -graph schedules (their replay drains each step);
 4. memory per phase (GPU): one more step per schedule with the peak of each phase
    (forward, backward, optimizer: ``torch.cuda.max_memory_allocated`` between phase ends)
    less what the other schedules' models hold, so each figure is what the schedule would
@@ -211,6 +216,12 @@ def bench(cfg: StepBenchConfig, device: torch.device, mesh: DeviceMesh) -> dict:
             with _oom_guard(t.name, cfg):
                 _timed_step(t, batches, device)
     progress(f"timed: {cfg.steps} interleaved steps of each schedule")
+    if cfg.run_steps:
+        for t in trainees:
+            if t.graphed is None:
+                with _oom_guard(t.name, cfg):
+                    _run_steps(t, batches, cfg.run_steps)
+        progress(f"back to back: {cfg.run_steps} steps of each eager schedule")
     if cuda:
         for t in trainees:
             with _oom_guard(t.name, cfg):
@@ -276,6 +287,15 @@ def _timed_step(t: Trainee, batches: list[torch.Tensor], device: torch.device) -
     if cuda:
         t.peak_bytes = max(t.peak_bytes, torch.cuda.max_memory_allocated(device) - others)
         t.alloc_retries.append(allocator_retries(device) - retries)
+
+
+def _run_steps(t: Trainee, batches: list[torch.Tensor], steps: int) -> None:
+    """``t.run_ms``: ms per step of ``steps`` steps back to back (module docstring, 3)."""
+    host_barrier()
+    t0 = time.perf_counter()
+    t.run(batches, steps)
+    host_barrier()
+    t.run_ms = (time.perf_counter() - t0) * 1e3 / steps
 
 
 def allocator_retries(device: torch.device) -> int:

@@ -131,6 +131,11 @@ def add_arguments(p: argparse.ArgumentParser,
                    "given (default: int8)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per schedule")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per schedule first")
+    p.add_argument("--run-steps", type=int, default=0,
+                   help="per schedule, this many more steps back to back, drained once at "
+                        "the end (t_run: what a training loop sees, e.g. hfsdp's outer "
+                        "all-gather overlapping the next forward; not for -graph "
+                        "schedules; default 0: off)")
     p.add_argument("--record-steps", type=int, default=3,
                    help="untimed steps per schedule with its tracer on, without the "
                         "profiler: host marks and side-op stream times of each, for "
@@ -237,6 +242,7 @@ class StepBenchConfig:
     tp_fabric: Fabric | None = None  # emulated TP collectives (its inner link: --tp-gbps)
     outer_reduce: hsdp.OuterReduce | None = None  # the "-q" schedules' (--outer-reduce)
     outer_gather: hsdp.OuterGather | None = None  # the "-g" schedules' (--outer-gather)
+    run_steps: int = 0  # steps back to back per schedule (--run-steps; 0: none)
 
     @property
     def global_tokens(self) -> int:
@@ -290,6 +296,8 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> StepBenc
         raise fail("need --steps >= 1, --warmup >= 1 (the first step records the unit "
                    "order and creates optimizer state), --record-steps >= 1, "
                    "--trace-steps >= 1 and --microbatches >= 1")
+    if args.run_steps < 0:
+        raise fail(f"--run-steps must be 0 (off) or more, got {args.run_steps}")
     if args.float8:
         try:
             import torchao.float8  # noqa: F401
@@ -349,7 +357,7 @@ def resolve(args: argparse.Namespace, cuda: bool, world: int | None) -> StepBenc
                            tuple(args.schedules), args.steps, args.warmup, args.record_steps,
                            args.trace_steps, args.emulate, fabric,
                            source, args.json, args.out_dir, cuda, share, fit, args.float8, tp,
-                           tp_fabric, args.outer_reduce, args.outer_gather)
+                           tp_fabric, args.outer_reduce, args.outer_gather, args.run_steps)
 
 
 def _check_moe(args: argparse.Namespace, inner: int, fail: Callable[[str], SystemExit]

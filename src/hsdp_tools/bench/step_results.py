@@ -79,6 +79,7 @@ def results(cfg: StepBenchConfig, device: torch.device, trainees: list[Trainee],
     steps = _worst([t.samples_ms for t in trainees], device)
     hosts = _worst([t.host_ms for t in trainees], device)
     frees = _worst([t.free_ms for t in trainees], device)
+    runs = _worst([[t.run_ms or 0.0] for t in trainees], device)
     peaks = _worst([[t.peak_bytes, *(t.phase_peak_bytes.get(p, 0) for p in PHASES)]
                     for t in trainees], device)
     retries = _worst([t.alloc_retries for t in trainees], device) if cuda else None
@@ -100,6 +101,8 @@ def results(cfg: StepBenchConfig, device: torch.device, trainees: list[Trainee],
             **_spread(steps[i], "t_step"), "t_step_samples_ms": steps[i],
             **_spread(hosts[i], "t_host"), **_spread(frees[i] if frees else [], "t_free"),
             "tokens_per_s": cfg.global_tokens / (statistics.median(steps[i]) * 1e-3),
+            # --run-steps: ms per step back to back (None: not run)
+            "t_run_ms": runs[i][0] if t.run_ms is not None else None,
             "peak_mem_bytes": int(peaks[i][0]) if cuda else None,
             "peak_mem_phase_bytes": (dict(zip(PHASES, map(int, peaks[i][1:]), strict=True))
                                      if cuda else None),
@@ -176,7 +179,7 @@ def _meta(cfg: StepBenchConfig, device: torch.device, trainees: list[Trainee]) -
         "num_params": cfg.model.num_params,
         "global_tokens_per_step": cfg.global_tokens,
         "steps": cfg.steps, "warmup": cfg.warmup, "record_steps": cfg.record_steps,
-        "trace_steps": cfg.trace_steps,
+        "trace_steps": cfg.trace_steps, "run_steps": cfg.run_steps,
         "timing": "wall clock per step between barriers, every stream idle at the end "
                   "(cuda synchronize on GPU); median/min/max over steps of the slowest rank; "
                   "host: until the step was issued; free: emulated delays off",
@@ -240,11 +243,15 @@ def print_table(result: dict) -> None:
     headers = ["schedule", "t_step ms", "host ms", "free ms", "tokens/s", "peak GiB",
                "fwd / bwd / opt GiB", "traced ms", "exposed comm ms", "outer tail ms",
                "comm-comm overlap ms", "lower bound ms"]
+    run = any(s.get("t_run_ms") is not None for s in result["schedules"].values())
+    if run:
+        headers.insert(3, "back-to-back ms")
     cells = []
     for name, s in result["schedules"].items():
         phases = s["peak_mem_phase_bytes"]
         cells.append([name, f"{s['t_step_ms']:.2f} [{s['t_step_min_ms']:.2f}-"
                             f"{s['t_step_max_ms']:.2f}]", _ms(s["t_host_ms"]),
+                      *([_ms(s["t_run_ms"])] if run else []),
                       _ms(s["t_free_ms"]), f"{s['tokens_per_s']:,.0f}",
                       _gib(s["peak_mem_bytes"]),
                       " / ".join(_gib(phases[p]) for p in PHASES) if phases else "-",
@@ -254,7 +261,7 @@ def print_table(result: dict) -> None:
     ref = result.get("reference")
     if ref:
         cells.append([f"{ref['name']} (reference)", "-", _ms(ref["t_host_ms"]),
-                      _ms(ref["t_step_ms"]), *["-"] * 8])
+                      *(["-"] if run else []), _ms(ref["t_step_ms"]), *["-"] * 8])
     notes = ["traced: one profiled step (first op to last), slower than the timed steps "
              "under the profiler; exposed / tail / overlap / lower bound are of that step",
              "lower bound = max(compute + tail, inner, outer): busy ms in the traced step "
@@ -262,6 +269,9 @@ def print_table(result: dict) -> None:
              "overlap), at most its traced ms: compare it with that, not with t_step",
              "host: time to issue the step; peak: over the timed steps, and per phase in "
              "one more step, without the other schedules' models"]
+    if run:
+        notes.append(f"back-to-back: per step, {m['run_steps']} steps of one schedule in a "
+                     f"row, drained once (a side stream's work overlaps the next step)")
     if ref:
         notes.append("free: collective-free step (emulated delays off); reference: "
                      + ref["what"] + "; free / reference: " + ", ".join(

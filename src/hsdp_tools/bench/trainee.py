@@ -124,6 +124,7 @@ class Trainee:
     collective_bytes: dict[str, int] = field(default_factory=dict)
     steps_run: int = 0
     graphed: GraphedSteps | None = None  # CUDA graph replay after the first (eager) step
+    run_ms: float | None = None  # per step, steps back to back (``run``; slowest rank)
 
     def step(self, batches: list[torch.Tensor], delays: bool = True,
              mark: Callable[[str], None] = _no_mark) -> float:
@@ -145,6 +146,17 @@ class Trainee:
             self.drain()
         self.steps_run += 1
         return host
+
+    def run(self, batches: list[torch.Tensor], steps: int) -> None:
+        """``steps`` eager steps back to back, every stream drained once at the end: what
+        one step leaves running on a side stream (hfsdp's outer all-gather after the
+        optimizer step) overlaps the next step's forward, as in a training loop."""
+        with self.comm(True):
+            for _ in range(steps):
+                self.forward_backward(batches)
+                self.update()
+            self.drain()
+        self.steps_run += steps
 
     def forward_backward(self, batches: list[torch.Tensor],
                          mark: Callable[[str], None] = _no_mark) -> None:

@@ -157,9 +157,8 @@ class GradientState:
     def outer_reduction(self) -> OpKind:
         """hfsdp's outer reduce-scatter, else hsdp's outer all-reduce (their compressed
         forms with a codec)."""
-        if self.compressed is not None:
-            return (OpKind.OUTER_Q_REDUCE_SCATTER if self.b.shard_outer
-                    else OpKind.OUTER_Q_ALL_REDUCE)
+        if self.compressed is not None:  # the kind its mode issues
+            return self.compressed.op_kind(self.b.shard_outer)
         return OpKind.OUTER_REDUCE_SCATTER if self.b.shard_outer else OpKind.OUTER_ALL_REDUCE
 
     @property

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 import hsdp
 from hsdp.runtime import outer_modes
@@ -158,8 +159,6 @@ def test_a_registered_toy_mode_carries_its_state_through_checkpoints(gloo_world_
     """The toy's sync counts (its state_dict / load_state_dict hooks; no checkpoint code
     names it) come back through hsdp.save / load and torch's get / set_state_dict, and a
     full optimizer state dict refuses them."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, get_optimizer_state_dict)
     _register(monkeypatch)
     model, _ = _toy_model(period=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

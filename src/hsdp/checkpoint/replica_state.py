@@ -102,8 +102,9 @@ def fault_tolerance(model: nn.Module, optimizer: torch.optim.Optimizer,
     with ``model``, ``optimizer`` and ``lr_scheduler`` registered as what a recovering
     replica group receives. Each step: ``manager.start_quorum()`` before the forward, and
     ``optimizer.step()`` (and the scheduler's) only if ``manager.should_commit()``. With
-    ``init_mesh(outer_sync=hsdp.DiLoCo(...))`` the loop calls neither: hsdp runs each
-    sync's quorum and commit inside ``optimizer.step()``."""
+    an ``init_mesh(outer_sync=...)`` mode whose syncs are quorums (``sync_quorum``) the
+    loop calls neither: hsdp runs each sync's quorum and commit inside
+    ``optimizer.step()``."""
     inner = getattr(model, "_orig_mod", model)
     unit = getattr(inner, "_hsdp_unit", None)
     if unit is None:

@@ -177,6 +177,90 @@ def errors_job(rank: int, world: int) -> dict[str, str]:
     return out
 
 
+class _Chooser:
+    """A chooser that returns ``pick(rank)`` (or raises it, an exception) and counts its
+    calls."""
+
+    def __init__(self, pick: object) -> None:
+        self.pick, self.calls = pick, 0
+
+    def __call__(self, mesh: object) -> object:
+        self.calls += 1
+        got = self.pick(dist.get_rank())
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+
+DILOCO = hsdp.DiLoCo(inner_steps=3)
+AUTO_CASES = {  # case: what the chooser returns on a rank
+    "int8": lambda r: hsdp.OuterChoice("int8:16", None, "int8 measured fastest"),
+    "diloco": lambda r: hsdp.OuterChoice(None, DILOCO, "DiLoCo measured fastest"),
+    "exact": lambda r: hsdp.OuterChoice(None, None, "exact measured fastest"),
+    "not_a_choice": lambda r: "int8",
+    "bad_reduce": lambda r: hsdp.OuterChoice("int4", None),
+    "differ": lambda r: hsdp.OuterChoice("int8" if r == 3 else None, None),
+    "raises_on_1": lambda r: RuntimeError("link probe failed") if r == 1 else
+    hsdp.OuterChoice(None, None),
+}
+
+
+def _auto_case(case: str, world: int, notes: list[str]) -> dict[str, object]:
+    """init_mesh(outer_sync=auto) and fully_shard(outer_reduce=auto) with the chooser of
+    ``case``: the mesh's outer sync, each unit's outer_reduce, the chooser's calls and
+    what was logged; or the error and whether the mesh and model were left as they were."""
+    from hsdp.topology.communicators import comm_groups
+
+    plain = hsdp.init_mesh(2, world // 2, "cpu")  # no outer sync
+    chooser = _Chooser(AUTO_CASES[case])
+    auto = hsdp.Auto(chooser, name=case)
+    try:
+        mesh = hsdp.init_mesh(2, world // 2, "cpu", outer_sync=auto)
+        model = _build(mesh, "hsdp", 0, outer_reduce=auto)
+    except (TypeError, ValueError, RuntimeError) as e:
+        return {"error": f"{type(e).__name__}: {e}", "calls": chooser.calls,
+                "mesh_unchanged": comm_groups(plain).outer_sync is None,
+                "logged": list(notes)}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, dist.get_rank(), world, range(1))
+    return {"outer_sync": comm_groups(mesh).outer_sync, "calls": chooser.calls,
+            "outer_reduce": sorted({str(g.outer_config) for m in model.modules()
+                                    if getattr(m, "_hsdp_unit", None)
+                                    for g in m._hsdp_unit.groups}),
+            "logged": list(notes)}
+
+
+def auto_job(rank: int, world: int) -> dict[str, object]:
+    """Each of AUTO_CASES; then outer_reduce=auto on a mesh made without it whose chooser
+    picks DiLoCo, and the strings "auto"."""
+    import logging
+
+    notes: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: notes.append(record.getMessage())
+    logger = logging.getLogger("hsdp.outer_auto")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    out: dict[str, object] = {}
+    for case in AUTO_CASES:
+        out[case] = _auto_case(case, world, notes)
+        notes.clear()
+    mesh = hsdp.init_mesh(2, world // 2, "cpu")
+    for case, call in (
+            ("diloco_not_on_mesh", lambda m: hsdp.fully_shard(
+                m, mesh=mesh, outer_reduce=hsdp.Auto(_Chooser(AUTO_CASES["diloco"])))),
+            ("reduce_string", lambda m: hsdp.fully_shard(m, mesh=mesh, outer_reduce="auto")),
+            ("sync_string", lambda m: hsdp.init_mesh(2, world // 2, "cpu", outer_sync="auto"))):
+        model = GPT(GPTConfig())
+        try:
+            call(model)
+            out[case] = "no error"
+        except (TypeError, ValueError) as e:
+            out[case] = f"{type(e).__name__}: {e} (unsharded: {not hasattr(model, '_hsdp_unit')})"
+    logger.removeHandler(handler)
+    return out
+
+
 def _residual_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's error-feedback residuals (copies), by key."""
     return extra_state(model, None).get(hsdp.OuterReduce.state_key, {})

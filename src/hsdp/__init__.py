@@ -17,6 +17,7 @@ from hsdp.ft.outer import FaultTolerance
 from hsdp.ft.transport import RecoveryTransport
 from hsdp.materialize import materialize
 from hsdp.module import register_forward_method
+from hsdp.outer_auto import Auto, OuterChoice
 from hsdp.runtime.diloco import DiLoCo
 from hsdp.runtime.optim_hooks import attach_optimizer
 from hsdp.sharding.outer_gather import OuterGather
@@ -28,6 +29,7 @@ from hsdp.topology.mesh import expert_mesh, init_mesh
 __version__ = "0.1.0"
 
 __all__ = [
+    "Auto",
     "CheckpointBusyError",
     "CheckpointError",
     "DiLoCo",
@@ -35,6 +37,7 @@ __all__ = [
     "FaultToleranceError",
     "MixedPrecision",
     "OuterGather",
+    "OuterChoice",
     "OuterReduce",
     "Strategy",
     "NcclConfig",

@@ -12,10 +12,12 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import OffloadPolicy
 
+from hsdp.checkpoint import torch_state_dict
 from hsdp.checkpoint.dcp import finish_saves
 from hsdp.checkpoint.state_dicts import load_state_dict_hook, state_dict_hook
 from hsdp.ft.errors import FaultToleranceError
 from hsdp.module import adopt
+from hsdp.outer_auto import Auto
 from hsdp.runtime.hooks import units_below
 from hsdp.runtime.optim_hooks import watch_optimizers
 from hsdp.runtime.outer_modes import as_mode
@@ -42,7 +44,7 @@ _UNIT_IDS = itertools.count()
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str = "hsdp",
                 mp_policy: MixedPrecision | None = None, overlap_outer: bool = True,
                 reshard_after_forward: bool | None = True,
-                outer_reduce: OuterReduce | str | None = None,
+                outer_reduce: OuterReduce | Auto | str | None = None,
                 outer_gather: OuterGather | str | None = None,
                 offload_policy: OffloadPolicy | None = None) -> nn.Module:
     """Shard the parameters ``module`` owns (those not owned by an already sharded
@@ -61,7 +63,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
     after torch's ``parallelize_module`` on ``mesh["tp"]`` (hsdp shards each parameter's
     TP-local tensor; see ``sharding/tp_blocks.py``). ``outer_reduce=hsdp.OuterReduce(...)``
     compresses the outer gradient reduction to 8 bits with error feedback
-    (docs/guide/slow_outer_links.md); None: the exact reduction.
+    (docs/guide/slow_outer_links.md); None: the exact reduction; ``hsdp.Auto(...)``
+    (``hsdp_tools.auto(model)``): as its chooser decides for ``mesh`` (``outer_auto.py``).
     ``outer_gather=hsdp.OuterGather(...)`` (strategy="hfsdp" only) compresses the outer
     all-gather of the updated weights after each optimizer step to 8 bits blockwise: the
     fp32 main weights stay exact, the gathered ones are their dequantized form, the same
@@ -76,6 +79,12 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
     _check_offload_policy(offload_policy)
     reshard_after_forward = check_reshard_after_forward(reshard_after_forward)
     mp = as_mixed_precision(mp_policy)
+    if isinstance(outer_reduce, str) and outer_reduce == "auto":
+        raise ValueError("fully_shard: outer_reduce='auto' takes its chooser: "
+                         "outer_reduce=hsdp_tools.auto(model) (an hsdp.Auto; the same object "
+                         "as init_mesh(outer_sync=...)), docs/guide/slow_outer_links.md")
+    if isinstance(outer_reduce, Auto):
+        outer_reduce = outer_reduce.outer_reduce_for(as_hsdp_mesh(mesh))
     outer_reduce = as_mode("outer_reduce", outer_reduce)
     outer_gather = as_mode("outer_gather", outer_gather)
     if not isinstance(module, nn.Module):
@@ -94,6 +103,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh, strategy: Strategy | str
     device = (torch.device("cuda", torch.cuda.current_device())
               if mesh.device_type == "cuda" else torch.device(mesh.device_type))
     watch_optimizers()
+    torch_state_dict.install()  # torch's state-dict functions learn hsdp's Pieces
 
     # torch.compile(module) made before fully_shard: hooks go on the wrapper (outside the
     # compiled region), the unit and the hsdp methods on the module it wraps.

@@ -16,6 +16,7 @@ import sys
 # Options are never abbreviated (allow_abbrev=False in every parser): a prefix that is
 # one option today (``--out``) becomes ambiguous, or another option, once one is added.
 COMMANDS: dict[tuple[str, ...], str] = {
+    ("advise",): "hsdp_tools.advisor",
     ("bench", "ckpt"): "hsdp_tools.bench.ckpt",
     ("bench", "collectives"): "hsdp_tools.bench.collectives",
     ("bench", "diloco"): "hsdp_tools.bench.diloco",

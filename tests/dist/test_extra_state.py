@@ -6,6 +6,11 @@ from __future__ import annotations
 import pytest
 from dist_utils import run_jobs
 from extra_state_jobs import layouts_job, mid_period_job, torch_api_job
+from mode_switch_jobs import check, switch_job
+
+# a switch into int8 and into DiLoCo by torch DCP, out of DiLoCo mid-period by hsdp.load
+SWITCHES = [("exact", "int8", (2, 2), "torch"), ("int8", "diloco", (2, 2), "torch"),
+            ("diloco_mid", "exact", (2, 2), "hsdp")]
 
 
 @pytest.fixture(scope="module")
@@ -14,7 +19,8 @@ def jobs(tmp_path_factory) -> dict[str, list[dict]]:
     root = str(tmp_path_factory.mktemp("extra_state"))
     return run_jobs(4, {"torch": (torch_api_job, (root,)),
                         "mid": (mid_period_job, (root,)),
-                        "layouts": (layouts_job, (root,))})
+                        "layouts": (layouts_job, (root,)),
+                        "switch": (switch_job, (root, SWITCHES))})
 
 
 def test_int8_residual_travels_through_torch_get_set_state_dict(jobs) -> None:
@@ -47,3 +53,10 @@ def test_residual_loads_across_layouts_all_or_nothing(jobs) -> None:
             assert got["finite"] and got["kept"], (name, got)
             if got["error"] != "no error":
                 assert got["unchanged"] and "hsdp" in got["error"], (name, got)
+
+
+def test_switching_mode_on_resume_follows_the_rule(jobs) -> None:
+    """torch DCP once raised "Missing key in checkpoint state_dict" into int8 or DiLoCo,
+    and loads dropped residuals or DiLoCo state without a word (every pair:
+    test_mode_switch.py)."""
+    check(jobs["switch"])

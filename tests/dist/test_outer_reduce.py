@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 from dist_utils import run_jobs, same_on_every_rank
-from outer_reduce_jobs import divide_job, errors_job, microbatch_job, resume_job
+from outer_reduce_jobs import DILOCO, auto_job, divide_job, errors_job, microbatch_job, resume_job
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> dict[str, list]:
     return run_jobs(4, {"resume": (resume_job, (str(tmp_path_factory.mktemp("qckpt")),)),
                         "microbatch": (microbatch_job, ()), "errors": (errors_job, ()),
-                        "divide": (divide_job, ())})
+                        "divide": (divide_job, ()), "auto": (auto_job, ())})
 
 
 @pytest.mark.parametrize("name", ["hsdp", "hfsdp", "hsdp-bf16"])
@@ -51,3 +51,33 @@ def test_gradient_sums_are_compressed_like_means(jobs: dict) -> None:
     for strategy in ("hsdp", "hfsdp"):
         errs = [x[strategy] for x in jobs["divide"]]
         assert all(1e-5 < e < 2e-2 for e in errs), (strategy, errs)
+
+
+def test_auto_chooses_once_agreed_and_logged(jobs) -> None:
+    """init_mesh(outer_sync=auto) / fully_shard(outer_reduce=auto) take the chooser's
+    settings, asked once per mesh, logged once on rank 0 with its reasons."""
+    want = {"int8": ("None", ["OuterReduce(dtype='int8', block=16, error_feedback=True)"]),
+            "diloco": (str(DILOCO), ["None"]), "exact": ("None", ["None"])}
+    for rank, r in enumerate(jobs["auto"]):
+        for case, (sync, reduce) in want.items():
+            got = r[case]
+            assert (str(got["outer_sync"]), got["outer_reduce"], got["calls"]) == (
+                sync, reduce, 1), (rank, case, got)
+            assert len(got["logged"]) == (rank == 0), (rank, case, got)
+            if rank == 0:
+                assert "measured fastest" in got["logged"][0], got
+
+
+def test_auto_bad_choice_raises_on_every_rank_before_anything_changes(jobs) -> None:
+    named = {"not_a_choice": ["returned str"], "bad_reduce": ["int4"],
+             "differ": ["rank 3", "outer_reduce=OuterReduce"],
+             "raises_on_1": ["rank 1", "link probe failed"]}
+    for rank, r in enumerate(jobs["auto"]):
+        for case, parts in named.items():
+            got = r[case]
+            assert got["mesh_unchanged"] and not got["logged"], (rank, case, got)
+            assert all(p in got["error"] for p in parts), (rank, case, got)
+        for case, part in (("diloco_not_on_mesh", "pass the same hsdp.Auto"),
+                           ("reduce_string", "hsdp_tools.auto(model)"),
+                           ("sync_string", "hsdp.Auto")):
+            assert part in r[case] and "unsharded: True" in r[case], (rank, case, r[case])

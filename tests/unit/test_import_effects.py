@@ -1,5 +1,6 @@
 """Importing hsdp changes nothing global: torch's ``destroy_process_group`` is wrapped once
-hsdp makes its first groups, and optimizers get hsdp's step hooks one by one, when they
+hsdp makes its first groups, DCP's load planner is extended once hsdp is first asked for
+its entries of a state dict, and optimizers get hsdp's step hooks one by one, when they
 are found to hold fully_shard-ed parameters."""
 
 from __future__ import annotations
@@ -15,10 +16,23 @@ SCRIPT = textwrap.dedent("""
     import torch.optim.optimizer as optim_mod
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    import torch.distributed._state_dict_utils as sd_utils
+    import torch.distributed.checkpoint.state_dict as torch_sd
+
     original = dist.destroy_process_group
+    planner = DefaultLoadPlanner.set_up_planner
     import hsdp
 
+    def patched():
+        return [f for f in (sd_utils._distribute_tensors, torch_sd._get_optim_state_dict)
+                if getattr(f, "_hsdp", False)]
+
+    assert not patched(), "import wrapped torch's state-dict functions"
+
     assert dist.destroy_process_group is original, "import patched destroy_process_group"
+    assert DefaultLoadPlanner.set_up_planner is planner, "import patched DCP's load planner"
     assert not optim_mod._global_optimizer_pre_hooks, "import installed optimizer hooks"
     assert not optim_mod._global_optimizer_post_hooks, "import installed optimizer hooks"
 
@@ -28,6 +42,7 @@ SCRIPT = textwrap.dedent("""
 
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     hsdp.fully_shard(net, mesh=mesh)
+    assert len(patched()) == 2, "fully_shard did not wrap torch's state-dict functions"
     plain = nn.Linear(4, 4)
     opt, other = torch.optim.SGD(net.parameters(), lr=0.1), torch.optim.SGD(
         plain.parameters(), lr=0.1)
@@ -40,6 +55,9 @@ SCRIPT = textwrap.dedent("""
     assert not other._optimizer_step_pre_hooks and not other._optimizer_step_post_hooks
     assert len(optim_mod._global_optimizer_pre_hooks) == 1  # the detector only
     assert not optim_mod._global_optimizer_post_hooks
+    assert DefaultLoadPlanner.set_up_planner is planner, "patched before a state dict"
+    hsdp.get_state_dict(net, opt)  # hsdp's entries may now meet a checkpoint without them
+    assert getattr(DefaultLoadPlanner.set_up_planner, "_hsdp", False), "planner not extended"
     dist.destroy_process_group()
     print("ok")
 """)

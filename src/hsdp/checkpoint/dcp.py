@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.tensor import DTensor
 
-from hsdp.checkpoint import integrity
+from hsdp.checkpoint import integrity, mode_switch
 from hsdp.checkpoint.extra_state import Loaded, apply, from_read, to_read
 from hsdp.checkpoint.full_state import clean_keys, model_keys, quiesce
 from hsdp.checkpoint.load_targets import check_model, optim_targets
@@ -284,7 +284,8 @@ def load(path: str | os.PathLike, model: nn.Module,
     read = _to_cpu(state)
     try:
         with meeting.at("reading"):
-            dcp.load(read, storage_reader=_Reader(path, opened), process_group=group)
+            dcp.load(read, storage_reader=_Reader(path, opened), process_group=group,
+                     planner=mode_switch.Quiet())
     except CheckpointException as e:  # a BaseException: keep it catchable as an error
         raise CheckpointError(f"hsdp.load: reading {path} failed; the model and optimizer "
                               f"are unchanged. {_failures(e)}") from e
@@ -331,4 +332,5 @@ def _load_targets(path: str, model: nn.Module, optimizer: torch.optim.Optimizer 
     optim = optim_targets(path, ours, params, saved)
     # the outer modes' state: this rank's, or what converts another mesh's (their to_read)
     optim.update(to_read(model, ours, saved, "optim."))
+    mode_switch.note_read(f"hsdp.load of {path}", saved, ours, optim)
     return opened, {"model": model_sd, "optim": optim}

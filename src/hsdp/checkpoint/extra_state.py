@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import torch
 import torch.nn as nn
 
+from hsdp.checkpoint import mode_switch
 from hsdp.checkpoint.full_state import clean_key
 from hsdp.runtime.hooks import units_below
 from hsdp.runtime.outer_modes import MODES
@@ -85,7 +86,10 @@ def merged_state(optimizers: Iterable[torch.optim.Optimizer]) -> dict[torch.Tens
 
 def extra_state(model: nn.Module, opt_state: OptState | None) -> dict[str, dict[str, Any]]:
     """``{state_key: {key: tensor}}`` of ``model``'s modes (copies; none for a model
-    without them); ``opt_state``: the optimizer state by parameter."""
+    without them); ``opt_state``: the optimizer state by parameter. The first call
+    extends DCP's load planner (``mode_switch.install``): a load of these entries may meet
+    a checkpoint without them."""
+    mode_switch.install()
     out: dict[str, dict[str, Any]] = {}
     for name, g, mode in stateful(model):
         entries = mode.state_dict(g, opt_state)

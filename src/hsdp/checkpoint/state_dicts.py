@@ -16,7 +16,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-import hsdp.checkpoint.torch_state_dict  # noqa: F401  (torch's full-state-dict loads on Pieces)
 from hsdp.checkpoint.extra_state import apply, extra_state, prepare, split
 from hsdp.checkpoint.full_state import clean_key, clean_keys, model_keys, quiesce
 from hsdp.checkpoint.lazy_state import initial_state, supported

@@ -160,7 +160,9 @@ def _wrap_load_optim_state_dict(original: Callable) -> Callable:
     return load_optim_state_dict
 
 
-def _install() -> None:
+def install() -> None:
+    """Wrap torch's functions above (once; the first ``fully_shard`` calls this: importing
+    hsdp changes nothing of torch's, and before it no Piece exists)."""
     if getattr(sd_utils._distribute_tensors, "_hsdp", False):
         return
     for module, name, wrap in (
@@ -174,6 +176,3 @@ def _install() -> None:
         wrapped = wrap(getattr(module, name))
         wrapped._hsdp = True
         setattr(module, name, wrapped)
-
-
-_install()

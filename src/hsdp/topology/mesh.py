@@ -47,7 +47,7 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
               nccl: dict[str, NcclConfig] | None = None, timeout: timedelta | None = None,
               allow_inner_across_hosts: bool = False,
               fault_tolerance: FaultTolerance | Any | None = None,
-              outer_sync: OuterMode | None = None) -> DeviceMesh:
+              outer_sync: OuterMode | Any | None = None) -> DeviceMesh:
     """A 2-D DeviceMesh with dims ("outer", "inner") plus hsdp's three communicators; with
     ``tp > 1`` (keyword only) a 3-D one, ("outer", "inner", "tp"), rank ``(o * inner + i) * tp + t``
     (tp fastest, as torchtitan): give ``mesh["tp"]`` to torch's ``parallelize_module``,
@@ -73,12 +73,11 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
     number of groups launched; the returned mesh covers this group, (1, inner), and the
     outer gradient all-reduce runs over the live groups. Only ``strategy="hsdp"``.
 
-    ``outer_sync=hsdp.DiLoCo(...)`` (an ``outer_sync`` mode, ``runtime/diloco.py``): the
-    outer axis synchronizes every ``inner_steps`` optimizer steps instead of every step
-    (docs/guide/across_datacenters.md); only ``strategy="hsdp"``. With ``fault_tolerance``
-    each sync is one torchft quorum and commit, driven by hsdp inside ``optimizer.step()``
-    (the Manager then runs its quorum synchronously); ``fully_shard`` reads it off the mesh.
-    """
+    ``outer_sync=hsdp.DiLoCo(...)`` (``runtime/diloco.py``): the outer axis synchronizes
+    every ``inner_steps`` optimizer steps (docs/guide/across_datacenters.md); only
+    ``strategy="hsdp"``. With ``fault_tolerance`` each sync is one torchft quorum and
+    commit, driven by hsdp inside ``optimizer.step()``; ``fully_shard`` reads it off the
+    mesh. ``hsdp.Auto(...)``: as it chooses, once the mesh is built (``outer_auto.py``)."""
     nccl = _check_arguments(outer, inner, tp, nccl, timeout)
     _check_outer_sync(outer_sync, fault_tolerance)
     device_type = _check_device_type(device_type)
@@ -106,9 +105,14 @@ def init_mesh(outer: int | None = None, inner: int | None = None,
 
 def _mesh_of_world(outer: int, inner: int, tp: int, device_type: str,
                    nccl: dict[str, NcclConfig], timeout: timedelta,
-                   outer_sync: OuterMode | None) -> DeviceMesh:
+                   outer_sync: OuterMode | Any | None) -> DeviceMesh:
     """The mesh over the whole world (over the communicators cached for the same
-    arguments), carrying ``outer_sync``."""
+    arguments), carrying ``outer_sync`` (an ``hsdp.Auto``: the mode it chooses on the
+    mesh, the same on every rank: ``outer_auto.py``)."""
+    if _is_auto(outer_sync):
+        mesh = _mesh_of_world(outer, inner, tp, device_type, nccl, timeout, None)
+        chosen = outer_sync.outer_sync_for(mesh)
+        return mesh if chosen is None else carrying(mesh, chosen)
     shape, names = ((outer, inner, tp), TP_DIM_NAMES) if tp > 1 else ((outer, inner), DIM_NAMES)
     cached = mesh_groups().get((device_type, tuple(range(outer * inner * tp)), shape))
     if cached is not None and (cached.nccl, cached.timeout) == (nccl, timeout):
@@ -118,14 +122,25 @@ def _mesh_of_world(outer: int, inner: int, tp: int, device_type: str,
     return carrying(mesh, outer_sync)
 
 
+def _is_auto(outer_sync: object) -> bool:
+    """Whether ``outer_sync`` is an ``hsdp.Auto`` (``outer_auto.py``, above this layer)."""
+    return callable(getattr(outer_sync, "outer_sync_for", None))
+
+
 def _check_outer_sync(outer_sync: object, fault_tolerance: object) -> None:
     """Raise on a bad ``outer_sync`` or one ``fault_tolerance`` cannot serve (the mode's
-    ``check_mesh``)."""
-    if outer_sync is None:
+    ``check_mesh``; an ``hsdp.Auto`` cannot serve fault tolerance)."""
+    if _is_auto(outer_sync) and fault_tolerance is not None:
+        raise FaultToleranceError(
+            f"init_mesh: outer_sync={outer_sync!r} with fault_tolerance is not supported (the "
+            f"torchft Manager is made for one outer schedule before the mesh exists); pass "
+            f"outer_sync=hsdp.DiLoCo(...) or None")
+    if outer_sync is None or _is_auto(outer_sync):
         return
     if not isinstance(outer_sync, OuterMode) or outer_sync.argument != "outer_sync":
         raise TypeError(f"init_mesh: outer_sync must be an hsdp.DiLoCo (an outer_sync "
-                        f"mode) or None, got {outer_sync!r}")
+                        f"mode), an hsdp.Auto (the mode chosen from a measurement: "
+                        f"hsdp_tools.auto(model)) or None, got {outer_sync!r}")
     outer_sync.check_mesh(fault_tolerance)
 
 

@@ -71,16 +71,22 @@ def _batch(step: int, seed: int, rows: int) -> torch.Tensor:
     return walks
 
 
-def train(mesh: object, strategy: str, seed: int, steps: int, layers: int = MODEL.layers,
-          **compress: object) -> list[float]:
-    """Loss per step (mean over every rank) of one run; ``compress``: fully_shard's
-    ``outer_reduce`` / ``outer_gather``."""
+def build(mesh: object, strategy: str, seed: int, layers: int = MODEL.layers,
+          **compress: object) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model of ``seed`` sharded on ``mesh`` and its AdamW; ``compress``:
+    fully_shard's ``outer_reduce`` / ``outer_gather``."""
     torch.manual_seed(seed)
     model = build_model(replace(MODEL, layers=layers))
     for block in model.blocks:  # units: each block, the root (embedding, head)
         hsdp.fully_shard(block, mesh=mesh, strategy=strategy, **compress)
     hsdp.fully_shard(model, mesh=mesh, strategy=strategy, **compress)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+
+
+def train(mesh: object, strategy: str, seed: int, steps: int, layers: int = MODEL.layers,
+          **compress: object) -> list[float]:
+    """Loss per step (mean over every rank) of one run (``build``'s arguments)."""
+    model, opt = build(mesh, strategy, seed, layers, **compress)
     losses = train_steps(model, opt, range(steps), seed)
     hsdp.synchronize(model)
     return losses

@@ -12,9 +12,10 @@ them: the step time is a block's mean, the fastest block's (other load on the ma
 only ever slows a block down); outer bytes per step are what this rank's outer
 collectives moved in them (0 for the rows without outer communication: they stand for a
 model that has none, though the emulation still issues its collectives over free links).
-The measurement runs on CPU: a CPU's step, with the links scaled by ``--link-scale``,
-checks the schedules and the simulator against each other; it is not a GPU's step time
-(``--sim-only --profile`` predicts a GPU's).
+The measurement runs on CPU by default: a CPU's step, with the links scaled by
+``--link-scale``, checks the schedules and the simulator against each other; it is not a
+GPU's step time (``--sim-only --profile`` predicts a GPU's; ``--device cuda`` measures
+one).
 
 Beside each row, ``hsdp sim``'s prediction of the same setup (``hsdp_tools.sim.engine``: the
 runtime on the virtual clock; a DiLoCo period timed by ``period_steps``): its compute
@@ -55,6 +56,7 @@ ROWS: dict[str, tuple[str, str, str]] = {
     "hfsdp int8": ("hfsdp-q", "none", "both"),
     "DiLoCo H10 F1": ("overlap", "diloco:inner_steps=10", "both"),
     "DiLoCo H50 F1": ("overlap", "diloco:inner_steps=50", "both"),
+    "DiLoCo H10 F4": ("overlap", "diloco:inner_steps=10,fragments=4", "both"),
     "DiLoCo H50 F4": ("overlap", "diloco:inner_steps=50,fragments=4", "both"),
     "DiLoCo H50 F4 delay 5": ("overlap", "diloco:inner_steps=50,fragments=4,delay=5", "both"),
     "DiLoCo H50 F4 delay 5 int8": ("overlap-q", "diloco:inner_steps=50,fragments=4,delay=5",
@@ -95,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="fp32", help="fp32 or bf16 (parameters)")
     p.add_argument("--profile", default=None, help="`hsdp sim calibrate` machine profile "
                    "pricing --sim-only")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the rows are measured (cuda: GPU 0, links emulated by sleeps "
+                        "on the GPU, as bench step --emulate)")
     p.add_argument("--json", default=None)
 
 
@@ -119,12 +124,13 @@ def measure(model: ModelConfig, outer: int, inner: int, row: str, fabric: Fabric
     """One row, emulated: mean step time (ms) over whole periods, outer bytes per step."""
     schedule, outer_sync, links = ROWS[row]
     sync = parse_mode("outer_sync", outer_sync)
-    mesh = hsdp.init_mesh(outer, inner, "cpu", outer_sync=sync)
+    device = torch.device(args.device)
+    mesh = hsdp.init_mesh(outer, inner, device.type, outer_sync=sync)
     mp = hsdp.MixedPrecision(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[
         args.dtype]), torch.float32)
-    t = build(schedule, model, mp, mesh, torch.device("cpu"), fabric, True,
+    t = build(schedule, model, mp, mesh, device, fabric, True,
               outer_reduce=hsdp.OuterReduce("int8") if schedule.endswith("-q") else None)
-    batches = synthetic_batches(model.vocab, args.mbs, model.seq, 1, torch.device("cpu"))
+    batches = synthetic_batches(model.vocab, args.mbs, model.seq, 1, device)
     delays = links != "none"
     for _ in range(args.warmup):
         t.step(batches, delays)
@@ -182,7 +188,9 @@ def run(args: argparse.Namespace) -> int:
         base = MachineProfile.load(args.profile).cost_model(base.fabric)
     results: dict[str, dict] = {}
     if not args.sim_only:
-        fake_mesh(outer, inner, "cpu")
+        if args.device == "cuda":
+            torch.cuda.set_device(0)
+        fake_mesh(outer, inner, args.device)
     k = args.link_scale
     inner_link = Link(args.inner_gbps * k, args.latency_us / k)
     for gbps in (float(g) for g in args.outer_gbps.split(",")):
@@ -206,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     report = {"meta": {"mesh": args.mesh, "model": dataclasses.asdict(model),
                        "num_params": model.num_params, "mbs": args.mbs, "dtype": args.dtype,
                        "inner_gbps": args.inner_gbps, "latency_us": args.latency_us,
-                       "link_scale": args.link_scale,
+                       "link_scale": args.link_scale, "device": args.device,
                        "sim_only": args.sim_only, "profile": args.profile},
               "outer_gbps": results}
     _print(report)
@@ -227,8 +235,8 @@ def _print(report: dict) -> None:
                           else "-" for b in bases]
             nbytes = r.get("outer_bytes_per_step", r["sim_outer_bytes_per_step"])
             lines.append([*cells, f"{nbytes / 1e6:.2f}"])
-    notes = [] if report["meta"]["sim_only"] else [CPU_CAVEAT.format(
-        scale=report["meta"]["link_scale"])]
+    measured_on_cpu = not report["meta"]["sim_only"] and report["meta"]["device"] == "cpu"
+    notes = [CPU_CAVEAT.format(scale=report["meta"]["link_scale"])] if measured_on_cpu else []
     print_table(f"bench diloco, mesh {report['meta']['mesh']}",
                 ["outer GB/s", "row", "step ms", "x none", "x no outer", "sim ms",
                  "sim x none", "sim x no outer", "outer MB / step / rank"], lines,

@@ -6,8 +6,8 @@ the local pieces of its parameters and of the optimizer's elementwise state (vie
 copies: the transport has sent them before the live group's next optimizer step), its
 buffers, the optimizer's hyperparameters and the LR scheduler's state; torchft adds its
 step counter. Each group's outer modes add what they keep between steps
-(``OuterMode.replica_state``: an ``outer_sync`` mode's anchors, momentum and step counts,
-asked for at a sync's quorum, when no outer step is pending). The receiver copies them
+(``OuterMode.replica_state``: e.g. the anchors, momentum and step counts of a periodic
+outer sync, asked for at a sync's quorum, when no outer step is pending). The receiver copies them
 into its own pieces, so its values equal the sender's bit for bit.
 """
 
@@ -102,8 +102,8 @@ def fault_tolerance(model: nn.Module, optimizer: torch.optim.Optimizer,
     with ``model``, ``optimizer`` and ``lr_scheduler`` registered as what a recovering
     replica group receives. Each step: ``manager.start_quorum()`` before the forward, and
     ``optimizer.step()`` (and the scheduler's) only if ``manager.should_commit()``. With
-    an ``init_mesh(outer_sync=...)`` mode whose syncs are quorums (``sync_quorum``) the
-    loop calls neither: hsdp runs each sync's quorum and commit inside
+    an outer mode whose syncs are quorums (``OuterMode.sync_quorum``) the loop calls
+    neither: hsdp runs each sync's quorum and commit inside
     ``optimizer.step()``."""
     inner = getattr(model, "_orig_mod", model)
     unit = getattr(inner, "_hsdp_unit", None)

@@ -167,8 +167,8 @@ class GradientState:
         outer reduction would only cast it to the reduce dtype and back). Always True
         with fault tolerance (replica groups may join at any step) and with an all-reduce
         hook (FSDP2 calls it after the reduce-scatter when there is no all-reduce). False
-        where the outer modes reduce nothing per step (``every_step``: an ``outer_sync``
-        mode's replicas train alone between syncs)."""
+        where the outer modes reduce nothing per step (``every_step``: between an outer
+        schedule's syncs each replica trains alone)."""
         c = self.b.comms
         if not self.every_step:
             return False

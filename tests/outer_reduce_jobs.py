@@ -209,7 +209,7 @@ def _auto_case(case: str, world: int, notes: list[str]) -> dict[str, object]:
     """init_mesh(outer_sync=auto) and fully_shard(outer_reduce=auto) with the chooser of
     ``case``: the mesh's outer sync, each unit's outer_reduce, the chooser's calls and
     what was logged; or the error and whether the mesh and model were left as they were."""
-    from hsdp.topology.communicators import comm_groups
+    from hsdp.topology.outer_mode import outer_sync_of
 
     plain = hsdp.init_mesh(2, world // 2, "cpu")  # no outer sync
     chooser = _Chooser(AUTO_CASES[case])
@@ -219,12 +219,14 @@ def _auto_case(case: str, world: int, notes: list[str]) -> dict[str, object]:
         model = _build(mesh, "hsdp", 0, outer_reduce=auto)
     except (TypeError, ValueError, RuntimeError) as e:
         return {"error": f"{type(e).__name__}: {e}", "calls": chooser.calls,
-                "mesh_unchanged": comm_groups(plain).outer_sync is None,
+                "mesh_unchanged": outer_sync_of(plain) is None,
                 "logged": list(notes)}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, opt, dist.get_rank(), world, range(1))
-    return {"outer_sync": comm_groups(mesh).outer_sync, "calls": chooser.calls,
-            "outer_reduce": sorted({str(g.outer_config) for m in model.modules()
+    return {"outer_sync": outer_sync_of(mesh), "calls": chooser.calls,
+            "outer_reduce": sorted({str(next((o for o in g.outer
+                                              if o.argument == "outer_reduce"), None))
+                                    for m in model.modules()
                                     if getattr(m, "_hsdp_unit", None)
                                     for g in m._hsdp_unit.groups}),
             "logged": list(notes)}

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import hsdp
-from hsdp.checkpoint.outer_sync_state import load_outer_sync
+from hsdp.checkpoint.extra_state import apply
 from hsdp.sharding.comm import Collectives
 from hsdp_tools.bench.convergence import MODEL, ROWS_PER_RANK, _batch, train_steps
 from hsdp_tools.models import build_model, lm_loss
@@ -175,7 +175,7 @@ def resume_job(rank: int, world: int, root: str) -> dict[str, object]:
     train_steps(models[0], opts[0], range(K, 2 * K))
     for m, opt in zip(models[1:], opts[1:]):
         hsdp.load(path, m, opt)
-    load_outer_sync(models[2], None)  # the control: anchors from the loaded parameters
+    apply(models[2], {}, None)  # the control: anchors from the loaded parameters
     for m, opt in zip(models[1:], opts[1:]):
         train_steps(m, opt, range(K, 2 * K))
     a, b, c = (_state(m) for m in models)

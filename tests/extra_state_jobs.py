@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from diloco_jobs import _build as _diloco_build
 from diloco_jobs import _error
-from outer_reduce_jobs import INT8, _build, _state, _train
+from outer_reduce_jobs import INT8, _build, _residual_state, _state, _train
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -23,7 +23,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import hsdp
-from hsdp.checkpoint.outer_residual import residual_state
 from hsdp_tools.bench.convergence import train_steps
 
 K = 2  # int8: steps before the save, and again after the load
@@ -71,15 +70,15 @@ def _int8_torch(rank: int, world: int, root: str) -> dict[str, object]:
     _torch_load(path, models[1], opts[1])
     _train(models[1], opts[1], rank, world, range(K, 2 * K))
     out["resumed_equal"] = _equal(_state(models[0]), _state(models[1]))
-    out["residual_equal"] = _equal(residual_state(models[0]), residual_state(models[1]))
+    out["residual_equal"] = _equal(_residual_state(models[0]), _residual_state(models[1]))
     # a residual of another layout in the dict: a clear error, nothing changed
     osd = get_optimizer_state_dict(models[1], opts[1])
     key = sorted(osd["hsdp_outer_residual"])[0]
     osd["hsdp_outer_residual"][key] = torch.zeros(3)
-    before = residual_state(models[1]), {k: v.clone() for k, v in opts[1].state_dict()[
+    before = _residual_state(models[1]), {k: v.clone() for k, v in opts[1].state_dict()[
         "state"][0].items()}
     out["bad_error"] = _error(lambda: set_optimizer_state_dict(models[1], opts[1], osd))
-    out["bad_unchanged"] = (_equal(before[0], residual_state(models[1]))
+    out["bad_unchanged"] = (_equal(before[0], _residual_state(models[1]))
                             and _equal(before[1], opts[1].state_dict()["state"][0]))
     return out
 
@@ -141,10 +140,10 @@ def _all_or_nothing(path: str, model: nn.Module, opt: torch.optim.Optimizer
                     ) -> tuple[str, bool]:
     """hsdp.load's error (or "no error") and whether the model, optimizer and residuals
     are unchanged after it."""
-    before = (_state(model), {k: v.clone() for k, v in residual_state(model).items()},
+    before = (_state(model), {k: v.clone() for k, v in _residual_state(model).items()},
               {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()})
     error = _error(lambda: hsdp.load(path, model, opt))
-    after = (_state(model), residual_state(model),
+    after = (_state(model), _residual_state(model),
              {id(p): st for p, st in opt.state.items()})
     same = (_equal(before[0], after[0]) and _equal(before[1], after[1])
             and before[2].keys() == after[2].keys()
@@ -156,7 +155,7 @@ def _outer_mean(model: nn.Module) -> dict[str, torch.Tensor]:
     """Per group, the mean over the outer ranks of every rank's residual, laid at its inner
     shard's positions of the group's flat buffer (what a conversion keeps)."""
     out: dict[str, torch.Tensor] = {}
-    for per_rank in _replicas(residual_state(model)):
+    for per_rank in _replicas(_residual_state(model)):
         for key, t in per_rank.items():
             group, _, where = key.partition("@")
             sizes, _, coords = where.partition(":")
@@ -200,3 +199,4 @@ def layouts_job(rank: int, world: int, root: str) -> dict[str, object]:
         finite = all(v.isfinite().all().item() for v in _state(m).values())
         out[name] = {"error": error, "unchanged": same, "finite": finite, "kept": kept}
     return out
+

@@ -23,7 +23,7 @@ from diloco_jobs import _error
 from ft_jobs import _touch, _wait_for, _wait_for_joiner, batch, build_model, make_optimizer
 
 import hsdp
-from hsdp.checkpoint.outer_sync_state import outer_sync_state
+from hsdp.checkpoint.extra_state import extra_state
 
 # 3 units, so 3 fragments: the root's (no parameters) never syncs, the two linears' sync
 # after steps 1, 5, 9, ... and 3, 7, 11, ..., each applied one step later
@@ -110,8 +110,9 @@ def train(cfg: dict, model: nn.Module, opt: torch.optim.Optimizer, sched: Any,
 def record(cfg: dict, step: int, model: nn.Module, manager: Any) -> None:
     params = {n: p.full_tensor() for n, p in model.named_parameters()}
     # this rank's anchors and shard parameters, keyed without the mesh shape
+    state = extra_state(model, None).get(hsdp.DiLoCo.state_key, {})
     local = {k.split("@")[0] + "/" + k.rsplit("/", 1)[1]: v
-             for k, v in outer_sync_state(model).items() if k.endswith(("/anchor", "/main"))}
+             for k, v in state.items() if k.endswith(("/anchor", "/main"))}
     rec = {"params": params, "local": local}
     if manager is not None:
         rec.update(commits=manager.current_step(), participants=manager.num_participants())

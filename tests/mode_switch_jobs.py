@@ -15,8 +15,7 @@ from diloco_jobs import _build, _state
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import hsdp
-from hsdp.checkpoint.outer_residual import residual_state
-from hsdp.checkpoint.outer_sync_state import anchored_groups
+from hsdp.checkpoint.extra_state import extra_state, stateful
 from hsdp_tools.bench.convergence import train_steps
 from hsdp_tools.bench.mode_switch import world_job
 
@@ -56,11 +55,11 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 def _describe(model: nn.Module, saved: dict[str, torch.Tensor]) -> dict[str, object]:
-    res = residual_state(model)
+    res = extra_state(model, None).get(hsdp.OuterReduce.state_key, {})
     out: dict[str, object] = {"params_replica0": _equal(_state(model), saved),
                               "residual_zero": all(not v.any() for v in res.values()),
                               "has_residual": bool(res)}
-    anchors = [g.anchor for _, g in anchored_groups(model)]
+    anchors = [g.anchor for _, g, _ in stateful(model) if g.anchor is not None]
     out["diloco_fresh"] = bool(anchors) and all(a.anchor is None and a.steps == 0
                                                 and a.momentum is None for a in anchors)
     return out

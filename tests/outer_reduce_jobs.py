@@ -11,7 +11,7 @@ import torch.nn as nn
 from parity_jobs import ROWS_PER_RANK, _batches
 
 import hsdp
-from hsdp.checkpoint.outer_residual import load_residuals, residual_state
+from hsdp.checkpoint.extra_state import apply, extra_state
 from hsdp.sharding.comm import Collectives
 from hsdp_tools.models import GPT, GPTConfig, lm_loss
 
@@ -62,12 +62,12 @@ def resume_job(rank: int, world: int, root: str) -> dict[str, object]:
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
         _train(models[0], opts[0], rank, world, range(K))
         hsdp.save(path, models[0], opts[0])
-        saved = residual_state(models[0])
+        saved = _residual_state(models[0])
         _train(models[0], opts[0], rank, world, range(K, 2 * K))
         for m, opt in zip(models[1:], opts[1:]):
             hsdp.load(path, m, opt)
-        loaded = residual_state(models[1])
-        load_residuals(models[2], None)  # the control: no residual
+        loaded = _residual_state(models[1])
+        apply(models[2], {}, None)  # the control: no residual
         for m, opt in zip(models[1:], opts[1:]):
             _train(m, opt, rank, world, range(K, 2 * K))
         a, b, c = (_state(m) for m in models)
@@ -94,7 +94,7 @@ def resume_job(rank: int, world: int, root: str) -> dict[str, object]:
     other = _build(hsdp.init_mesh(world, 1, "cpu"), "hsdp", 3)
     opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
     hsdp.load(os.path.join(root, "hsdp"), other, opt)
-    got = {k.split("@")[0]: v for k, v in residual_state(other).items()}
+    got = {k.split("@")[0]: v for k, v in _residual_state(other).items()}
     out["reshard_residual_mean"] = got.keys() == expected.keys() and all(
         torch.allclose(got[k], expected[k][:got[k].numel()], rtol=1e-6, atol=0)
         and not expected[k][got[k].numel():].any() for k in got)
@@ -261,3 +261,8 @@ def auto_job(rank: int, world: int) -> dict[str, object]:
             out[case] = f"{type(e).__name__}: {e} (unsharded: {not hasattr(model, '_hsdp_unit')})"
     logger.removeHandler(handler)
     return out
+
+
+def _residual_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's error-feedback residuals (copies), by key."""
+    return extra_state(model, None).get(hsdp.OuterReduce.state_key, {})

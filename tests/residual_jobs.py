@@ -17,7 +17,7 @@ import torch.nn as nn
 from parity_jobs import ROWS_PER_RANK, _batches
 
 import hsdp
-from hsdp.checkpoint.outer_residual import residual_state
+from hsdp.checkpoint.extra_state import extra_state
 from hsdp_tools.models import GPT, GPTConfig, lm_loss
 
 BLOCK = 16
@@ -83,7 +83,8 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _residuals(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in residual_state(model).items()}
+    state = extra_state(model, None).get(hsdp.OuterReduce.state_key, {})
+    return {k: v.clone() for k, v in state.items()}
 
 
 def _compare(mesh: object, rank: int, world: int, strategy: str, fmt: str,

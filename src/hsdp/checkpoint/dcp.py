@@ -25,12 +25,9 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.tensor import DTensor
 
 from hsdp.checkpoint import integrity, mode_switch
-from hsdp.checkpoint.extra_state import Loaded, apply
+from hsdp.checkpoint.extra_state import Loaded, apply, from_read, to_read
 from hsdp.checkpoint.full_state import clean_keys, model_keys, quiesce
 from hsdp.checkpoint.load_targets import check_model, optim_targets
-from hsdp.checkpoint.outer_residual import KEY, from_read, to_read
-from hsdp.checkpoint.outer_sync_state import KEY as SYNC_KEY
-from hsdp.checkpoint.outer_sync_state import in_checkpoint
 from hsdp.checkpoint.publication import Claim
 from hsdp.checkpoint.state_dicts import name_of, optim_state_dict, optimizer_input, param_names
 from hsdp.checkpoint.sync import CheckpointError, Meeting
@@ -306,11 +303,11 @@ def load(path: str | os.PathLike, model: nn.Module,
 
 def _checked_read(model: nn.Module, optimizer: torch.optim.Optimizer, read: dict[str, Any],
                   where: str) -> Loaded:
-    """The residuals (this rank's, or converted from another layout's) and DiLoCo state
-    that ``read`` (the optimizer's part, read) gives, once its parameter groups are
-    checked against the optimizer's: before anything is written."""
+    """The outer modes' state that ``read`` (the optimizer's part, read) gives (this
+    rank's, or converted from another layout's), once its parameter groups are checked
+    against the optimizer's: before anything is written."""
     optimizer_input(model, optimizer, read, where)
-    return Loaded(from_read(model, read[KEY]) if KEY in read else None, read.get(SYNC_KEY))
+    return from_read(model, read)
 
 
 def _load_targets(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None
@@ -333,9 +330,7 @@ def _load_targets(path: str, model: nn.Module, optimizer: torch.optim.Optimizer 
     params = {name_of(names, p): p for pg in optimizer.param_groups for p in pg["params"]}
     ours = optim_state_dict(model, optimizer, strict=False)
     optim = optim_targets(path, ours, params, saved)
-    if KEY in ours:  # this rank's residuals, or another mesh's to reshard (outer_residual.py)
-        optim[KEY] = to_read(model, ours[KEY], saved, f"optim.{KEY}.")
-    if SYNC_KEY in ours:  # DiLoCo: this rank's where the checkpoint has them (same mesh)
-        optim[SYNC_KEY] = in_checkpoint(ours[SYNC_KEY], saved, f"optim.{SYNC_KEY}.")
+    # the outer modes' state: this rank's, or what converts another mesh's (their to_read)
+    optim.update(to_read(model, ours, saved, "optim."))
     mode_switch.note_read(f"hsdp.load of {path}", saved, ours, optim)
     return opened, {"model": model_sd, "optim": optim}

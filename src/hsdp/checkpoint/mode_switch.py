@@ -37,11 +37,12 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from hsdp.checkpoint import outer_residual, outer_sync_state
+from hsdp.runtime.diloco import DiLoCo
+from hsdp.sharding.outer_reduce import OuterReduce
 
 log = logging.getLogger(__name__)
 
-RESIDUAL, SYNC = outer_residual.KEY, outer_sync_state.KEY
+RESIDUAL, SYNC = OuterReduce.state_key, DiLoCo.state_key
 _DROPPED = {RESIDUAL: "its error-feedback residuals are dropped (this model has none)",
             SYNC: "its DiLoCo state is dropped (this model has no DiLoCo): the parameters "
                   "and optimizer state are outer replica 0's (mid-period, the other "

@@ -5,10 +5,10 @@ with rank ``i`` of a live one: the same inner index, so the same shards. Each ra
 the local pieces of its parameters and of the optimizer's elementwise state (views, not
 copies: the transport has sent them before the live group's next optimizer step), its
 buffers, the optimizer's hyperparameters and the LR scheduler's state; torchft adds its
-step counter. With DiLoCo (``init_mesh(outer_sync=...)``) each group's anchor, outer
-momentum and step count go with them (asked for at a sync's quorum, when no outer step
-is pending). The receiver copies them into its own pieces, so its values equal the
-sender's bit for bit.
+step counter. Each group's outer modes add what they keep between steps
+(``OuterMode.replica_state``: e.g. the anchors, momentum and step counts of a periodic
+outer sync, asked for at a sync's quorum, when no outer step is pending). The receiver copies them
+into its own pieces, so its values equal the sender's bit for bit.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from hsdp.checkpoint.outer_sync_state import anchored_groups
+from hsdp.checkpoint.extra_state import stateful
 from hsdp.ft.errors import FaultToleranceError
 from hsdp.runtime.step import Phase
 from hsdp.sharding.pieces import Piece, piece_like
@@ -40,7 +40,7 @@ class ReplicaState:
                  lr_scheduler: Any | None) -> None:
         self.params = dict(model.named_parameters())
         self.buffers = dict(model.named_buffers())
-        self.anchored = dict(anchored_groups(model))  # DiLoCo's groups, by key
+        self.modes = [(f"{m.state_key}/{name}", g, m) for name, g, m in stateful(model)]
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
 
     def state_dict(self) -> dict[str, Any]:
@@ -58,13 +58,13 @@ class ReplicaState:
                                  for g in self.optimizer.param_groups],
                 "lr_scheduler": (None if self.lr_scheduler is None
                                  else self.lr_scheduler.state_dict()),
-                "outer_sync": {k: g.anchor.shared() for k, g in self.anchored.items()}}
+                "outer_modes": {k: m.replica_state(g) for k, g, m in self.modes}}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Copy the same inner rank's ``state_dict`` of a live replica into this one.
         **WHY a device synchronize first**: the state was placed on the device on
-        torchft's recovery stream, which a synchronous quorum (DiLoCo) does not wait for
+        torchft's recovery stream, which a synchronous quorum (``sync_quorum``) does not wait for
         before it applies the state."""
         if any(_local(p).is_cuda for p in self.params.values()):
             torch.cuda.synchronize()
@@ -92,8 +92,8 @@ class ReplicaState:
             mine.update(theirs)
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        for k, g in self.anchored.items():
-            g.anchor.recover(state["outer_sync"][k], g.main.device)
+        for k, g, m in self.modes:
+            m.recover(g, state["outer_modes"][k])
 
 
 def fault_tolerance(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -102,8 +102,9 @@ def fault_tolerance(model: nn.Module, optimizer: torch.optim.Optimizer,
     with ``model``, ``optimizer`` and ``lr_scheduler`` registered as what a recovering
     replica group receives. Each step: ``manager.start_quorum()`` before the forward, and
     ``optimizer.step()`` (and the scheduler's) only if ``manager.should_commit()``. With
-    ``init_mesh(outer_sync=hsdp.DiLoCo(...))`` the loop calls neither: hsdp runs each
-    sync's quorum and commit inside ``optimizer.step()``."""
+    an outer mode whose syncs are quorums (``OuterMode.sync_quorum``) the loop calls
+    neither: hsdp runs each sync's quorum and commit inside
+    ``optimizer.step()``."""
     inner = getattr(model, "_orig_mod", model)
     unit = getattr(inner, "_hsdp_unit", None)
     if unit is None:

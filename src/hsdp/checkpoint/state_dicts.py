@@ -119,7 +119,7 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
     the dict (``hsdp.load`` restores it so)."""
     names = param_names(model)
     state: dict[str, dict[str, Any]] = {}
-    held: dict[torch.Tensor, dict[str, Any]] = {}  # by parameter, for DiLoCo's replicas
+    held: dict[torch.Tensor, dict[str, Any]] = {}  # by parameter, for the outer modes
     for pg in optimizer.param_groups:
         for p in pg["params"]:
             name = name_of(names, p)
@@ -139,7 +139,7 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
     groups = [{**{k: v for k, v in pg.items() if k != "params"},
                "params": [name_of(names, p) for p in pg["params"]]}
               for pg in optimizer.param_groups]
-    # the compressed outer reduction's residuals, DiLoCo's state: training state too
+    # the outer modes' state (extra_state.py): training state too
     return {"state": state, "param_groups": groups, **extra_state(model, held)}
 
 
@@ -169,7 +169,7 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
                    optim_state_dict: OptimState | None = None) -> None:
     """Load what ``torch.distributed.checkpoint.load`` read into ``get_state_dict``'s
     dicts: the model's values (already in place when loaded into those views), the
-    optimizer's state and hyperparameters, and hsdp's residuals and DiLoCo state
+    optimizer's state and hyperparameters, and the outer modes' state
     (``extra_state``). The optimizer's parameter groups and hsdp's state are checked
     first: a mismatch raises ``ValueError`` before the model is written."""
     quiesce(model, "set_state_dict")

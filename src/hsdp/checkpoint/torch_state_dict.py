@@ -14,12 +14,13 @@ model lacks) on rank 0 (or on each rank that holds it) and a mismatch raises on 
 rank: torch checks each tensor only once it arrives, after earlier ones were written, and
 raises a strict load's unexpected key on rank 0 alone while the other ranks go on.
 
-hsdp's residuals and DiLoCo state (``extra_state.py``) travel in the optimizer state dicts
+The outer modes' state (``extra_state.py``) travels in the optimizer state dicts
 that ``get_optimizer_state_dict`` / ``get_state_dict`` return (torch's code keeps only
 ``state`` and ``param_groups`` of ``optimizer.state_dict()``) and are set by
 ``set_optimizer_state_dict`` / ``set_state_dict``, checked before the optimizer is
-written. A full optimizer state dict (the same on every rank) cannot hold them, as they
-are each rank's own: asking for one of a model that has them raises.
+written. A full optimizer state dict (the same on every rank) cannot hold what is each
+rank's own (a mode's ``full_state_refusal``): asking for one of a model that has it
+raises.
 """
 
 from __future__ import annotations
@@ -130,12 +131,12 @@ def _wrap_get_optim_state_dict(original: Callable) -> Callable:
             return out
         quiesce(model, "get_optimizer_state_dict")
         extras = extra_state.extra_state(model, extra_state.merged_state(optimizers))
-        if extras and info.full_state_dict:
+        refusals = extra_state.full_refusals(model, extras) if info.full_state_dict else []
+        if refusals:
             raise ValueError(
                 f"hsdp: a full optimizer state dict (StateDictOptions(full_state_dict=True)) "
-                f"cannot hold this model's {' and '.join(extras)} (each rank's own: "
-                f"error-feedback residuals, DiLoCo state); use the sharded one (the "
-                f"default) with torch.distributed.checkpoint, or hsdp.save")
+                f"cannot hold this model's {' and '.join(refusals)}; use the sharded one "
+                f"(the default) with torch.distributed.checkpoint, or hsdp.save")
         out.update(extra_state.flat(extras) if info.flatten_optimizer_state_dict else extras)
         return out
 

@@ -22,11 +22,12 @@ the global token count itself); with DiLoCo, sums over the replica's ranks times
 number of replicas (each replica's gradient is its own mean, on torchtitan's scale).
 torchao float8 linears (torchtitan's float8 converter, or ``torchtitan_float8``'s with
 float8 all-gather) train under hsdp; other torchao modules (MX, NVFP4) are refused.
-torchtitan's ``CheckpointManager`` saves and loads hsdp's residuals and DiLoCo state with
-the optimizer's state (``OptimizersContainer``'s state dict, here given hsdp's entries:
-``checkpoint/extra_state.py``); its load puts each DiLoCo replica's own parameters back
-after the model's entries (outer replica 0's) are loaded, so a resume in the middle of a
-period is exact on every replica.
+torchtitan's ``CheckpointManager`` saves and loads the outer modes' state (the compressed
+reduction's residuals, DiLoCo's state) with the optimizer's state
+(``OptimizersContainer``'s state dict, here given hsdp's entries:
+``checkpoint/extra_state.py``); its load then lets each mode put back what the model's
+entries wrote over (each DiLoCo replica's own parameters, where the model's entries are
+outer replica 0's), so a resume in the middle of a period is exact on every replica.
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ from torchtitan.protocols.module import Module as TitanModule
 
 import hsdp
 from hsdp.checkpoint import extra_state
-from hsdp.checkpoint.outer_sync_state import restore_replica_local
 from hsdp.checkpoint.state_dicts import load_state_dict_hook
 from hsdp.integrations.torchtitan_config import as_hsdp_config, refuse_old_env
 from hsdp.integrations.torchtitan_pipeline import check_pipeline, pipeline_llama
@@ -255,8 +255,8 @@ def _adopt_meta_init(model: nn.Module) -> None:
 
 def _carry_extra_state(container: type) -> None:
     """torchtitan's optimizer container (flat, FQN-keyed state dicts built from each
-    optimizer's ``state`` and ``param_groups`` alone) with hsdp's residuals and DiLoCo
-    state of each model part added as flat keys, and set after its load (checked before
+    optimizer's ``state`` and ``param_groups`` alone) with the outer modes' state of each
+    model part added as flat keys, and set after its load (checked before
     it: another layout's raise with nothing changed). A model without them: unchanged."""
     get, load = container.state_dict, container.load_state_dict
     if getattr(get, "_hsdp", False):
@@ -282,8 +282,7 @@ def _carry_extra_state(container: type) -> None:
             extra_state.apply(model, done, live)
         pending = getattr(self, _REPLICAS, None)
         if pending is not None:  # inside CheckpointManager.dcp_load: see _replicas_last
-            pending.extend((m, done.outer_sync) for m, done in zip(self.model_parts, loaded)
-                           if done.outer_sync)
+            pending.extend(zip(self.model_parts, loaded))
 
     state_dict._hsdp = True
     container.state_dict, container.load_state_dict = state_dict, load_state_dict
@@ -314,8 +313,8 @@ def _replicas_last(manager: type) -> None:
         try:
             load(self, state_dict, *args, **kwargs)
             live = extra_state.merged_state(container.optimizers)
-            for model, state in pending:
-                restore_replica_local(model, state, live)
+            for model, done in pending:
+                extra_state.restore_after_model_load(model, done, live)
         finally:
             delattr(container, _REPLICAS)
         return None

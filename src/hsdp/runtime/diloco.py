@@ -34,20 +34,21 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from hsdp.ft.errors import FaultToleranceError
+from hsdp.runtime import diloco_state
 from hsdp.sharding.anchor import Anchor
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.group import ParamGroup
 from hsdp.sharding.policy import Strategy
 from hsdp.streams.contract import Event, SideStream
 from hsdp.streams.op_table import OpKind, label
-from hsdp.topology.outer_mode import OuterMode, OuterSchedule
+from hsdp.topology.outer_mode import Entries, OuterMode, OuterSchedule
 
 if TYPE_CHECKING:
     from hsdp.runtime.context import RuntimeContext
@@ -93,6 +94,8 @@ class DiLoCo(OuterMode):
     forms: ClassVar[str] = "diloco[:FIELD=VALUE,...] (FIELD a field of hsdp.DiLoCo)"
     reduces_every_step: ClassVar[bool] = False  # each outer replica trains alone
     sync_quorum: ClassVar[bool] = True
+    state_key: ClassVar[str] = "hsdp_outer_sync"
+    state_name: ClassVar[str] = "DiLoCo state"
 
     def __post_init__(self) -> None:
         if not _positive_int(self.inner_steps):
@@ -188,6 +191,30 @@ class DiLoCo(OuterMode):
     def hook_refusal(self, group: ParamGroup) -> str:
         return ("init_mesh(outer_sync=...): DiLoCo has no per-step outer all-reduce for the "
                 "hook to follow")
+
+    def state_dict(self, group: ParamGroup, opt_state: Mapping | None) -> Entries:
+        """Its anchor, momentum and clocks, and each replica's own values
+        (``diloco_state.py``)."""
+        return {} if group.anchor is None else diloco_state.state(group, opt_state)
+
+    def load_state_dict(self, group: ParamGroup, state: Entries,
+                        opt_state: Mapping | None) -> None:
+        if group.anchor is not None:
+            diloco_state.load(group, state, opt_state)
+
+    def restore_after_model_load(self, group: ParamGroup, state: Entries,
+                                 opt_state: Mapping | None) -> None:
+        """Each replica's own parameters, which the model's entries (outer replica 0's)
+        wrote over."""
+        if group.anchor is not None:
+            diloco_state.restore_replica_local(group, state, opt_state)
+
+    def replica_state(self, group: ParamGroup) -> dict | None:
+        return None if group.anchor is None else group.anchor.shared()
+
+    def recover(self, group: ParamGroup, state: dict | None) -> None:
+        if group.anchor is not None:
+            group.anchor.recover(state, group.main.device)
 
     def check_units(self, units: int) -> None:
         """Raise unless the fragments divide ``units`` (the model's fully_shard units)."""

@@ -59,6 +59,7 @@ from hsdp.sharding.quant import (
     reduce_requantize,
     reduce_rows,
 )
+from hsdp.streams.op_table import OpKind
 
 if TYPE_CHECKING:
     from hsdp.sharding.outer_reduce import OuterReduce
@@ -86,6 +87,10 @@ class CompressedOuter:
         self._flag = (torch.zeros(1, dtype=torch.int32, device=device)
                       if config.error_feedback else None)
         self._static: Pending | None = None  # the fixed pending buffer, once static
+
+    def op_kind(self, shard_outer: bool) -> OpKind:
+        """The ``OpKind`` its mode issues for the reduction (``OuterMode.reduce_op``)."""
+        return self.config.reduce_op(shard_outer)
 
     def make_static(self) -> None:
         """From now on keep the residual in fixed buffers (module doc): the committed

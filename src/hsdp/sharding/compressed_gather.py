@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.quant import Rows, decode_into, encode
+from hsdp.streams.op_table import OpKind
 
 if TYPE_CHECKING:
     from hsdp.sharding.outer_gather import OuterGather
@@ -46,6 +47,10 @@ class CompressedGather:
         self.config = config
         self.rows = Rows(numel, n, config.block)
         self.mine = Rows(self.rows.c, 1, config.block)  # this rank's chunk: one row
+
+    def op_kind(self) -> OpKind:
+        """The ``OpKind`` its mode issues for the gather (``OuterMode.gather_op``)."""
+        return self.config.gather_op()
 
     def all_gather(self, coll: Collectives, inner_shard: torch.Tensor, main: torch.Tensor,
                    group: dist.ProcessGroup) -> None:

@@ -32,7 +32,7 @@ class GroupGather:
     @property
     def outer_kind(self) -> OpKind:
         """hfsdp's outer all-gather, compressed with a codec."""
-        return OpKind.OUTER_ALL_GATHER if self.compressed is None else OpKind.OUTER_Q_ALL_GATHER
+        return OpKind.OUTER_ALL_GATHER if self.compressed is None else self.compressed.op_kind()
 
     def mark_written(self) -> None:
         """hfsdp: the next refresh re-gathers the inner shard from every updated chunk."""

@@ -34,7 +34,7 @@ class GradientState:
     """The gradients of one trainable group (made when the group first has a trainable
     parameter). ``all_in`` is called once every trainable parameter got its gradient in
     a backward; ``compressed``: the compressed outer reduction (None: the exact one);
-    ``every_step``: False where the outer modes reduce nothing in the backward (DiLoCo)."""
+    ``every_step``: False where the outer modes reduce nothing in the backward."""
 
     def __init__(self, buffers: GroupBuffers, compressed: CompressedOuter | None,
                  trainable_count: int, all_in: Callable[[], None],
@@ -157,9 +157,8 @@ class GradientState:
     def outer_reduction(self) -> OpKind:
         """hfsdp's outer reduce-scatter, else hsdp's outer all-reduce (their compressed
         forms with a codec)."""
-        if self.compressed is not None:
-            return (OpKind.OUTER_Q_REDUCE_SCATTER if self.b.shard_outer
-                    else OpKind.OUTER_Q_ALL_REDUCE)
+        if self.compressed is not None:  # the kind its mode issues
+            return self.compressed.op_kind(self.b.shard_outer)
         return OpKind.OUTER_REDUCE_SCATTER if self.b.shard_outer else OpKind.OUTER_ALL_REDUCE
 
     @property
@@ -168,8 +167,8 @@ class GradientState:
         outer reduction would only cast it to the reduce dtype and back). Always True
         with fault tolerance (replica groups may join at any step) and with an all-reduce
         hook (FSDP2 calls it after the reduce-scatter when there is no all-reduce). False
-        where the outer modes reduce nothing per step (``every_step``; DiLoCo: each outer
-        replica trains alone between syncs)."""
+        where the outer modes reduce nothing per step (``every_step``: between an outer
+        schedule's syncs each replica trains alone)."""
         c = self.b.comms
         if not self.every_step:
             return False

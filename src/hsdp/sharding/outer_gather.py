@@ -14,6 +14,7 @@ from hsdp.sharding.compressed_gather import CompressedGather
 from hsdp.sharding.float8_weights import float8_dtype
 from hsdp.sharding.group import ParamGroup
 from hsdp.sharding.policy import Strategy, check_format, parse_format
+from hsdp.streams.op_table import OpKind
 from hsdp.topology.outer_mode import OuterMode
 
 
@@ -70,3 +71,6 @@ class OuterGather(OuterMode):
             group.compressed_gather = CompressedGather(self, group.layout.shard_numel,
                                                        c.outer_size)
 
+
+    def gather_op(self) -> OpKind:
+        return OpKind.OUTER_Q_ALL_GATHER

@@ -1,19 +1,22 @@
 """The compressed outer gradient reduction, the ``outer_reduce`` mode
 (``fully_shard(..., outer_reduce=hsdp.OuterReduce(...))``; ``topology/outer_mode.py``):
-its settings, its refusals and its state on each group, the codec with its error-feedback
-residual (``compressed.py``). The reductions run where the exact ones run
-(``group_grads.py``); the residual in checkpoints: ``checkpoint/outer_residual.py``."""
+its settings, its refusals, its op kinds and its state on each group, the codec with its
+error-feedback residual (``compressed.py``). The reductions run where the exact ones run
+(``group_grads.py``); the residual in checkpoints: ``outer_residual.py``."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from hsdp.ft.errors import FaultToleranceError
+from hsdp.sharding import outer_residual
 from hsdp.sharding.compressed import CompressedOuter
 from hsdp.sharding.group import ParamGroup
 from hsdp.sharding.policy import check_format, parse_format
-from hsdp.topology.outer_mode import OuterMode
+from hsdp.streams.op_table import OpKind
+from hsdp.topology.outer_mode import Entries, OuterMode
 
 # Backends known to run all_to_all_single (torch's fake one stands for NCCL in emulation).
 _ALL_TO_ALL = ("nccl", "gloo", "fake", "mpi", "ucc", "xccl")
@@ -37,6 +40,8 @@ class OuterReduce(OuterMode):
 
     argument: ClassVar[str] = "outer_reduce"
     forms: ClassVar[str] = "DTYPE[:BLOCK]"
+    state_key: ClassVar[str] = "hsdp_outer_residual"
+    state_name: ClassVar[str] = "error-feedback residuals"
 
     def __post_init__(self) -> None:
         check_format("OuterReduce", self.dtype, self.block)
@@ -83,3 +88,20 @@ class OuterReduce(OuterMode):
             return None
         return ("outer_reduce: the compressed outer reduction has no all-reduce output of "
                 "the reduce dtype for the hook; use outer_reduce=None with an all-reduce hook")
+
+    def reduce_op(self, shard_outer: bool) -> OpKind:
+        return OpKind.OUTER_Q_REDUCE_SCATTER if shard_outer else OpKind.OUTER_Q_ALL_REDUCE
+
+    def state_dict(self, group: ParamGroup, opt_state: Mapping | None) -> Entries:
+        return outer_residual.state(group)
+
+    def load_state_dict(self, group: ParamGroup, state: Entries,
+                        opt_state: Mapping | None) -> None:
+        outer_residual.load(group, state)
+
+    def to_read(self, group: ParamGroup, ours: Entries,
+                saved: dict[str, tuple[int, ...]]) -> Entries:
+        return outer_residual.to_read(group, ours, saved)
+
+    def from_read(self, group: ParamGroup, read: Entries) -> Entries:
+        return outer_residual.from_read(group, read)

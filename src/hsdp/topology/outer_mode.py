@@ -16,7 +16,16 @@ forms. The core calls the hooks and never asks which mode it holds:
 - ``schedule``: the model's ``OuterSchedule`` (its optimizer-step hooks, the op kinds it
   issues and their replay after an abandoned step), or None;
 - ``capture_refusal`` / ``hook_refusal``: what CUDA-graph capture and
-  ``set_all_reduce_hook`` cannot serve.
+  ``set_all_reduce_hook`` cannot serve;
+- ``reduce_op`` / ``gather_op``: the op kind (``streams/op_table.py``) of the outer
+  reduction / gather it issues in place of the exact one;
+- its state in checkpoints, one entry (``state_key``) of the optimizer's state dict, each
+  group's values under "<unit>/<group>@<its keys>" (``checkpoint/extra_state.py`` walks
+  the groups and keys them): ``state_dict`` and ``load_state_dict`` (an empty dict: none
+  saved, start afresh), ``to_read`` / ``from_read`` (what ``hsdp.load`` reads of a
+  checkpoint of any mesh, and what it makes of it), ``restore_after_model_load``,
+  ``full_state_refusal``; and what a recovering replica group receives with fault
+  tolerance (``replica_state`` / ``recover``, ``checkpoint/replica_state.py``).
 
 An ``outer_sync`` mode reaches ``fully_shard`` on the mesh ``init_mesh`` returned for it
 (``carrying`` / ``outer_sync_of``): one mesh object per schedule, no process-wide table.
@@ -28,10 +37,14 @@ typed ``Any`` here, which sits below them.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+Entries = dict[str, torch.Tensor]  # one group's state-dict entries, by its own keys
 
 
 class OuterSchedule:
@@ -67,6 +80,8 @@ class OuterMode:
     forms: ClassVar[str] = ""  # its short forms, for error messages
     reduces_every_step: ClassVar[bool] = True  # False: no outer reduction in the backward
     sync_quorum: ClassVar[bool] = False  # with fault tolerance: one torchft quorum per sync
+    state_key: ClassVar[str] = ""  # its entry of optimizer state dicts ("": no state)
+    state_name: ClassVar[str] = ""  # what that state is, in messages ("DiLoCo state")
 
     @classmethod
     def parse(cls, text: str) -> OuterMode | None:
@@ -95,6 +110,66 @@ class OuterMode:
     def hook_refusal(self, group: Any) -> str | None:
         """Why ``set_all_reduce_hook`` cannot serve ``group`` in this mode, or None."""
         return None
+
+    def reduce_op(self, shard_outer: bool) -> Any | None:
+        """The ``OpKind`` of the outer gradient reduction it issues for a group (hfsdp's
+        when ``shard_outer``) in place of the exact one (None: the exact one)."""
+        return None
+
+    def gather_op(self) -> Any | None:
+        """The ``OpKind`` of hfsdp's outer all-gather it issues (None: the exact one)."""
+        return None
+
+    def state_dict(self, group: Any, opt_state: Mapping | None) -> Entries:
+        """``group``'s checkpoint entries (copies; the streams drained), by keys of the
+        mode's choosing (unique to this rank, or shared by ranks that hold the same
+        values); ``opt_state``: the optimizer's state by parameter (with the state a first
+        step would create where it has none yet)."""
+        return {}
+
+    def load_state_dict(self, group: Any, state: Entries, opt_state: Mapping | None) -> None:
+        """Set ``group``'s state from ``state`` (``state_dict``'s form, checked to hold
+        every key it gives; empty: none saved, start afresh), after the optimizer's own
+        load."""
+
+    def to_read(self, group: Any, ours: Entries, saved: dict[str, tuple[int, ...]]
+                ) -> Entries:
+        """What ``hsdp.load`` reads into, of a checkpoint that holds ``saved`` (this
+        group's keys of this mode, of any mesh, with their shapes); ``ours``: this
+        rank's ``state_dict``. By default the keys it holds with the same shape."""
+        return {k: v for k, v in ours.items() if saved.get(k) == tuple(v.shape)}
+
+    def from_read(self, group: Any, read: Entries) -> Entries:
+        """``group``'s state (``load_state_dict``'s form) from ``to_read``'s entries once
+        read (another mesh's converted)."""
+        return read
+
+    def restore_after_model_load(self, group: Any, state: Entries,
+                                 opt_state: Mapping | None) -> None:
+        """Put back what a model load of the same checkpoint, after this state's load,
+        wrote over (torchtitan loads the model after the optimizer)."""
+
+    def full_state_refusal(self) -> str | None:
+        """Why a full optimizer state dict (the same on every rank) cannot hold this
+        mode's state (None: its entries go in as they are)."""
+        return f"{self.state_name} (each rank's own)"
+
+    def replica_state(self, group: Any) -> Any:
+        """What a recovering replica group receives of ``group``'s state (fault
+        tolerance; views: asked for when nothing of it is pending), or None."""
+        return None
+
+    def recover(self, group: Any, state: Any) -> None:
+        """Take a live replica group's ``replica_state`` (received)."""
+
+
+def place(comms: Any, outer: bool = True) -> str:
+    """This rank's place on its mesh, for state-dict keys: "OxIxT:o-i-t" (sizes, then
+    coordinates); without ``outer``, "OxIxT:i-t" (the same on every outer replica)."""
+    t = 0 if comms.host_tp is None else dist.get_rank(comms.host_tp)
+    coords = (comms.outer_rank, comms.inner_rank, t) if outer else (comms.inner_rank, t)
+    return (f"{comms.outer_size}x{comms.inner_size}x{comms.tp_size}:"
+            f"{'-'.join(map(str, coords))}")
 
 
 _OUTER_SYNC = "_hsdp_outer_sync"  # the DeviceMesh attribute holding its outer schedule

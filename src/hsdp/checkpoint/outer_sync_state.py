@@ -52,7 +52,7 @@ def _replica_local(model: nn.Module, opt_state: Mapping[torch.Tensor, dict] | No
     for key, g in anchored_groups(model):
         mine = f"{key}/replica{g.comms.outer_rank}"
         yield f"{mine}/main", g.main
-        for idx, p in enumerate(g.sharded):
+        for idx, p in enumerate(q.sharded for q in g.params):
             for name, value in (opt_state or {}).get(p, {}).items():
                 if isinstance(value, DTensor) and value.dim() > 0:
                     yield f"{mine}/{idx}.{name}", value._local_tensor

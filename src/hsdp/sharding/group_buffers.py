@@ -52,10 +52,6 @@ class GroupBuffers:
                 f"hsdp.precompute_float8_scales(model) after changing weights another way "
                 f"(loading a checkpoint, editing them), before the next forward")
 
-    def float8_pieces(self) -> list[torch.Tensor]:
-        """This rank's piece of each float8 weight (what its scale is computed from)."""
-        return [q.local for q in self.params]
-
     def whole(self, flat: torch.Tensor, idx: int) -> torch.Tensor:
         """Parameter ``idx`` whole, from ``full_flat``'s result: a collective over the tp
         group where TP shards it (every rank must call it)."""

@@ -83,15 +83,16 @@ class GroupBuild:
                     src[pc.param_start:pc.param_start + pc.length])
         return out
 
-    def flat(self, main: torch.Tensor | None = None, **views: Any) -> GroupBuffers:
-        """The buffers with ``main`` (by default the one built first) and ``views``
-        (the fields ``finish`` adds); alone: what the outer modes attach to."""
-        main = self.main if main is None else main
+    def flat(self) -> GroupBuffers:
+        """The layout and ``main`` alone (no views yet): what the outer modes attach to."""
+        return self._buffers(main=self.main, ag_src=self.main)
+
+    def _buffers(self, **tensors: Any) -> GroupBuffers:
         return GroupBuffers(
             label=self.label, comms=self.comms, layout=self.layout,
             orig_dtype=self.orig_dtype, reduce_dtype=self.reduce_dtype,
             shard_outer=self.shard_outer, float8=self.float8, inner_lo=self.inner_lo,
-            main=main, ag_src=views.pop("ag_src", main), **views)
+            **tensors)
 
     def finish(self, own_main: bool, replica0: bool) -> GroupBuffers:
         """The whole buffers. ``own_main``: ``main`` keeps its own storage even where it
@@ -107,9 +108,10 @@ class GroupBuild:
                 main = _alias(inner, offset, C)  # main is a window of the inner shard
         gathered, unsharded = self._unsharded()
         params = self._params(main, unsharded, replica0)
-        return self.flat(main, ag_src=main if inner is None else inner, inner_shard=inner,
-                         chunk_offset=offset, gathered=gathered, params=params,
-                         gathered_bytes=self.layout.total * gathered.element_size())
+        return self._buffers(main=main, ag_src=main if inner is None else inner,
+                             inner_shard=inner, chunk_offset=offset, gathered=gathered,
+                             gathered_bytes=self.layout.total * gathered.element_size(),
+                             params=params)
 
     def _params(self, main: torch.Tensor, unsharded: list[nn.Parameter], replica0: bool
                 ) -> list[GroupParam]:

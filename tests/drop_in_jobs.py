@@ -243,7 +243,7 @@ def case_reshard_after_forward(rank: int, world: int, mesh) -> dict[str, float]:
 
     def after_forward(m: nn.Module, a: tuple, o: torch.Tensor) -> None:
         model._hsdp_unit.runtime.synchronize()  # frees run on the all-gather stream
-        gathered.append([g.gathered.untyped_storage().nbytes() > 0
+        gathered.append([g.buffers.gathered.untyped_storage().nbytes() > 0
                          for b in model.blocks for g in b._hsdp_unit.groups])
 
     model.register_forward_hook(after_forward)

@@ -194,9 +194,9 @@ def _local_err(model: nn.Module, ref: nn.Module) -> float:
     errs = []
     for p, r in zip(model.parameters(), ref.parameters()):
         group, idx = owner(p)
-        a, n = group._slices[idx]
-        start = group.shard_starts[idx]
-        errs.append(_rel(group.main[a:a + n], r.detach().reshape(-1)[start:start + n]))
+        q = group.params[idx]
+        start, n = q.start, q.length
+        errs.append(_rel(q.local, r.detach().reshape(-1)[start:start + n]))
     return max(errs)
 
 

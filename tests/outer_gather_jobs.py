@@ -52,11 +52,21 @@ def _quantized(chunk: torch.Tensor, cfg: hsdp.OuterGather) -> torch.Tensor:
     return (q * scale).view(-1)[:chunk.numel()]
 
 
+def _inner(g: ParamGroup) -> torch.Tensor:
+    """hfsdp's inner shard of ``g``."""
+    return g.buffers.inner_shard
+
+
+def _window(g: ParamGroup) -> torch.Tensor:
+    """The part of ``g``'s inner shard where its ``main`` chunk lies."""
+    return g.buffers.inner_shard[g.buffers.chunk_offset:][:g.main.numel()]
+
+
 def _expected_inner_shard(g: ParamGroup, cfg: hsdp.OuterGather) -> torch.Tensor:
     """Every outer rank's exact chunk, quantized and dequantized, in the parameter dtype."""
     chunks = [torch.empty_like(g.main) for _ in range(g.comms.outer_size)]
     dist.all_gather(chunks, g.main, group=g.comms.host_outer)
-    return torch.cat([_quantized(c, cfg) for c in chunks]).to(g.inner_shard.dtype)
+    return torch.cat([_quantized(c, cfg) for c in chunks]).to(_inner(g).dtype)
 
 
 def _same_on_world(t: torch.Tensor) -> bool:
@@ -72,7 +82,7 @@ def _gathered_weights_agree(model: nn.Module) -> bool:
     for unit in _units(model):
         unit.module.unshard()
         for g in unit.groups:
-            ok &= _same_on_world(g.gathered.view(torch.uint8))
+            ok &= _same_on_world(g.buffers.gathered.view(torch.uint8))
         unit.module.reshard()
     return ok
 
@@ -99,19 +109,19 @@ def parity_job(rank: int, world: int, outer: int, cases: tuple[str, ...] = tuple
             model(tokens)  # before any step: the initial weights, gathered quantized
         hsdp.synchronize(model)
         groups = _groups(model)
-        first = all(torch.equal(g.inner_shard, _expected_inner_shard(g, cfg)) for g in groups)
+        first = all(torch.equal(_inner(g), _expected_inner_shard(g, cfg)) for g in groups)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         _train(model, opt, rank, world, range(2))
         hsdp.synchronize(model)
         out[name] = {
             "first_forward": first,
-            "bit_exact": all(torch.equal(g.inner_shard, _expected_inner_shard(g, cfg))
+            "bit_exact": all(torch.equal(_inner(g), _expected_inner_shard(g, cfg))
                              for g in groups),
             "replicas_identical": _gathered_weights_agree(model),
-            "quantized": any(not torch.equal(g.inner_shard[g.chunk_offset:][:g.main.numel()],
-                                             g.main.to(g.inner_shard.dtype)) for g in groups),
+            "quantized": any(not torch.equal(_window(g),
+                                             g.main.to(_inner(g).dtype)) for g in groups),
             "main_apart": all(g.main.untyped_storage().data_ptr()
-                              != g.inner_shard.untyped_storage().data_ptr() for g in groups),
+                              != _inner(g).untyped_storage().data_ptr() for g in groups),
             "finite": bool(torch.isfinite(lm_loss(model(tokens), tokens)).item()),
         }
     return out
@@ -147,9 +157,9 @@ def same_grads_job(rank: int, world: int, outer: int) -> dict[str, dict[str, boo
             "main_equal": all(torch.equal(x.main, y.main) for x, y in zip(exact, compressed)),
             "state_dict_equal": all(torch.equal(a[k], b[k]) for k in a),
             "stepped": all(not torch.equal(a[k], before[k]) for k in a),
-            "replicas_differ": any(not torch.equal(x.inner_shard, y.inner_shard)
+            "replicas_differ": any(not torch.equal(_inner(x), _inner(y))
                                    for x, y in zip(exact, compressed)),
-            "compressed_bit_exact": all(torch.equal(y.inner_shard, _expected_inner_shard(y, INT8))
+            "compressed_bit_exact": all(torch.equal(_inner(y), _expected_inner_shard(y, INT8))
                                         for y in compressed),
         }
     return out
@@ -171,7 +181,7 @@ def checkpoint_job(rank: int, world: int, root: str) -> dict[str, bool]:
     for m, opt in zip(models[1:], opts[1:]):
         hsdp.load(path, m, opt)
     loaded_exact = _state(models[1])
-    replicas = [g.inner_shard[g.chunk_offset:][:g.main.numel()] for g in _groups(models[0])]
+    replicas = [_window(g) for g in _groups(models[0])]
     out = {"saved_exact_main": all(torch.equal(a, b.main) for a, b in zip(mains, _groups(
                models[1]))) and all(torch.equal(saved[k], loaded_exact[k]) for k in saved),
            "replicas_not_saved": any(not torch.equal(r, m) for r, m in zip(replicas, mains))}
@@ -184,7 +194,7 @@ def checkpoint_job(rank: int, world: int, root: str) -> dict[str, bool]:
     tokens = torch.zeros(ROWS, GPTConfig().seq, dtype=torch.long)
     fresh(tokens)  # the first forward gathers
     hsdp.synchronize(fresh)
-    out["full_load_quantized"] = all(torch.equal(g.inner_shard, _expected_inner_shard(g, INT8))
+    out["full_load_quantized"] = all(torch.equal(_inner(g), _expected_inner_shard(g, INT8))
                                      for g in _groups(fresh))
     return out
 

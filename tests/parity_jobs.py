@@ -268,7 +268,7 @@ def adamw_job(rank: int, world: int, outer: int) -> dict[str, tuple[bool, bool]]
             models.append(hsdp.fully_shard(m, mesh=mesh, strategy=strategy))
         start = hsdp.full_state_dict(models[0])
         params = list(models[1].parameters())
-        plain = [owner(p)[0].buffers.local(owner(p)[1]) for p in params]
+        plain = [owner(p)[0].params[owner(p)[1]].local.view(-1) for p in params]  # fresh views
         kw = dict(lr=1e-2, weight_decay=0.1, **impls[impl])
         opts = [torch.optim.AdamW(models[0].parameters(), **kw), torch.optim.AdamW(plain, **kw)]
         for step in range(STEPS):

@@ -77,13 +77,13 @@ class _Walk:
     def _open(self, unit: Unit) -> None:
         for g in list(unit.groups):
             if g.main.is_meta:  # allocate the shards (no data yet), then the full values
-                metas = [nn.Parameter(meta_like(shape, g.orig_dtype, tp_spec),
-                                      requires_grad=sp.requires_grad)
-                         for shape, sp, tp_spec in zip(g.layout.shapes, g.sharded, g.tp_specs)]
+                metas = [nn.Parameter(meta_like(shape, g.orig_dtype, q.tp_spec),
+                                      requires_grad=q.sharded.requires_grad)
+                         for shape, q in zip(g.layout.shapes, g.params)]
                 if g.float8 is not None:  # still gathered in float8
                     metas = g.float8.wrap(metas)
-                old, g = g, ParamGroup(g.label, metas, g.slots, g.comms, unit.device,
-                                       g.strategy, g.mp, g.outer)
+                old, g = g, ParamGroup(g.label, metas, [q.slots for q in g.params], g.comms,
+                                       unit.device, g.strategy, g.mp, g.outer)
                 self._replace(old, g)
                 self.fresh.append(g)
                 fill = float("nan") if g.orig_dtype.is_floating_point else 0
@@ -94,7 +94,7 @@ class _Walk:
                 self.flats[g] = flat
                 self.blank.add(g)
             else:  # allocated already: start from its current values (a collective)
-                self.flats[g] = g.gather.full_flat(Collectives())
+                self.flats[g] = g.full_flat(Collectives())
         self.open_units.append(unit)
 
     def _replace(self, old: ParamGroup, new: ParamGroup) -> None:
@@ -110,7 +110,7 @@ class _Walk:
             u.borrowed = [(new if g is old else g, idx, slot) for g, idx, slot in u.borrowed]
             for g, idx, (module, name) in u.borrowed:
                 if g is new:
-                    module._parameters[name] = new.sharded[idx]
+                    module._parameters[name] = new.params[idx].sharded
 
     def _close(self, unit: Unit) -> None:
         for g in unit.groups:
@@ -145,7 +145,7 @@ class _Walk:
         shown = {}
         for n, (g, idx) in own.items():
             shown[n] = m._parameters[n] = nn.Parameter(
-                self._whole(g, idx), requires_grad=g.sharded[idx].requires_grad)
+                self._whole(g, idx), requires_grad=g.params[idx].sharded.requires_grad)
         versions = {n: p._version for n, p in shown.items()}
         buffers = {}
         for n, b in m._buffers.items():
@@ -163,10 +163,10 @@ class _Walk:
                 shown[n].copy_(now)
             if now is not shown[n] or shown[n]._version != versions[n]:
                 self.written.add((g, idx))
-                block = block_of(g.specs[idx])
+                block = block_of(g.params[idx].spec)
                 if block is not None:  # keep this rank's TP block of the whole value
                     self._view(g, idx).copy_(block.local_of(shown[n]))
-            m._parameters[n] = g.sharded[idx]
+            m._parameters[n] = g.params[idx].sharded
         for n, b in buffers.items():
             if m._buffers[n] is not b or b._version != buf_versions[n]:
                 self.pending_buffers.pop((id(m), n))
@@ -181,7 +181,7 @@ class _Walk:
         where TP shards it, a tensor of its global shape (gathered over the tp ranks
         unless the group has no values yet)."""
         view = self._view(g, idx)
-        block = block_of(g.specs[idx])
+        block = block_of(g.params[idx].spec)
         if block is None:
             return view
         if g in self.blank:
@@ -191,9 +191,9 @@ class _Walk:
     def unwritten(self) -> list[str]:
         names = []
         for g in self.fresh:
-            for idx, slots in enumerate(g.slots):
-                if (g, idx) not in self.written:
-                    module, attr = slots[0]
+            for q in g.params:
+                if (g, q.index) not in self.written:
+                    module, attr = q.slots[0]
                     path = self.paths.get(id(module), "")
                     names.append(f"{path}.{attr}" if path else attr)
         return names + sorted(self.pending_buffers.values())

@@ -215,9 +215,9 @@ class HSDPModule:
         replace them with tensors hsdp does not manage."""
         for unit in units_below(self):
             for g in unit.groups:
-                for slots, p in zip(g.slots, g.sharded):
-                    if fn(p) is not p:
-                        raise RuntimeError(_conversion_error(unit, slots[0], p))
+                for q in g.params:
+                    if fn(q.sharded) is not q.sharded:
+                        raise RuntimeError(_conversion_error(unit, q.slots[0], q.sharded))
         return super()._apply(fn, recurse)
 
 

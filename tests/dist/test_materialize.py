@@ -41,8 +41,8 @@ def _check_pieces(model: nn.Module, ref: nn.Module) -> None:
     for (name, p), (rname, r) in zip(model.named_parameters(), ref.named_parameters()):
         assert name == rname
         g, idx = owner(p)
-        start = g.shard_starts[idx]
-        piece = g.buffers.local(idx)  # this rank's piece of the flattened parameter
+        start = g.params[idx].start
+        piece = g.params[idx].local  # this rank's piece of the flattened parameter
         want = r.detach().reshape(-1)[start:start + piece.numel()]
         assert piece.device.type == "cpu" and torch.equal(piece, want), name
 

@@ -38,7 +38,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 live = {"max": 0}
 def sample(*_):
     live["max"] = max(live["max"], sum(
-        g.gathered.untyped_storage().nbytes() > 0 for m in model for g in m._hsdp_unit.groups))
+        g.buffers.gathered.untyped_storage().nbytes() > 0 for m in model for g in m._hsdp_unit.groups))
 rs_inputs = {"max": 0}  # other units' RS inputs alive when a unit's is allocated
 for m in model:
     for g in m._hsdp_unit.groups:

@@ -54,11 +54,11 @@ def test_no_gathered_buffer_outlives_its_step(fake_world_8):
     net(torch.randn(2, 8)).sum().backward()
     hsdp.synchronize(net)
     units = [m._hsdp_unit for m in net.modules() if getattr(m, "_hsdp_unit", None)]
-    assert not any(_live(g.gathered) for u in units for g in u.groups)
+    assert not any(_live(g.buffers.gathered) for u in units for g in u.groups)
     with torch.no_grad():
         net(torch.randn(2, 8))  # no backward follows: everything is released at once
     hsdp.synchronize(net)
-    assert not any(_live(g.gathered) for u in units for g in u.groups)
+    assert not any(_live(g.buffers.gathered) for u in units for g in u.groups)
 
 
 def _packed(opt: torch.optim.Optimizer, key: str) -> int:
@@ -76,10 +76,11 @@ def test_optimizer_state_is_one_buffer_per_group_and_key(fake_world_8, strategy,
     snapshots = []
 
     def pack_and_check(self, state, pack=GroupIO.pack_state):
-        before = {(id(p), k): v._local_tensor.clone() for p in self.b.sharded if p in state
+        held = [q.sharded for q in self.b.params if q.sharded in state]
+        before = {(id(p), k): v._local_tensor.clone() for p in held
                   for k, v in state[p].items() if v.dim()}
         pack(self, state)
-        after = {(id(p), k): v._local_tensor for p in self.b.sharded if p in state
+        after = {(id(p), k): v._local_tensor for p in held
                  for k, v in state[p].items() if v.dim()}
         # Bit for bit: the fake world's collectives leave garbage (NaNs too) in the values.
         snapshots.append(before.keys() == after.keys() and all(
@@ -104,7 +105,7 @@ def test_optimizer_state_is_one_buffer_per_group_and_key(fake_world_8, strategy,
     step()
     pieces = []
     for g in _groups(net):
-        held = [(p, a, n) for p, (a, n) in zip(g.sharded, g._slices) if n]
+        held = [(q.sharded, q.offset, q.length) for q in g.params if q.length]
         pieces.append(len(held))
         for key in ("exp_avg", "exp_avg_sq"):
             locals_ = [opt.state[p][key]._local_tensor for p, _, _ in held]
@@ -164,7 +165,7 @@ def test_empty_pieces_placeholders_are_one_allocation_per_group(fake_world_8):
         net(torch.randn(2, 4)).sum().backward()
         opt.step()
     g = _groups(net)[0]
-    empty = [p for p, (_, n) in zip(g.sharded, g._slices) if n == 0]
+    empty = [q.sharded for q in g.params if q.length == 0]
     assert len(empty) == 6
 
     def storages(tensors):

@@ -131,7 +131,7 @@ def test_refusals_name_what_cannot_be_captured(world_1, monkeypatch):
              "fault tolerance"),
             (g, "outer", (hsdp.OuterReduce("int8"),), None),  # no codec: nothing to refuse
             (g, "compressed", _Unready(), "before its first optimizer step"),
-            (g, "float8", object(), "float8 all-gather")]:
+            (g.buffers, "float8", object(), "float8 all-gather")]:
         with monkeypatch.context() as m:
             m.setattr(target, name, value)
             if name == "compressed":

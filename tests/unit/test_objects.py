@@ -4,7 +4,9 @@ itself (assigned in a method, a class-level name such as a dataclass field, a me
 a property), inherit from its one hsdp base, or inherit from a class outside hsdp. A write
 through an object it holds (``self.ctx.step.phase = ...``, ``step.gave_up = True`` after
 ``step = self.ctx.step``, ``self.ctx.log.forwards += 1``, ``self.ctx.step.reduced.append``)
-counts as a read of state it does not own: the holder's own methods change it."""
+counts as a read of state it does not own: the holder's own methods change it. Code
+outside ``sharding/`` calls a parameter group's methods and never reaches into its parts
+(``g.grads.used``, ``g.gather.unshard(...)``, ``g.buffers.version()``)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import hsdp
 
 ROOT = Path(hsdp.__file__).parent
 PACKAGES = ("runtime", "sharding")
+GROUP_PARTS = ("grads", "gather", "buffers")  # a ParamGroup's parts (sharding/group.py)
 
 
 def _self_nodes(cls: ast.ClassDef) -> list[ast.Attribute]:
@@ -191,3 +194,38 @@ def test_the_check_sees_writes_through_a_shared_context():
     assert [p.split("writes ")[1].split(",")[0] for p in _problems("x.py", cls, node)] == [
         "ctx.broken", "self.ctx.log.forwards", "self.ctx.step.pending.clear",
         "self.ctx.step.phase", "step.reduced.append", "u.done"]
+
+
+def _reach_throughs(tree: ast.AST, where: str) -> list[str]:
+    """``x.grads.y``, ``x.gather.y`` and ``x.buffers.y`` with ``x`` not ``self``: code
+    reaching through another object's parameter group into its parts."""
+    return sorted(f"{where}:{node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                  and node.value.attr in GROUP_PARTS
+                  and not (isinstance(node.value.value, ast.Name)
+                           and node.value.value.id == "self"))
+
+
+def test_no_code_outside_sharding_reaches_into_a_group():
+    """Outside ``sharding/`` (the rest of the core, the API, the tools) a group is used
+    through its methods (``g.unshard``, ``g.copy_in``, ``g.full_flat``...), so that
+    each part's state has one user: the group. No exception is allowed."""
+    files = [p for base in (ROOT, ROOT.parent / "hsdp_tools") for p in sorted(base.rglob("*.py"))
+             if p.relative_to(ROOT.parent).parts[:2] != ("hsdp", "sharding")]
+    assert len(files) > 50
+    assert [r for p in files for r in _reach_throughs(
+        ast.parse(p.read_text()), p.relative_to(ROOT.parent).as_posix())] == []
+
+
+def test_the_check_sees_a_reach_through():
+    """The check itself: a part of another object's group, followed by a name, counts;
+    the group's own methods, a class's own parts and a bare part do not."""
+    tree = ast.parse("def f(self, g, ctx):\n"
+                     "    g.grads.copy_in()\n"
+                     "    ctx.groups[0].gather.unshard(1)\n"
+                     "    x = g.buffers.version() + self.gather.n\n"
+                     "    g.unshard()\n"
+                     "    return g.grads is None\n")
+    assert _reach_throughs(tree, "x.py") == [
+        "x.py:2: g.grads.copy_in", "x.py:3: ctx.groups[0].gather.unshard",
+        "x.py:4: g.buffers.version"]

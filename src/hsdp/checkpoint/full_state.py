@@ -73,9 +73,9 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False,
             out[key] = _keep(t.detach(), cpu_offload)
     coll = Collectives()
     for group, members in groups.items():
-        flat = group.gather.full_flat(coll)
+        flat = group.full_flat(coll)
         for key, idx in members:
-            whole = group.buffers.whole(flat, idx)  # a collective over tp where TP shards it
+            whole = group.whole(flat, idx)  # a collective over tp where TP shards it
             if keep:
                 out[key] = _keep(whole, cpu_offload)
             del whole  # a view of flat: it would keep flat alive into the next group
@@ -127,9 +127,9 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None
         if managed is None:
             t.copy_(full)
             continue
-        group, idx = managed
+        q = managed[0].params[managed[1]]
         # In place: hfsdp sees the version bump and re-gathers its inner shard.
-        group.buffers.local(idx).copy_(group.buffers.piece_of(idx, full))
+        q.local.copy_(q.piece_of(full))
 
 
 def _mismatch(entries: dict[str, torch.Tensor],

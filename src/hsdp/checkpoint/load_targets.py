@@ -126,7 +126,7 @@ def _target(path: str, key: str, md: Any, p: nn.Parameter, live: Any) -> Any:
         return torch.empty(size, dtype=dtype, device=p.device)
     group, idx = managed
     local = torch.empty_like(p._local_tensor, dtype=dtype)
-    return group.buffers.checkpoint_view(idx, local)
+    return group.params[idx].checkpoint_view(local)
 
 
 def check_groups(where: str, saved: list[dict[str, Any]], ours: list[list[str]],

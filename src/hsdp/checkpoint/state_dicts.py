@@ -47,7 +47,7 @@ def state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, _meta: Any
         group, idx = owner(p)
         if group in groups and key in state_dict and state_dict[key] is not p:
             before_write([p])  # DCP may load into the view
-            state_dict[key] = group.buffers.checkpoint_view(idx)
+            state_dict[key] = group.params[idx].checkpoint_view()
 
 
 def load_state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
@@ -61,13 +61,14 @@ def load_state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, *_: A
     with torch.no_grad():
         for (key, p, _), src in zip(todo, sources):
             group, idx = owner(p)
-            group.buffers.local(idx).copy_(src)  # bumps main's version: hfsdp re-gathers
+            group.params[idx].local.copy_(src)  # bumps main's version: hfsdp re-gathers
             state_dict[key] = p  # torch's own copy is then a no-op
 
 
 def _piece_of(key: str, p: nn.Parameter, value: Any) -> torch.Tensor:
     group, idx = owner(p)
-    start, length = group.shard_starts[idx], group.buffers.local(idx).numel()
+    q = group.params[idx]
+    start, length = q.start, q.length
     if isinstance(value, DTensor):
         piece = getattr(value._local_tensor, "_hsdp_piece", None)
         if piece is None and isinstance(value, Piece):  # e.g. a clone: where it lies
@@ -84,7 +85,7 @@ def _piece_of(key: str, p: nn.Parameter, value: Any) -> torch.Tensor:
     if value.shape != p.shape:
         raise ValueError(f"hsdp: {key} has shape {tuple(value.shape)}, the model's is "
                          f"{tuple(p.shape)}")
-    return group.buffers.piece_of(idx, value)
+    return q.piece_of(value)
 
 
 def param_names(model: nn.Module) -> dict[int, str]:
@@ -161,7 +162,7 @@ def _state_view(p: torch.Tensor, name: str, key: str, value: Any) -> Any:
         raise ValueError(
             f"hsdp: optimizer state {name}.{key} is not laid out like its parameter (shape "
             f"{tuple(value.shape)}); hsdp checkpoints support elementwise optimizer state")
-    return group.buffers.checkpoint_view(idx, value._local_tensor)
+    return group.params[idx].checkpoint_view(value._local_tensor)
 
 
 def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,

@@ -58,12 +58,12 @@ class RuntimeContext:
         the next reduce-scatter needs them, so they are not held through the forward;
         never once a graph was captured (``graphed``: it writes them at their addresses)."""
         groups = [g for u in self.units for g in u.with_grads
-                  if g.grads.grads_live and not g.grads.grads_exposed()]
+                  if g.grads_live and not g.grads_exposed()]
         if groups and not graphed:  # a graph writes them at fixed addresses: kept
             # rs / outer wait: the optimizer on compute may still read the gradients.
             read = self.streams.compute.record()
             for g in groups:
-                g.grads.release_grads(self.stream_of(OpKind.FREE_ACCUM),
+                g.release_grads(self.stream_of(OpKind.FREE_ACCUM),
                                 self.stream_of(OpKind.FREE_GRAD_BUF), [read])
 
     def reset_units(self) -> None:
@@ -71,4 +71,4 @@ class RuntimeContext:
         for u in self.units:
             u.reset_backward()
         for g in self.trainable:
-            g.grads.reset_backward()
+            g.reset_backward()

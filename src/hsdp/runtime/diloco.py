@@ -261,7 +261,7 @@ class OuterSync(OuterSchedule):
             return  # checked, and its parameters did not change since
         held = {id(p) for p in params}
         missing = sum(p.requires_grad and id(p) not in held
-                      for g in self.groups for p in g.sharded)
+                      for g in self.groups for p in (q.sharded for q in g.params))
         if missing:
             raise ValueError(
                 f"hsdp.DiLoCo: this optimizer does not hold {missing} trainable parameter(s) "

@@ -35,7 +35,7 @@ def _replica_local(g: ParamGroup, opt_state: Mapping | None
     entries hold one replica's, as their DTensors are replicated over outer)."""
     mine = f"{place(g.comms, outer=False)}/replica{g.comms.outer_rank}"
     yield f"{mine}/main", g.main
-    for idx, p in enumerate(g.sharded):
+    for idx, p in enumerate(q.sharded for q in g.params):
         for name, value in (opt_state or {}).get(p, {}).items():
             if isinstance(value, DTensor) and value.dim() > 0:
                 yield f"{mine}/{idx}.{name}", value._local_tensor

@@ -53,11 +53,11 @@ class Gathering:
 
     def issue_unshard(self, unit: Unit) -> None:
         for g in unit.uses:
-            if g.gather.gathered_event is None:
+            if g.gathered_event is None:
                 # ag waits: shards were last written on compute (optimizer) or, for hfsdp,
                 # by the outer all-gather.
-                after = [e for e in (self._params_written, g.gather.params_ready) if e is not None]
-                self.ctx.logged(OpKind.GATHER, g, g.gather.unshard(
+                after = [e for e in (self._params_written, g.params_ready) if e is not None]
+                self.ctx.logged(OpKind.GATHER, g, g.unshard(
                     self.ctx.stream_of(OpKind.GATHER), self.ctx.coll, after))
 
     def prefetch(self, unit: Unit, direction: str) -> None:
@@ -75,7 +75,7 @@ class Gathering:
         self.issue_unshard(unit)
         for g in unit.uses:
             # compute waits: it reads the gathered parameters.
-            self.ctx.streams.compute.wait(g.gather.gathered_event)
+            self.ctx.streams.compute.wait(g.gathered_event)
             PENDING.pop(g, None)  # the wait covers the outer all-gather the gather read
             self._holders[g].add(unit)
         unit.swap(True)
@@ -104,7 +104,7 @@ class Gathering:
         free = []
         for g in unit.uses:
             self._holders[g].discard(unit)
-            if not self._holders[g] and g.gather.gathered_event is not None:
+            if not self._holders[g] and g.gathered_event is not None:
                 free.append(g)
         self._free(free)
 
@@ -113,7 +113,7 @@ class Gathering:
         for holders in self._holders.values():
             holders.clear()
         self._free([g for g in self.ctx.groups
-                    if g.gather.gathered_event is not None])
+                    if g.gathered_event is not None])
         if self._recording is not None:
             self._recording = []
 
@@ -122,19 +122,19 @@ class Gathering:
             done = self.ctx.streams.compute.record()
             for g in groups:
                 # ag waits: compute must be done reading the buffer before it is reused.
-                g.gather.reshard(self.ctx.stream_of(OpKind.FREE_GATHERED), [done])
+                g.reshard(self.ctx.stream_of(OpKind.FREE_GATHERED), [done])
 
     def refresh_outer_shards(self) -> None:
         """hfsdp: outer all-gather of every main chunk the optimizer changed, issued at
         once so it overlaps whatever runs until the next forward needs it."""
         stale = [g for u in self.order for g in u.groups
-                 if g.shard_outer and g.buffers.version() != g.gather.synced_version]
+                 if g.inner_shard_stale]
         if stale:
             updated = self.ctx.streams.compute.record()
             for g in stale:
                 # outer waits: it reads the main chunk updated on compute.
-                kind = g.gather.outer_kind
-                ready = self.ctx.logged(kind, g, g.gather.outer_all_gather(
+                kind = g.outer_gather_kind
+                ready = self.ctx.logged(kind, g, g.outer_all_gather(
                     self.ctx.stream_of(kind), self.ctx.coll, [updated]))
                 # compute waits, before a write into the group's parameters: the all-gather
                 # reads main and writes the inner shard that main is a window of.

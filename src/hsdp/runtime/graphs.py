@@ -87,8 +87,8 @@ class Graphs:
                         "False) keeps gradients across regions)",
                         "use hsdp.microbatch(model, is_last=...) inside one captured region"))
         if region == "forward" and ctx.step.first_microbatch and torch.is_grad_enabled():
-            if any(g.requires_grad and not (g.has_grads and g.grads.grads_live
-                                            and g.grads.grads_exposed()) for g in groups):
+            if any(g.requires_grad and not (g.grads_live and g.grads_exposed())
+                   for g in groups):
                 out.append(("a backward whose gradients are not set (cleared with "
                             "zero_grad(set_to_none=True), or no eager step ran yet)",
                             CLEAR_INSTEAD))
@@ -106,7 +106,7 @@ class Graphs:
         log = self.ctx.step.log
         self.captured = StepLog(forwards=log.forwards, microbatches=log.microbatches,
                                 ops=[Issued(op.desc, None) for op in log.ops])
-        self.used = [u for g in self.ctx.trainable for u in g.grads.used]
+        self.used = [u for g in self.ctx.trainable for u in g.used]
         self._due = self._fresh = True
 
     def step_done(self) -> None:
@@ -126,7 +126,7 @@ class Graphs:
             return
         self._due = False
         self._watch()
-        cleared = [g.label for g in ctx.trainable if not g.grads.grads_exposed()]
+        cleared = [g.label for g in ctx.trainable if not g.grads_exposed()]
         captured = dataclasses.replace(self.captured, step=self.steps)
         self.steps += 1
         previous, self._pending = self._pending, Agreement(
@@ -159,7 +159,7 @@ class Graphs:
         if verdict.used != self.used:
             used = iter(verdict.used)
             for g in ctx.trainable:
-                g.grads.expose_used([next(used) for _ in g.grads.used])
+                g.expose_used([next(used) for _ in g.used])
 
     def _watch(self) -> None:
         """Raise if the device work issued before the previous optimizer step has not

@@ -33,7 +33,7 @@ class OptimizerSteps:
         self.recovery = recovery
         self.graphs = graphs
         self._capturing = False  # the step running now is being captured
-        self.param_ids = {id(p) for g in ctx.groups for p in g.sharded}
+        self.param_ids = {id(p) for g in ctx.groups for p in (q.sharded for q in g.params)}
         self.shards_outer = any(g.shard_outer for g in ctx.groups)  # hfsdp
         self.float8_groups = [g for g in ctx.groups if g.float8 is not None]
         self._in_grad_hooks = False  # running the users' post-accumulate-grad hooks
@@ -87,7 +87,7 @@ class OptimizerSteps:
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.ctx.streams.compute.end(f"OPTIMIZER:{self.ctx.root.label}")
         for g in self.ctx.trainable:  # the gradients were applied (a skipped step: not)
-            g.grads.applied()
+            g.applied()
         self.ctx.outer.after_step(self.ctx)
         key = (id(optimizer.state), len(optimizer.state))
         if self._adopted_state.get(optimizer) != key:  # new state (first steps, loads)
@@ -95,7 +95,7 @@ class OptimizerSteps:
                 raise capture_refusal(*FIRST_STEP)
             adopt_state(optimizer.state)
             for g in self.ctx.trainable:
-                g.state.pack_state(optimizer.state)
+                g.pack_state(optimizer.state)
             self._adopted_state[optimizer] = key
         if self._in_grad_hooks:
             self._stepped = True  # the float8 scales once, after the last hook
@@ -110,7 +110,7 @@ class OptimizerSteps:
                 for p in pg["params"]:
                     managed = owner(p)
                     if managed is not None and managed[0] in self.ctx.gid:
-                        managed[0].gather.mark_written()
+                        managed[0].mark_written()
             if not self._in_grad_hooks:  # else once, after the last hook
                 self.gathering.refresh_outer_shards()
         if not self._in_grad_hooks:
@@ -126,7 +126,7 @@ class OptimizerSteps:
         self._stepped = False
         try:
             for g in reduced:
-                g.grads.run_grad_hooks()
+                g.run_grad_hooks()
         finally:
             self._in_grad_hooks = False
         if self._stepped:
@@ -146,10 +146,8 @@ class OptimizerSteps:
         def reduce(t: torch.Tensor, group: dist.ProcessGroup) -> None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
 
-        refresh_scales([(g.float8, g.buffers.float8_pieces(), g.shard_outer)
+        refresh_scales([(g.float8, [q.local for q in g.params], g.shard_outer)
                         for g in self.float8_groups],
                        (self.ctx.comms.host_inner, self.ctx.comms.host_outer), reduce)
         for g in self.float8_groups:
-            g.float8.scaled_at(g.buffers.version())
-            if g.shard_outer:
-                g.gather.mark_written()
+            g.rescaled()

@@ -31,7 +31,7 @@ class Recovery:
 
     def agree(self, failed: str, on_slow: Callable[[], None] | None = None) -> Verdict:
         ctx = self.ctx
-        used = [u for g in ctx.trainable for u in g.grads.used]
+        used = [u for g in ctx.trainable for u in g.used]
         try:
             return agree(ctx.step.log, failed, used, ctx.comms.control, ctx.comms.timeout,
                          on_slow)
@@ -115,7 +115,7 @@ class Recovery:
             u.swap(False)
         self.gathering.drop_all()
         for g in ctx.trainable:
-            g.grads.abandon_step()
+            g.abandon_step()
         ctx.release_cleared_grads(self.graphs.graphed)
         ctx.step.abandon()
         ctx.reset_units()
@@ -126,13 +126,13 @@ class Recovery:
         op table names, on real buffers (their contents are discarded)."""
         stream, coll = self.ctx.stream_of(kind), self.ctx.coll
         if kind is OpKind.GATHER:
-            return g.gather.unshard(stream, coll, after)
+            return g.unshard(stream, coll, after)
         if kind in OUTER_REDUCTIONS:
             return g.reduce_outer(stream, coll, after)
         if kind in self.ctx.outer.ops:
             return self.ctx.outer.replay(kind, g, stream, coll, after, keep_alive)
         if kind in OUTER_GATHERS:
-            return g.gather.outer_all_gather(stream, coll, after)
+            return g.outer_all_gather(stream, coll, after)
         rs_in = torch.zeros(g.layout.total, dtype=g.reduce_dtype, device=g.main.device)
         keep_alive.append(rs_in)
         # rs waits: rs_in was written on compute.

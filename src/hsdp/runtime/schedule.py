@@ -189,7 +189,7 @@ class Schedule:
         if self.ctx.step.first_microbatch:  # uncleared gradients are accumulated into, as in torch
             for u in self.ctx.units:
                 for g in u.with_grads:
-                    g.grads.hide_grads(self.ctx.step.capturing, self.ctx.step.is_last)
+                    g.hide_grads(self.ctx.step.capturing, self.ctx.step.is_last)
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
     def _pre_backward(self, unit: Unit) -> None:
@@ -217,7 +217,7 @@ class Schedule:
         # for this unit's backward only, not for the reduce-scatter waits below.
         self.gathering.release(unit)
         for g in unit.uses:  # a tied group is reduced once every unit using it is done
-            if (g.requires_grad and not g.grads.reduced
+            if (g.awaits_reduction
                     and all(u.backward_done for u in self._users[g])):
                 self.reduce(g)
         if unit.backward_started:
@@ -233,22 +233,22 @@ class Schedule:
         # before this one's is allocated, which waits for their RS (one unit's backward ago).
         self._release_rs_inputs(keep=self._owner[g].groups)
         ctx.streams.compute.begin(f"COPY_IN:{g.label}")
-        rs_in = g.grads.copy_in()
+        rs_in = g.copy_in()
         ctx.streams.compute.end(f"COPY_IN:{g.label}")
         if not step.sync:  # no communication: the gradients stay here until a synced one
-            g.grads.keep_local(rs_in)
+            g.keep_local(rs_in)
             return
         copied = ctx.streams.compute.record()
-        outer_next = step.is_last and g.grads.has_outer_reduction
+        outer = g.outer_reduction if step.is_last else None
         # rs waits: the reduce-scatter reads rs_in, written on compute by the copy-in.
         ev_rs = ctx.logged(OpKind.REDUCE_SCATTER, g, g.reduce_scatter(
             ctx.stream_of(OpKind.REDUCE_SCATTER), ctx.coll, rs_in, step.rs_first, [copied],
-            outer_next))
+            outer is not None))
         step.issued_reduce_scatter(g, rs_in, ev_rs)
-        if outer_next:
+        if outer is not None:
             # outer waits: it reduces the inner shard that RS_i has just accumulated.
-            step.issued_outer(ctx.logged(g.grads.outer_reduction, g, g.reduce_outer(
-                ctx.stream_of(g.grads.outer_reduction), ctx.coll, [ev_rs])))
+            step.issued_outer(ctx.logged(outer, g, g.reduce_outer(
+                ctx.stream_of(outer), ctx.coll, [ev_rs])))
 
     def _agree_or_keep(self, capturing: bool) -> list[bool]:
         """The step agreement's gradient flags; in a capture (no CPU collective there),
@@ -284,7 +284,7 @@ class Schedule:
                 # compute waits: the optimizer reads grads the outer reduction produced.
                 self.ctx.streams.compute.wait(ev)
             for g in self.ctx.trainable:
-                g.grads.expose_grads([next(used) for _ in g.grads.used])
+                g.expose_grads([next(used) for _ in g.used])
         self.graphs.end_region(capturing)
         reduced = self.ctx.step.end_backward()
         self.ctx.reset_units()

@@ -81,7 +81,7 @@ class Unit:
         if group not in self.uses:
             self.uses.append(group)
         module, name = slot
-        module._parameters[name] = group.sharded[idx]
+        module._parameters[name] = group.params[idx].sharded
 
     def swap(self, unsharded: bool) -> None:
         """Point this unit's parameter slots at the unsharded (or sharded) parameters."""
@@ -94,7 +94,8 @@ class Unit:
             else:
                 g.use_sharded()
         for g, idx, (module, name) in self.borrowed:
-            module._parameters[name] = (g.unsharded if unsharded else g.sharded)[idx]
+            q = g.params[idx]
+            module._parameters[name] = q.unsharded if unsharded else q.sharded
 
     @property
     def with_grads(self) -> list[ParamGroup]:

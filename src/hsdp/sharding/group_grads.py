@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.compressed import CompressedOuter
 from hsdp.sharding.group_buffers import GroupBuffers
+from hsdp.sharding.group_param import GroupParam
 from hsdp.sharding.pieces import as_dtensor, placeholders_if_empty, same_layout
 from hsdp.sharding.tp_blocks import grad_local
 from hsdp.sharding.write_guard import direct
@@ -61,7 +62,7 @@ class GradientState:
         self._gap_segments = [j for j, (_, i) in enumerate(segments) if i is None]
         self._param_segments = [j for j, (_, i) in enumerate(segments) if i is not None]
         self.received: set[int] = set()
-        self.used = [False] * len(b.unsharded)  # got a gradient on this rank in this step
+        self.used = [False] * len(b.params)  # got a gradient on this rank in this step
         self.local_grads: torch.Tensor | None = None  # unsynced microbatches' gradients
         self._to_outer: torch.Tensor | None = None  # reduce_scatter's result for reduce_outer
         self.carry: torch.Tensor | None = None  # [C]: uncleared .grads (see hide_grads)
@@ -107,11 +108,12 @@ class GradientState:
         # One split into every parameter's and padding's view, and list comprehensions:
         # this runs for every group in every backward, on the host's critical path.
         views = rs_in.split(self._segment_sizes)
-        grads = [p.grad for p in self.b.unsharded]
-        for p in self.b.unsharded:
+        unsharded = [q.unsharded for q in self.b.params]
+        grads = [p.grad for p in unsharded]
+        for p in unsharded:
             p.grad = None
         dst = [views[j] for j, g in zip(self._param_segments, grads) if g is not None]
-        src = [grad_local(g, s).reshape(-1) for g, s in zip(grads, self.b.tp_specs)
+        src = [grad_local(g, q.tp_spec).reshape(-1) for g, q in zip(grads, self.b.params)
                if g is not None]
         zero = [views[j] for j in self._gap_segments]
         zero += [views[j] for j, g in zip(self._param_segments, grads) if g is None]
@@ -225,19 +227,20 @@ class GradientState:
 
     def grads_exposed(self) -> bool:
         with direct():
-            return any(p.grad is not None for p in self.b.sharded)
+            return any(q.sharded.grad is not None for q in self.b.params)
 
     def run_grad_hooks(self) -> None:
         """The users' post-accumulate-grad hooks of the sharded parameters that have a
         ``.grad`` (set by ``expose_grads``, final), in parameter order, as FSDP2 runs
         them after its reduction; not hsdp's own guard (``_grad_on_shard``)."""
-        for p, guard in zip(self.b.sharded, self.b.guard_hooks):
+        for q in self.b.params:
+            p = q.sharded
             with direct():
                 hooks = getattr(p, "_post_accumulate_grad_hooks", None)
                 if not hooks or p.grad is None:
                     continue
             for hook_id, hook in list(hooks.items()):
-                if hook_id != guard:
+                if hook_id != q.guard_hook:
                     hook(p)
 
     def reset_backward(self) -> None:
@@ -247,8 +250,8 @@ class GradientState:
     def abandon_step(self) -> None:
         """Forget what a failed step left: gradients (unsharded, and sharded ones, which may be
         the last step's or set by autograd), received / used flags."""
-        for p in (*self.b.unsharded, *self.b.sharded):
-            p.grad = None
+        for q in self.b.params:
+            q.unsharded.grad = q.sharded.grad = None
         self.used = [False] * len(self.used)
         self.local_grads = None
         self._to_outer = None
@@ -282,8 +285,8 @@ class GradientState:
         """Set the ``.grad`` of each parameter some rank used to its view of the reduced
         gradients, the others' to None (host only)."""
         with direct():
-            for p, v, u in zip(self.b.sharded, self._grad_views, used):
-                p.grad = v if u else None
+            for q, v, u in zip(self.b.params, self._grad_views, used):
+                q.sharded.grad = v if u else None
 
     def hide_grads(self, capturing: bool = False, single: bool = False) -> None:
         """Take the sharded ``.grad``s off before a step's first backward. What they hold,
@@ -297,9 +300,9 @@ class GradientState:
         (the same sums, without a copy of them). Gradients not carried (cleared, or all
         zero) were discarded without an optimizer step, and their residual with them."""
         with direct():
-            grads = [p.grad for p in self.b.sharded]
-            for p in self.b.sharded:
-                p.grad = None
+            grads = [q.sharded.grad for q in self.b.params]
+            for q in self.b.params:
+                q.sharded.grad = None
         self.carry, self.carry_in_buf = None, False
         if all(g is None for g in grads):
             if self.compressed is not None:  # cleared: so is their residual
@@ -310,7 +313,8 @@ class GradientState:
         # on a shard may be set while the buffers are freed).
         carry = (self.grad_buf if in_buf else self.grad_buf.clone() if self.grads_live
                  else torch.zeros_like(self.grad_buf))
-        for idx, (g, view, (a, n)) in enumerate(zip(grads, self._grad_views, self.b.slices)):
+        for q, g, view in zip(self.b.params, grads, self._grad_views):
+            a, n = q.offset, q.length
             if g is None:
                 carry[a:a + n].zero_()
             elif g is not view and n:
@@ -318,7 +322,7 @@ class GradientState:
                     raise capture_refusal(
                         f"a .grad of group {self.b.label} replaced by another tensor",
                         "clear gradients in place (zero_grad(set_to_none=False))")
-                carry[a:a + n].copy_(_foreign_local(self.b, idx, g))
+                carry[a:a + n].copy_(_foreign_local(q, g))
         if in_buf:
             self.carry_in_buf, self.carried = True, [g is not None for g in grads]
         elif capturing or carry.any():
@@ -333,23 +337,22 @@ def _grad_views(b: GroupBuffers, grad_buf: torch.Tensor
                 ) -> tuple[list[DTensor], list[torch.Tensor]]:
     """The sharded ``.grad`` DTensors over ``grad_buf``, and the local tensors of those that
     hold no element on this rank (placeholders)."""
-    locals_ = placeholders_if_empty([grad_buf[a:a + n] for a, n in b.slices])
-    views = [as_dtensor(local, dspec, start, n) for local, (_, n), dspec, start in zip(
-        locals_, b.slices, b.specs, b.shard_starts)]
-    return views, [g._local_tensor for g, (_, n) in zip(views, b.slices) if n == 0]
+    locals_ = placeholders_if_empty([grad_buf[q.offset:q.offset + q.length]
+                                     for q in b.params])
+    views = [as_dtensor(local, q.spec, q.start, q.length)
+             for local, q in zip(locals_, b.params)]
+    return views, [g._local_tensor for g, q in zip(views, b.params) if q.length == 0]
 
 
-def _foreign_local(b: GroupBuffers, idx: int, g: torch.Tensor) -> torch.Tensor:
-    """The local piece of a ``.grad`` the user set on sharded parameter ``idx`` of ``b``."""
-    p = b.sharded[idx]
-    if not same_layout(g, p):
-        module, name = b.slots[idx][0]
+def _foreign_local(q: GroupParam, g: torch.Tensor) -> torch.Tensor:
+    """The local piece of a ``.grad`` the user set on the sharded parameter of ``q``."""
+    if not same_layout(g, q.sharded):
         raise RuntimeError(
-            f"hsdp: the .grad of {type(module).__name__}.{name} was replaced by a tensor "
+            f"hsdp: the .grad of {q.name} was replaced by a tensor "
             f"not laid out like its shard (shape {tuple(g.shape)}), so the next backward "
             f"cannot accumulate into it. Clear it (optimizer.zero_grad()) or set it to a "
             f"tensor like the parameter (torch.zeros_like(p)).")
-    return g._local_tensor.reshape(-1)[:b.slices[idx][1]]
+    return g._local_tensor.reshape(-1)[:q.length]
 
 
 def _hook_unsharded(state: GradientState) -> None:
@@ -357,7 +360,7 @@ def _hook_unsharded(state: GradientState) -> None:
     own tensors reach it weakly: a strong reference is a cycle through autograd's C++
     that gc cannot see."""
     me = weakref.ref(state)
-    for idx, up in enumerate(state.b.unsharded):
+    for idx, up in enumerate(q.unsharded for q in state.b.params):
         frozen = not up.requires_grad
         up.requires_grad_(True)  # a hook needs it
         up.register_post_accumulate_grad_hook(lambda _p, idx=idx: me()._on_grad(idx))

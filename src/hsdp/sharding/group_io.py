@@ -53,9 +53,9 @@ class GroupIO:
         single allocation. Only when every parameter of the pool has the key (otherwise
         the buffer would hold room for state that does not exist); values are copied
         exactly."""
-        held = [(p, a, n) for p, (a, n) in zip(self.b.sharded, self.b.slices) if n]
+        held = [(q.sharded, q.offset, q.length) for q in self.b.params if q.length]
         empty = [(p, j, 1) for j, p in enumerate(
-            p for p, (_, n) in zip(self.b.sharded, self.b.slices) if not n)]
+            q.sharded for q in self.b.params if not q.length)]
         for pieces, numel in ((held, self.b.main.numel()), (empty, len(empty))):
             states = [state.get(p) for p, _, _ in pieces]
             if pieces and all(st is not None for st in states):
@@ -67,7 +67,7 @@ class GroupIO:
         (identical on every rank; no communication); float8 weights: their scales too,
         from the whole weights."""
         lo, hi = self.b.layout.owned_range(self.b.comms.outer_rank, self.b.comms.inner_rank)
-        before_write(self.b.sharded)
+        before_write([q.sharded for q in self.b.params])
         self.b.main.copy_(flat[lo:hi])
         if self.b.float8 is not None:
             self.b.float8.set_amax(torch.stack([

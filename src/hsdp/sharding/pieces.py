@@ -123,7 +123,7 @@ class Piece(DTensor):
             if getattr(func, "__self__", None) is DATA:
                 group = getattr(args[0], "_hsdp_group", None)
                 if group is not None:  # writes through .data bump no version counter
-                    group.gather.mark_written()
+                    group.mark_written()
             if PENDING.data:  # (``len(PENDING)`` is a Python call)
                 before_write(written(func, args, kwargs))
             if func in ELEMENTWISE and not (torch.is_grad_enabled() and any_requires_grad(

@@ -20,7 +20,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleIn
 
 import hsdp
 from hsdp.pipelining import PipelineStage
-from hsdp.runtime import optim, runtime
+from hsdp.runtime import optim_hooks, runtime
 from hsdp.runtime.hooks import units_below
 from hsdp.sharding.comm import Collectives
 
@@ -251,7 +251,7 @@ def pipeline_job(rank: int, world: int,
     rank's stages, the smallest gradient norm, the error against one process in fp32:
     not small where the precision took effect) on this rank."""
     mesh = init_device_mesh("cpu", (PP, OUTER, INNER), mesh_dim_names=("pp", "outer", "inner"))
-    optim.STEPPERS = runtime.STEPPERS = _RankOrderedSet(mesh["outer"].get_local_rank() == 1)
+    optim_hooks.STEPPERS = runtime.STEPPERS = _RankOrderedSet(mesh["outer"].get_local_rank() == 1)
     fp32 = _reference("fp32")
     out = {}
     for case in cases:

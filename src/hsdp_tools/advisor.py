@@ -168,8 +168,10 @@ def price(model: ModelConfig, outer: int, inner: int, links: dict[str, Link],
     progress = print if show else (lambda _: None)
     fabric = Fabric(links.get("inner", costs.fabric.inner), links.get("outer", costs.fabric.outer))
     free = Fabric(Link(1e9, 0.0), Link(1e9, 0.0))
-    fragments = 4 if getattr(model, "layers", 0) + 1 >= 4 else 1
     base = Setup(model, outer, inner)
+    # streaming DiLoCo in 4 fragments where they divide the model's units, else 1 (the
+    # fragment counts our convergence runs measured)
+    fragments = 4 if base.units() % 4 == 0 else 1
     progress("advise: pricing the communication-free step")
     t_free = simulate(base, dataclasses.replace(costs, fabric=free)).t_step_ms
     rows = []

@@ -40,6 +40,8 @@ TP = "Tensor parallelism (emulated 16x8x8) on one H200"
 TORCHTITAN = "torchtitan's trainer on one H200"
 COMPRESSED = "Compressed outer reduction (emulated 16x8) on one H200"
 QUANT = "Quantization kernels on one H100"
+OUTER_KERNELS = ("Compressed outer reduction and gather with the fused kernels, emulated 16x8 "
+                 "on one H200")
 CONVERGENCE = "Compressed outer reduction: convergence (8 CPU ranks)"
 GATHER_CONVERGENCE = "Compressed outer all-gather: convergence (8 CPU ranks)"
 DILOCO = "DiLoCo loss curves on CPU (8 ranks)"
@@ -48,7 +50,8 @@ TORCHTITAN_GRAPHS = "torchtitan's trainer on one H200 with CUDA graphs"
 GRAPHS = "Step replayed as CUDA graphs (emulated 16x8) on one H200"
 MOE = "Mixture of experts with expert parallelism (emulated 16x8, ep 8) on one H200"
 PIPELINE = "Pipeline parallelism: the outer reduction in the drain (simulated, Llama 3 405B)"
-TABLES = (STEP, TWINS, SLOW_OUTER, COMPRESSED, QUANT, CONVERGENCE, GATHER_CONVERGENCE, DILOCO,
+TABLES = (STEP, TWINS, SLOW_OUTER, COMPRESSED, QUANT, OUTER_KERNELS, CONVERGENCE,
+          GATHER_CONVERGENCE, DILOCO,
           DILOCO_STEP, MICROBATCHES, SHARED_LINKS, CPU_OVERLAP, CHECKPOINT, FLOAT8, FLOAT8_LOSS,
           FAULT_TOLERANCE, TP, TORCHTITAN, TORCHTITAN_GRAPHS, GRAPHS, MOE, PIPELINE)
 
@@ -126,6 +129,18 @@ def plan() -> list[Run]:
                          "--schedules", "overlap,overlap-q,hfsdp,hfsdp-q,fsdp2",
                          "--outer-gbps", gbps), 300))
     runs.append(Run(QUANT, "h100", "quant_kernels", ("bench", "quant"), 600))
+    # scripts/outer_reduce_gpu.sh's 12.5 GB/s row and kernels (its 47 and 3 GB/s step JSONs
+    # were not kept: the table says so)
+    runs.append(Run(OUTER_KERNELS, "h200/outer_reduce_kernels", "step_s4096_outer12.5",
+                    ("bench", "step", "--mesh", "16x8", "--layers", "8", "--hidden", "4096",
+                     "--heads", "32", "--kv-heads", "8", "--ffn", "14336", "--vocab", "32768",
+                     "--mbs", "1", "--reduce-dtype", "bf16", "--record-steps", "2",
+                     "--trace-steps", "1", "--warmup", "2", "--emulate", "--seq", "4096",
+                     "--steps", "3", "--outer-reduce", "int8", "--outer-gather", "int8",
+                     "--schedules", "overlap,overlap-q,hfsdp,hfsdp-q,hfsdp-qg,fsdp2",
+                     "--outer-gbps", "12.5"), 300))
+    runs.append(Run(OUTER_KERNELS, "h200/outer_reduce_kernels", "quant", ("bench", "quant"),
+                    600))
     for mesh in ("4x2", "2x4"):  # CPU gloo ranks, 500 steps x 3 seeds x 4 runs
         runs.append(Run(CONVERGENCE, "cpu", f"outer_reduce_convergence_{mesh}",
                         ("--meshes", mesh), 3600,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+from outer_reduce_jobs import auto_log, outer_reduce_of
 
 import hsdp
 import hsdp_tools
@@ -26,23 +26,17 @@ def advise_job(rank: int, world: int) -> dict[str, object]:
     hsdp.fully_shard(model, mesh=mesh)
     out: dict[str, object] = {"report": hsdp_tools.advise(model, mesh, sizes=[2**16, 2**18],
                                                           show=rank == 0)}
-    notes: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: notes.append(record.getMessage())
-    logger = logging.getLogger("hsdp.outer_auto")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    for name, gbps in LINKS.items():
-        auto = hsdp_tools.auto(PRICED, links={"inner": Link(100.0, 5.0), "outer": Link(gbps, 20.0)})
-        mesh = hsdp.init_mesh(2, world // 2, "cpu", outer_sync=auto)
-        model = build_model(CFG)
-        for block in model.blocks:
-            hsdp.fully_shard(block, mesh=mesh, outer_reduce=auto)
-        hsdp.fully_shard(model, mesh=mesh, outer_reduce=auto)
-        out[name] = {"outer_sync": str(outer_sync_of(mesh)),
-                     "outer_reduce": str(next((o for o in model._hsdp_unit.groups[0].outer
-                                               if isinstance(o, hsdp.OuterReduce)), None)),
-                     "logged": list(notes)}
-        notes.clear()
-    logger.removeHandler(handler)
+    with auto_log() as notes:
+        for name, gbps in LINKS.items():
+            auto = hsdp_tools.auto(PRICED, links={"inner": Link(100.0, 5.0),
+                                                  "outer": Link(gbps, 20.0)})
+            mesh = hsdp.init_mesh(2, world // 2, "cpu", outer_sync=auto)
+            model = build_model(CFG)
+            for block in model.blocks:
+                hsdp.fully_shard(block, mesh=mesh, outer_reduce=auto)
+            hsdp.fully_shard(model, mesh=mesh, outer_reduce=auto)
+            out[name] = {"outer_sync": str(outer_sync_of(mesh)),
+                         "outer_reduce": outer_reduce_of(model._hsdp_unit.groups[0]),
+                         "logged": list(notes)}
+            notes.clear()
     return out

@@ -3,7 +3,10 @@ the error-feedback residual, composition with microbatches, bad input."""
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -205,6 +208,26 @@ AUTO_CASES = {  # case: what the chooser returns on a rank
 }
 
 
+@contextmanager
+def auto_log() -> Iterator[list[str]]:
+    """What ``hsdp.Auto`` logs (logger ``hsdp.outer_auto``, INFO) while inside."""
+    notes: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: notes.append(record.getMessage())
+    logger = logging.getLogger("hsdp.outer_auto")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield notes
+    finally:
+        logger.removeHandler(handler)
+
+
+def outer_reduce_of(group: object) -> str:
+    """The ``OuterReduce`` among ``group``'s outer modes, as text ("None": exact)."""
+    return str(next((o for o in group.outer if isinstance(o, hsdp.OuterReduce)), None))
+
+
 def _auto_case(case: str, world: int, notes: list[str]) -> dict[str, object]:
     """init_mesh(outer_sync=auto) and fully_shard(outer_reduce=auto) with the chooser of
     ``case``: the mesh's outer sync, each unit's outer_reduce, the chooser's calls and
@@ -224,9 +247,7 @@ def _auto_case(case: str, world: int, notes: list[str]) -> dict[str, object]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, opt, dist.get_rank(), world, range(1))
     return {"outer_sync": outer_sync_of(mesh), "calls": chooser.calls,
-            "outer_reduce": sorted({str(next((o for o in g.outer
-                                              if isinstance(o, hsdp.OuterReduce)), None))
-                                    for m in model.modules()
+            "outer_reduce": sorted({outer_reduce_of(g) for m in model.modules()
                                     if getattr(m, "_hsdp_unit", None)
                                     for g in m._hsdp_unit.groups}),
             "logged": list(notes)}
@@ -235,18 +256,11 @@ def _auto_case(case: str, world: int, notes: list[str]) -> dict[str, object]:
 def auto_job(rank: int, world: int) -> dict[str, object]:
     """Each of AUTO_CASES; then outer_reduce=auto on a mesh made without it whose chooser
     picks DiLoCo, and the strings "auto"."""
-    import logging
-
-    notes: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: notes.append(record.getMessage())
-    logger = logging.getLogger("hsdp.outer_auto")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
     out: dict[str, object] = {}
-    for case in AUTO_CASES:
-        out[case] = _auto_case(case, world, notes)
-        notes.clear()
+    with auto_log() as notes:
+        for case in AUTO_CASES:
+            out[case] = _auto_case(case, world, notes)
+            notes.clear()
     mesh = hsdp.init_mesh(2, world // 2, "cpu")
     for case, call in (
             ("diloco_not_on_mesh", lambda m: hsdp.fully_shard(
@@ -259,7 +273,6 @@ def auto_job(rank: int, world: int) -> dict[str, object]:
             out[case] = "no error"
         except (TypeError, ValueError) as e:
             out[case] = f"{type(e).__name__}: {e} (unsharded: {not hasattr(model, '_hsdp_unit')})"
-    logger.removeHandler(handler)
     return out
 
 

@@ -98,6 +98,7 @@ FULL = {
     "python -m hsdp bench collectives --device cpu --mesh 2x2 --sizes 64KiB,256KiB --iters 3 "
     "--warmup 1 --json c.json",
     "torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000 &",
+    "python -m hsdp advise --model llama-8b --mesh 2x4",
 }
 # The start of a line that is a shell command (outside ```bash blocks: a convention breach).
 SHELL_START = re.compile(r"(python|torchrun|pip|scripts/|torchft_lighthouse|srun|export |"

@@ -95,8 +95,7 @@ def _reference(records: dict[int, dict]) -> None:
         assert rec["lr"] == opt.param_groups[0]["lr"]
 
 
-@pytest.mark.full
-@pytest.mark.parametrize("library", ["hsdp", "fsdp2"])
+@pytest.mark.parametrize("library", ["hsdp", pytest.param("fsdp2", marks=pytest.mark.full)])
 def test_replica_group_lost_and_recovered(tmp_path, library):
     out = str(tmp_path)
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=5000,
@@ -148,7 +147,7 @@ def test_replica_group_lost_and_recovered(tmp_path, library):
 
 @pytest.mark.parametrize("dying,allowed", [
     pytest.param([0], False, id="rank0", marks=pytest.mark.full),
-    pytest.param([0, 1], False, id="both"),
+    pytest.param([0, 1], False, id="both", marks=pytest.mark.full),
     pytest.param([0, 1], True, id="both_allowed", marks=pytest.mark.full)])
 def test_live_group_dies_while_sending(tmp_path, dying, allowed):
     """Group 0 trains alone; group 1 starts after its step JOIN_AT - 1 and joins at

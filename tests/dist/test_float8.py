@@ -4,7 +4,9 @@ torchao's on the same mesh, with torchao's float8 all-gather off and on, both st
 microbatches, activation checkpointing, compiled blocks and bf16 compute (against FSDP2
 only); with it on, hsdp's all-gathers move one byte per float8 weight element, and a
 gather with scales older than the weights is refused until
-``hsdp.precompute_float8_scales``. One spawned job for every case."""
+``hsdp.precompute_float8_scales``. One spawned job runs the cases in which every setting's
+every value occurs (tests/case_cover.py) and those the byte and meta checks compare; the
+full tier runs the others in a second job."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 
 pytest.importorskip("torchao")
 
+from case_cover import cover_split  # noqa: E402
 from dist_utils import run_ranks  # noqa: E402
 from float8_jobs import STEPS, Case, float8_job  # noqa: E402
 
@@ -35,16 +38,49 @@ CASES = [
 ] + [Case(strategy, True, mb, outer_reduce="int8") for strategy, mb in (("hsdp", 1), ("hfsdp", 3))]
 
 
-@pytest.fixture(scope="module")
-def results() -> dict:
-    per_rank = run_ranks(float8_job, 4, CASES)
+# (strategy, microbatches) whose all-gather bytes the default tier compares (off and on)
+BYTES = [("hsdp", 1), ("hfsdp", 3)]
+BYTES_REST = [("hsdp", 3), ("hfsdp", 1)]
+
+
+def _bytes_cases(pairs: list[tuple[str, int]]) -> list[Case]:
+    return [Case(s, on, mb) for s, mb in pairs for on in (False, True)]
+
+
+COVER, REST = cover_split(CASES, keep=_bytes_cases(BYTES) + [
+    Case(s, on, meta=meta) for s in ("hsdp", "hfsdp") for on, meta in ((True, False),
+                                                                       (True, True))],
+    strength=1)
+
+
+def _run(cases: list[Case]) -> dict:
+    per_rank = run_ranks(float8_job, 4, cases)
     assert all(r == per_rank[0] for r in per_rank), "ranks disagree on the full state dict"
     return per_rank[0]
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return _run(COVER)
+
+
+@pytest.fixture(scope="module")
+def results_rest() -> dict:
+    return _run(REST + [c for c in _bytes_cases(BYTES_REST) if c not in REST])
+
+
+@pytest.mark.parametrize("case", COVER, ids=str)
 def test_float8_parity_with_one_process_and_fsdp2(case: Case, results: dict) -> None:
-    r = results[case]
+    _check_parity(results[case], case)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", REST, ids=str)
+def test_float8_parity_rest(case: Case, results_rest: dict) -> None:
+    _check_parity(results_rest[case], case)
+
+
+def _check_parity(r: dict, case: Case) -> None:
     tol = COMPRESSED_TOL if case.outer_reduce else TOL
     if not case.bf16:  # one process computes in fp32 only
         assert r["fsdp2_vs_ref"] < TOL, r  # the references agree
@@ -62,20 +98,25 @@ def test_float8_after_materialize_gathers_float8(strategy: str, results: dict) -
     assert meta["all_gather_bytes"] == built["all_gather_bytes"], (meta, built)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.edit], ids=str)
-def test_float8_gather_with_stale_scales_is_refused(case: Case, results: dict) -> None:
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=[] if c in COVER else [pytest.mark.full]) for c in CASES if c.edit],
+    ids=str)
+def test_float8_gather_with_stale_scales_is_refused(case: Case, request) -> None:
     """Weights scaled by hand after a step: the next forward raises (naming the call to
     make) instead of casting with the old scales; after hsdp.precompute_float8_scales
     training goes on equal to one process (checked above)."""
+    results = request.getfixturevalue("results" if case in COVER else "results_rest")
     assert "hsdp.precompute_float8_scales(model)" in results[case]["refused"]
 
 
-@pytest.mark.parametrize("strategy,mb", list(itertools.product(("hsdp", "hfsdp"), (1, 3))))
+@pytest.mark.parametrize("strategy,mb", BYTES + [
+    pytest.param(*p, marks=pytest.mark.full) for p in BYTES_REST])
 def test_float8_all_gather_moves_one_byte_per_weight_element(strategy: str, mb: int,
-                                                             results: dict) -> None:
+                                                             request) -> None:
     """Each float8 weight element costs 1 byte instead of fp32's 4 in every inner
     all-gather (2 units x (forward + backward) per microbatch) and, for hfsdp, in the outer
     all-gather after each step (this rank's inner shard: 1/INNER of the weights)."""
+    results = request.getfixturevalue("results" if (strategy, mb) in BYTES else "results_rest")
     off, on = results[Case(strategy, False, mb)], results[Case(strategy, True, mb)]
     f8 = on["float8_numel"]
     saved = {axis: off["all_gather_bytes"][axis] - on["all_gather_bytes"][axis]

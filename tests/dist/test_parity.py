@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from case_cover import pairwise_split
+from case_cover import cover_split
 from dist_utils import run_jobs
 from parity_jobs import Case, adamw_job, checkpoint_job, odd_job, parity_job
 
@@ -66,7 +66,7 @@ CASES_4 += [  # torch's clip_grad_norm_ on hsdp's DTensor parameters, and hsdp's
 # error feedback against none: the pairs test_error_feedback_brings_int8_closer_to_exact reads
 _EF_PAIRS = [Case(2, 2, strategy, True, mb, outer_reduce=q) for strategy in ("hsdp", "hfsdp")
              for mb in (1, 3) for q in ("int8", "int8-noef")]
-CASES_4_COVER, CASES_4_REST = pairwise_split(CASES_4, keep=_EF_PAIRS)
+CASES_4_COVER, CASES_4_REST = cover_split(CASES_4, keep=_EF_PAIRS)
 
 CASES_8 = [
     Case(2, 4, strategy, overlap, mb, ac)

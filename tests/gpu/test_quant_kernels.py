@@ -118,6 +118,36 @@ def test_non_finite_blocks_keep_their_scales(fmt: str) -> None:
     _assert_same(error.view(2, -1, 64)[finite_blocks], ref_error.view(2, -1, 64)[finite_blocks])
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("base", ["none", "residual", "pending_unset", "pending_set"])
+@pytest.mark.parametrize("unchecked", [-1, 1])
+def test_kept_blocks_equal_eager(fmt: str, base: str, unchecked: int) -> None:
+    """``quant.Keep`` in the encode pass: blocks of the error with a NaN, an inf or a
+    value past the limit take the base's values (the residual, zeros without one; with
+    fixed buffers the committed residual, whichever the flag read), row ``unchecked``
+    left as it is; equal to the eager ops, NaNs in place."""
+    from hsdp.sharding.compressed import LIMIT
+
+    rows = Rows(4096, 2, 64)
+    src = _gradient(4096, 64)
+    src[70], src[64 * 9 + 3], src[2048 + 64 * 5], src[2048 + 64 * 7] = (
+        float("nan"), float("inf"), -float("inf"), 1e30)
+    residual = None if base == "none" else (_gradient(2 * rows.m, 64) * 1e-3).view(2, rows.m)
+    keep = quant.Keep(LIMIT, unchecked)
+
+    def run(fused: bool) -> torch.Tensor:
+        pending = None
+        if base.startswith("pending"):
+            pending = quant.Pending(residual * 0.5, torch.tensor(
+                [int(base == "pending_set")], dtype=torch.int32, device="cuda"))
+        return quant.encode(src, rows, fmt, residual, True, fused=fused, pending=pending,
+                            keep=keep)[1]
+
+    got, want = run(True), run(False)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert got[0].isfinite().all() and got[1].isfinite().all() == (unchecked != 1)
+
+
 def test_dispatch_takes_the_kernels_on_cuda_only() -> None:
     cuda, cpu = torch.empty(1, device="cuda"), torch.empty(1)
     assert quant.uses_kernels(cuda, 256) and not quant.uses_kernels(cpu, 256)

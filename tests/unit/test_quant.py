@@ -135,6 +135,7 @@ def test_outer_reduce_short_form() -> None:
 _INTERPRETED = """
 import torch
 from hsdp.sharding import quant, quant_kernels as k
+from hsdp.sharding.compressed import LIMIT
 torch.manual_seed(0)
 for numel, n, block, mean in [(1000, 3, 16, True), (5, 8, 16, False), (4096, 4, 256, True)]:
     rows = quant.Rows(numel, n, block)
@@ -153,6 +154,14 @@ for numel, n, block, mean in [(1000, 3, 16, True), (5, 8, 16, False), (4096, 4, 
     k.decode_into(out, received, rows, "int8")
     quant.decode_into(ref, received, rows, "int8", fused=False)
     assert torch.equal(out, ref), ("decode", numel)
+    bad = src.clone()
+    bad[0], bad[-1] = float("nan"), 1e30  # the first block NaN, the last past the limit
+    for res in (residual, None):
+        for keep in (quant.Keep(LIMIT), quant.Keep(LIMIT, unchecked=n - 1)):
+            got = k.encode(bad, rows, "int8", res, True, keep=keep)[1]
+            want = quant.encode(bad, rows, "int8", res, True, fused=False, keep=keep)[1]
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+            assert got[0].isfinite().all(), ("keep", numel, keep)
 print("ok")
 """
 

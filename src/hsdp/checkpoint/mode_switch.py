@@ -37,27 +37,22 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from hsdp.runtime.diloco import DiLoCo
-from hsdp.sharding.outer_reduce import OuterReduce
+from hsdp.runtime.outer_modes import MODES
+from hsdp.topology.outer_mode import OuterMode
 
 log = logging.getLogger(__name__)
 
-RESIDUAL, SYNC = OuterReduce.state_key, DiLoCo.state_key
-_DROPPED = {RESIDUAL: "its error-feedback residuals are dropped (this model has none)",
-            SYNC: "its DiLoCo state is dropped (this model has no DiLoCo): the parameters "
-                  "and optimizer state are outer replica 0's (mid-period, the other "
-                  "replicas' steps since the last sync are not merged in)"}
-_FRESH = {RESIDUAL: "the error-feedback residuals start from zero (none saved for this "
-                    "layout)",
-          SYNC: "DiLoCo starts afresh (none saved for this layout): anchors from the loaded "
-                "parameters, zero outer momentum, a new period"}
+def stateful() -> dict[str, type[OuterMode]]:
+    """State key -> the registered mode whose state it holds (the modes with state of
+    their own; read at each call: a mode registered later counts)."""
+    return {m.state_key: m for modes in MODES.values() for m in modes if m.state_key}
 
 
 def kind(path: Iterable[Any]) -> str | None:
-    """Which of hsdp's entries (``RESIDUAL``, ``SYNC``) the state-dict path ``path`` (keys
+    """Which of hsdp's entries (a key of ``stateful()``) the state-dict path ``path`` (keys
     from the root; nested, or flattened as ``"KEY.key"``) lies in, or None."""
     for part in path:
-        for key in (RESIDUAL, SYNC):
+        for key in stateful():
             if part == key or (isinstance(part, str) and part.startswith(key + ".")):
                 return key
     return None
@@ -73,7 +68,7 @@ def note_read(where: str, saved_keys: Iterable[str], ours: dict[str, Any],
     """``note`` for ``hsdp.load``: ``ours``: the model's optimizer state dict (hsdp's
     entries where it has them); ``targets``: what it reads of them (empty: none saved
     for this layout)."""
-    wanted = {k for k in (RESIDUAL, SYNC) if k in ours}
+    wanted = {k for k in stateful() if k in ours}
     note(where, saved_kinds(saved_keys), wanted, {k for k in wanted if not targets.get(k)})
 
 
@@ -90,7 +85,9 @@ def note(where: str, saved: set[str], wanted: set[str], missing: set[str]) -> No
     ``wanted`` the checkpoint lacks for this layout."""
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    parts = [_DROPPED[k] for k in sorted(saved - wanted)] + [_FRESH[k] for k in sorted(missing)]
+    modes = stateful()
+    parts = ([modes[k].dropped_note for k in sorted(saved - wanted)]
+             + [modes[k].fresh_note for k in sorted(missing)])
     if parts:
         log.warning("%s: the checkpoint was saved in another outer-axis mode or layout; %s",
                     where, "; ".join(parts))

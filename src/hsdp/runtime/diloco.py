@@ -96,6 +96,13 @@ class DiLoCo(OuterMode):
     sync_quorum: ClassVar[bool] = True
     state_key: ClassVar[str] = "hsdp_outer_sync"
     state_name: ClassVar[str] = "DiLoCo state"
+    dropped_note: ClassVar[str] = (
+        "its DiLoCo state is dropped (this model has no DiLoCo): the parameters and "
+        "optimizer state are outer replica 0's (mid-period, the other replicas' steps since "
+        "the last sync are not merged in)")
+    fresh_note: ClassVar[str] = ("DiLoCo starts afresh (none saved for this layout): anchors "
+                                 "from the loaded parameters, zero outer momentum, a new "
+                                 "period")
 
     def __post_init__(self) -> None:
         if not _positive_int(self.inner_steps):

@@ -60,9 +60,9 @@ class Graphs:
             bad = self.refusals(region)
             if bad:
                 raise capture_refusal(*bad[0])
-            for g in self.ctx.groups:  # the compressed reductions' residuals: fixed buffers
-                if g.compressed is not None:
-                    g.compressed.make_static()
+            for g in self.ctx.groups:
+                for m in g.outer:
+                    m.before_capture(g)
             self.graphed = True
         return capturing
 

@@ -51,11 +51,13 @@ import torch.distributed as dist
 
 from hsdp.sharding.comm import Collectives
 from hsdp.sharding.quant import (
+    Keep,
     Pending,
     Rows,
     commit_pending,
     decode_into,
     encode,
+    keep_finite,
     reduce_requantize,
     reduce_rows,
 )
@@ -112,13 +114,15 @@ class CompressedOuter:
                     "error-feedback residual is made by an eager step)")
         return None
 
-    def _scatter(self, coll: Collectives, src: torch.Tensor, group: dist.ProcessGroup
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _scatter(self, coll: Collectives, src: torch.Tensor, group: dist.ProcessGroup,
+                 unchecked: int = -1) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the ``n`` packed rows this rank received; with error feedback the quantization
-        error rows, else None)."""
+        error rows, their bad blocks already the base's but in row ``unchecked``
+        (``quant.Keep``), else None)."""
         feedback = self.config.error_feedback
         packed, error = encode(src, self.rows, self.config.dtype, self._base, feedback,
-                               pending=self._static)
+                               pending=self._static,
+                               keep=Keep(LIMIT, unchecked) if feedback else None)
         received = torch.empty_like(packed)
         coll.all_to_all(received, packed, group, "outer")
         return received, error
@@ -136,13 +140,16 @@ class CompressedOuter:
                    group: dist.ProcessGroup, avg: bool) -> None:
         """``out`` = sum (``avg``: mean) over the outer ranks of ``src``: the quantized
         reduce-scatter, then an all-gather of the reduced rows, quantized again."""
-        received, error = self._scatter(coll, src, group)
+        received, error = self._scatter(coll, src, group, unchecked=self.rank)
         mine, dropped = reduce_requantize(received, self.rows, self.config.dtype, avg)
         gathered = torch.empty(self.rows.n, self.rows.packed, dtype=torch.uint8,
                                device=mine.device)
         coll.all_gather(gathered.view(-1), mine.view(-1), group, "outer")
         if error is not None:
-            error[self.rank].add_(dropped, alpha=float(self.rows.n) if avg else 1.0)
+            row = error[self.rank].add_(dropped, alpha=float(self.rows.n) if avg else 1.0)
+            base = self._base
+            keep_finite(row, None if base is None else base[self.rank], self.config.block,
+                        LIMIT)
         decode_into(out, gathered, self.rows, self.config.dtype)
         self._keep(error)
 
@@ -154,21 +161,14 @@ class CompressedOuter:
         return self._pending if self._pending is not None else self.residual
 
     def _keep(self, error: torch.Tensor | None) -> None:
-        """``error`` (None without error feedback) becomes the pending residual; in a
-        block with a value past ``LIMIT`` or NaN, the base's values (no host sync: a
-        masked copy). Once static, ``error`` is the pending buffer, the base the committed
+        """``error`` (None without error feedback) becomes the pending residual: its blocks
+        with a value past ``LIMIT`` or NaN already hold the base's values (``quant.Keep``,
+        in the encode pass; hsdp's own row after its second quantization's part is
+        added). Once static, ``error`` is the pending buffer, the base the committed
         residual (the one before a step's backwards: a chained backward's bad block falls
         back to it, not to the previous backward's)."""
         if error is None:
             return
-        blocks = error.view(self.rows.n, -1, self.config.block)
-        bad = torch.linalg.vector_norm(blocks, float("inf"), dim=-1,
-                                       keepdim=True).le(LIMIT).logical_not_()
-        base = self._base
-        if base is None:
-            blocks.masked_fill_(bad, 0.0)
-        else:
-            torch.where(bad, base.view_as(blocks), blocks, out=blocks)
         self._flag.fill_(1)
         if self._static is None:
             self._pending = error

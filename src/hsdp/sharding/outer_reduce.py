@@ -42,6 +42,9 @@ class OuterReduce(OuterMode):
     forms: ClassVar[str] = "DTYPE[:BLOCK]"
     state_key: ClassVar[str] = "hsdp_outer_residual"
     state_name: ClassVar[str] = "error-feedback residuals"
+    dropped_note: ClassVar[str] = "its error-feedback residuals are dropped (this model has none)"
+    fresh_note: ClassVar[str] = ("the error-feedback residuals start from zero (none saved "
+                                 "for this layout)")
 
     def __post_init__(self) -> None:
         check_format("OuterReduce", self.dtype, self.block)
@@ -82,6 +85,10 @@ class OuterReduce(OuterMode):
     def capture_refusal(self, group: ParamGroup) -> tuple[str, str] | None:
         why = None if group.compressed is None else group.compressed.capture_refusal()
         return None if why is None else (why, "run one eager optimizer step before capturing")
+
+    def before_capture(self, group: ParamGroup) -> None:
+        if group.compressed is not None:  # its residual: fixed buffers
+            group.compressed.make_static()
 
     def hook_refusal(self, group: ParamGroup) -> str | None:
         if group.compressed is None:

@@ -179,19 +179,48 @@ class Pending:
     flag: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Keep:
+    """What ``encode`` keeps of the error it returns: a block whose largest magnitude
+    passes ``limit`` or that holds a NaN takes the residual's values instead (zeros
+    without one), except in row ``unchecked`` (-1: none; its caller adds to that row
+    first, then checks it with ``keep_finite``)."""
+
+    limit: float
+    unchecked: int = -1
+
+
+def keep_finite(error: torch.Tensor, base: torch.Tensor | None, block: int,
+                limit: float) -> None:
+    """In place: ``error``'s blocks (fp32 ``[..., m]``) whose largest magnitude passes
+    ``limit`` or that hold a NaN take ``base``'s values (same shape; None: zeros). No host
+    sync: a masked copy."""
+    blocks = error.view(*error.shape[:-1], error.shape[-1] // block, block)
+    bad = torch.linalg.vector_norm(blocks, float("inf"), dim=-1,
+                                   keepdim=True).le(limit).logical_not_()
+    if base is None:
+        blocks.masked_fill_(bad, 0.0)
+    else:
+        torch.where(bad, base.view_as(blocks), blocks, out=blocks)
+
+
 def encode(src: torch.Tensor, rows: Rows, fmt: str, residual: torch.Tensor | None = None,
-           feedback: bool = False, fused: bool | None = None, pending: Pending | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+           feedback: bool = False, fused: bool | None = None, pending: Pending | None = None,
+           keep: Keep | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``src`` (1-D, ``rows.numel``) cut into ``rows`` plus ``residual`` (fp32 ``[n, m]``;
     None: zeros), quantized: (packed ``[n, rows.packed]``, with ``feedback`` what the
-    quantization dropped, fp32 ``[n, m]``, else None). New tensors: the caller decides what
-    becomes its residual; with ``pending`` (and ``residual`` and ``feedback``), the residual
-    is ``pending.rows`` where its flag is set, and what was dropped is written into
-    ``pending.rows`` (both chosen on the device: a graph replays it as it runs)."""
+    quantization dropped, fp32 ``[n, m]``, else None; with ``keep`` its bad blocks
+    replaced, ``Keep``). New tensors: the caller decides what becomes its residual; with
+    ``pending`` (and ``residual`` and ``feedback``), the residual is ``pending.rows`` where
+    its flag is set, and what was dropped is written into ``pending.rows`` (both chosen on
+    the device: a graph replays it as it runs)."""
     if pending is not None and (residual is None or not feedback):
         raise ValueError("quant.encode: pending needs a residual and feedback")
+    if keep is not None and not feedback:
+        raise ValueError("quant.encode: keep needs feedback")
     if uses_kernels(src, rows.block, fused):
-        return _kernels(src.device.type).encode(src, rows, fmt, residual, feedback, pending)
+        return _kernels(src.device.type).encode(src, rows, fmt, residual, feedback, pending,
+                                                keep)
     x = rows.split(src)
     if pending is not None:
         x.add_(torch.where(pending.flag.bool(), pending.rows, residual))
@@ -201,6 +230,12 @@ def encode(src: torch.Tensor, rows: Rows, fmt: str, residual: torch.Tensor | Non
     if not feedback:
         return packed, None
     error = x.sub_(dequantize(packed, fmt, rows.block, rows.m))
+    if keep is not None:
+        parts = ((slice(None, keep.unchecked), slice(keep.unchecked + 1, None))
+                 if keep.unchecked >= 0 else (slice(None),))
+        for part in parts:
+            keep_finite(error[part], None if residual is None else residual[part],
+                        rows.block, keep.limit)
     if pending is None:
         return packed, error
     return packed, pending.rows.copy_(error)

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from hsdp.sharding.quant import Pending, Rows
+    from hsdp.sharding.quant import Keep, Pending, Rows
 
 MAX_BLOCK = 8192  # a block is one program's tile at most: larger blocks run eagerly
 TILE = 4096  # elements per program (whole blocks)
@@ -64,13 +64,15 @@ def _to_format(y, INT8: tl.constexpr):
 
 @triton.jit
 def _encode(src, res, vals, scales, err, flag, numel, c, m, row_bytes, row_words, scale_off,
-            BLOCK: tl.constexpr, GROUP: tl.constexpr, QMAX_RECIP: tl.constexpr,
+            unchecked, BLOCK: tl.constexpr, GROUP: tl.constexpr, QMAX_RECIP: tl.constexpr,
             SMIN: tl.constexpr, SMAX: tl.constexpr, INT8: tl.constexpr, HAS_RES: tl.constexpr,
-            FEEDBACK: tl.constexpr, SELECT: tl.constexpr):
+            FEEDBACK: tl.constexpr, SELECT: tl.constexpr, KEEP: tl.constexpr,
+            LIMIT: tl.constexpr):
     """One program: ``GROUP`` blocks of row ``i``. ``x = src's row (zero-padded) + res``
     (``SELECT``: + ``err`` where ``flag`` is set: each element read, then written, by its
     own program); writes the values and scales, and ``err = x - dequantized`` with
-    ``FEEDBACK``."""
+    ``FEEDBACK``; with ``KEEP``, a block of it past ``LIMIT`` or with a NaN is ``res``'s
+    (zeros without it) unless ``i`` is row ``unchecked`` (``quant.Keep``)."""
     tiles = tl.cdiv(m, BLOCK * GROUP)
     i = (tl.program_id(0) // tiles).to(tl.int64)
     blocks = (tl.program_id(0) % tiles) * GROUP + tl.arange(0, GROUP)
@@ -91,7 +93,17 @@ def _encode(src, res, vals, scales, err, flag, numel, c, m, row_bytes, row_words
     tl.store(vals + i * row_bytes + j, q, mask=inside)
     tl.store(scales + i * row_words + scale_off + blocks, scale, mask=blocks < m // BLOCK)
     if FEEDBACK:
-        tl.store(err + i * m + j, x - q.to(tl.float32) * scale[:, None], mask=inside)
+        e = x - q.to(tl.float32) * scale[:, None]
+        if KEEP:
+            a = tl.abs(e)
+            bad = (tl.max(a, axis=1) > LIMIT) | (tl.max((a != a).to(tl.int32), axis=1) > 0)
+            bad = tl.where(i != unchecked, bad, False)
+            if HAS_RES:  # read again, for the bad blocks alone (SELECT read ``err``)
+                base = tl.load(res + i * m + j, mask=inside & bad[:, None], other=0.0)
+                e = tl.where(bad[:, None], base, e)
+            else:
+                e = tl.where(bad[:, None], 0.0, e)
+        tl.store(err + i * m + j, e, mask=inside)
 
 
 @triton.jit
@@ -176,7 +188,7 @@ def _launch(block: int, blocks: int, device: torch.device) -> dict:
 
 
 def encode(src: torch.Tensor, rows: Rows, fmt: str, residual: torch.Tensor | None,
-           feedback: bool, pending: Pending | None = None
+           feedback: bool, pending: Pending | None = None, keep: Keep | None = None
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``quant.encode`` in one pass."""
     src = src.contiguous()  # no copy where it is (the kernel reads it flat)
@@ -189,9 +201,10 @@ def encode(src: torch.Tensor, rows: Rows, fmt: str, residual: torch.Tensor | Non
     grid = (rows.n * triton.cdiv(rows.m, rows.block * launch["GROUP"]),)
     _encode[grid](src, residual if residual is not None else src, vals, scales,
                   error if feedback else src, pending.flag if pending is not None else src,
-                  rows.numel, rows.c, **geometry, QMAX_RECIP=1 / _QMAX[fmt],
-                  **_scale_range(fmt), INT8=fmt == "int8", HAS_RES=residual is not None,
-                  FEEDBACK=feedback, SELECT=pending is not None, **launch)
+                  rows.numel, rows.c, **geometry, unchecked=keep.unchecked if keep else -1,
+                  QMAX_RECIP=1 / _QMAX[fmt], **_scale_range(fmt), INT8=fmt == "int8",
+                  HAS_RES=residual is not None, FEEDBACK=feedback, SELECT=pending is not None,
+                  KEEP=keep is not None, LIMIT=keep.limit if keep else 0.0, **launch)
     return packed, error
 
 

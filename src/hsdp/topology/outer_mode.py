@@ -82,6 +82,10 @@ class OuterMode:
     sync_quorum: ClassVar[bool] = False  # with fault tolerance: one torchft quorum per sync
     state_key: ClassVar[str] = ""  # its entry of optimizer state dicts ("": no state)
     state_name: ClassVar[str] = ""  # what that state is, in messages ("DiLoCo state")
+    # what a load does with that state across modes (checkpoint/mode_switch.py's note):
+    # saved but this mode absent from the model; in the model but none saved
+    dropped_note: ClassVar[str] = ""
+    fresh_note: ClassVar[str] = ""
 
     @classmethod
     def parse(cls, text: str) -> OuterMode | None:
@@ -106,6 +110,11 @@ class OuterMode:
         """(what a CUDA-graph capture cannot record of ``group``, what to do instead), or
         None."""
         return None
+
+    def before_capture(self, group: Any) -> None:
+        """A CUDA-graph capture of ``group``'s model begins (host only, after
+        ``capture_refusal`` passed): move state a replay must find at fixed addresses
+        into fixed buffers."""
 
     def hook_refusal(self, group: Any) -> str | None:
         """Why ``set_all_reduce_hook`` cannot serve ``group`` in this mode, or None."""

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from hsdp.sharding import quant
-from hsdp.sharding.quant import Pending, Rows
+from hsdp.sharding.quant import Keep, Pending, Rows
 from hsdp_tools.sim.clock import Program
 
 PASSES = ("encode", "reduce", "requant", "decode", "commit")
@@ -40,7 +40,7 @@ class MetaKernels:
                                           for t in tensors if t is not None))
 
     def encode(self, src: torch.Tensor, rows: Rows, fmt: str, residual: torch.Tensor | None,
-               feedback: bool, pending: Pending | None = None
+               feedback: bool, pending: Pending | None = None, keep: Keep | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         packed = torch.empty(rows.n, rows.packed, dtype=torch.uint8, device=src.device)
         error = (pending.rows if pending is not None else

@@ -38,7 +38,6 @@ FLOAT8_LOSS = "Float8 loss curves on one H200"
 FAULT_TOLERANCE = "Fault tolerance (torchft) on one H200"
 TP = "Tensor parallelism (emulated 16x8x8) on one H200"
 TORCHTITAN = "torchtitan's trainer on one H200"
-COMPRESSED = "Compressed outer reduction (emulated 16x8) on one H200"
 QUANT = "Quantization kernels on one H100"
 OUTER_KERNELS = ("Compressed outer reduction and gather with the fused kernels, emulated 16x8 "
                  "on one H200")
@@ -50,7 +49,7 @@ TORCHTITAN_GRAPHS = "torchtitan's trainer on one H200 with CUDA graphs"
 GRAPHS = "Step replayed as CUDA graphs (emulated 16x8) on one H200"
 MOE = "Mixture of experts with expert parallelism (emulated 16x8, ep 8) on one H200"
 PIPELINE = "Pipeline parallelism: the outer reduction in the drain (simulated, Llama 3 405B)"
-TABLES = (STEP, TWINS, SLOW_OUTER, COMPRESSED, QUANT, OUTER_KERNELS, CONVERGENCE,
+TABLES = (STEP, TWINS, SLOW_OUTER, OUTER_KERNELS, QUANT, CONVERGENCE,
           GATHER_CONVERGENCE, DILOCO,
           DILOCO_STEP, MICROBATCHES, SHARED_LINKS, CPU_OVERLAP, CHECKPOINT, FLOAT8, FLOAT8_LOSS,
           FAULT_TOLERANCE, TP, TORCHTITAN, TORCHTITAN_GRAPHS, GRAPHS, MOE, PIPELINE)
@@ -121,13 +120,6 @@ def plan() -> list[Run]:
     runs.append(_step(SLOW_OUTER, "emu2x4_s4096_outer12.5", "--emulate", "--mesh", "2x4",
                       "--seq", "4096", "--outer-gbps", "12.5", "--steps", "5", "--schedules",
                       "overlap,serial,hfsdp,hfsdp-serial"))
-    for gbps in ("47", "12.5", "3"):  # scripts/outer_reduce_gpu.sh runs the same
-        runs.append(Run(COMPRESSED, "h200/outer_reduce", f"step_outer{gbps}",
-                        ("bench", "step", "--reduce-dtype", "bf16", "--record-steps", "2",
-                         "--trace-steps", "1", "--warmup", "2", "--emulate", "--mesh", "16x8",
-                         "--seq", "4096", "--steps", "4", "--outer-reduce", "int8",
-                         "--schedules", "overlap,overlap-q,hfsdp,hfsdp-q,fsdp2",
-                         "--outer-gbps", gbps), 300))
     runs.append(Run(QUANT, "h100", "quant_kernels", ("bench", "quant"), 600))
     # scripts/outer_reduce_gpu.sh's 12.5 GB/s row and kernels (its 47 and 3 GB/s step JSONs
     # were not kept: the table says so)

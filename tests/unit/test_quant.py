@@ -156,12 +156,18 @@ for numel, n, block, mean in [(1000, 3, 16, True), (5, 8, 16, False), (4096, 4, 
     assert torch.equal(out, ref), ("decode", numel)
     bad = src.clone()
     bad[0], bad[-1] = float("nan"), 1e30  # the first block NaN, the last past the limit
-    for res in (residual, None):
+    for res, flag in ((residual, None), (None, None), (residual, 0), (residual, 1)):
         for keep in (quant.Keep(LIMIT), quant.Keep(LIMIT, unchecked=n - 1)):
-            got = k.encode(bad, rows, "int8", res, True, keep=keep)[1]
-            want = quant.encode(bad, rows, "int8", res, True, fused=False, keep=keep)[1]
+            def run(fused):  # flag: fixed buffers (CUDA graphs), the pending one set or not
+                pending = None if flag is None else quant.Pending(
+                    residual * 0.5, torch.tensor([flag], dtype=torch.int32))
+                if fused:
+                    return k.encode(bad, rows, "int8", res, True, pending, keep)[1]
+                return quant.encode(bad, rows, "int8", res, True, fused=False,
+                                    pending=pending, keep=keep)[1]
+            got, want = run(True), run(False)
             torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
-            assert got[0].isfinite().all(), ("keep", numel, keep)
+            assert got[0].isfinite().all(), ("keep", numel, keep, flag)
 print("ok")
 """
 

@@ -179,24 +179,48 @@ def test_guide_gives_the_cpu_recipe_of_this_test():
     assert [words[i + 1] for i in at] == CPU_RECIPE[1::2] and "_cuda_setDevice" in guide
 
 
-def test_torchtitan_trainer_main_with_hsdp_matches_its_fsdp2(tmp_path):
+def test_torchtitan_trainer_main_trains_with_hsdp_from_its_cli(tmp_path):
     """torchtitan's trainer main, configured only through its CLI and a config module
-    (``hsdp.integrations.torchtitan.with_hsdp``), trains with hsdp on a 2x2 gloo mesh and
-    logs the losses and gradient norms of its FSDP2 run (to the 5 decimals it prints),
-    with its metrics (memory, tokens/s, MFU). Both start from one seed checkpoint: hsdp's
-    ``init_weights`` draws other random values than torchtitan's. hsdp's settings come
-    from the command line (``--hsdp.no-overlap_outer``: the same numbers): the printed job
-    config shows them and hsdp's one line says it is active with them, once per job."""
+    (``hsdp.integrations.torchtitan.with_hsdp``), trains with hsdp on a 2x2 gloo mesh: 4
+    steps logged with their metrics (memory, tokens/s), finite losses that change. hsdp's
+    settings come from the command line: the printed job config shows them and hsdp's one
+    line says it is active with them, once per job. Its numbers against torchtitan's
+    FSDP2: ``test_torchtitan_trainer_main_with_hsdp_matches_its_fsdp2`` (full tier)."""
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "torchtitan_gpu.py"), "assets",
+                    str(tmp_path / "assets")], check=True)
+    log: list[str] = []
+    got = _trainer(tmp_path, "hsdp_debugmodel", 4, "--training.steps", "4",
+                   "--parallelism.data_parallel_replicate_degree", "2",
+                   "--parallelism.data_parallel_shard_degree", "2", "--hsdp.no-overlap_outer",
+                   "--debug.print_config", "--dump_folder", "hsdp", log=log)
+    assert sorted(got) == [1, 2, 3, 4], got
+    assert all(math.isfinite(loss) and norm > 0 for loss, norm in got.values()), got
+    assert len({loss for loss, _ in got.values()}) == 4, got  # the weights change
+    _assert_settings_logged(log[0])
+
+
+@pytest.mark.full
+def test_torchtitan_trainer_main_with_hsdp_matches_its_fsdp2(tmp_path):
+    """The same trainer main, hsdp and torchtitan's FSDP2 from one seed checkpoint (hsdp's
+    ``init_weights`` draws other random values than torchtitan's): hsdp logs the losses
+    and gradient norms of the FSDP2 run (to the 5 decimals it prints)
+    (``--hsdp.no-overlap_outer``: the same numbers)."""
     log: list[str] = []
     _trainer_equals_fsdp2(tmp_path, "debugmodel", hsdp_args=["--hsdp.no-overlap_outer",
                                                              "--debug.print_config"], log=log)
-    said = re.findall(r"hsdp active \(hsdp.integrations.torchtitan\): .*", log[0])
+    _assert_settings_logged(log[0])
+
+
+def _assert_settings_logged(text: str) -> None:
+    """hsdp's settings of ``--hsdp.no-overlap_outer`` in the printed job config and in
+    hsdp's one line, once."""
+    said = re.findall(r"hsdp active \(hsdp.integrations.torchtitan\): .*", text)
     assert said == ["hsdp active (hsdp.integrations.torchtitan): strategy hsdp, mesh outer 2 "
                     "x inner 2, overlap_outer False, outer_reduce none, outer_sync none"], said
-    printed = re.search(r'"hsdp": (\{[^}]*\})', log[0])
+    printed = re.search(r'"hsdp": (\{[^}]*\})', text)
     assert printed and json.loads(printed[1]) == {
         "strategy": "hsdp", "overlap_outer": False, "outer_reduce": "none",
-        "outer_sync": "none"}, log[0][-3000:]
+        "outer_sync": "none"}, text[-3000:]
 
 
 @pytest.mark.full

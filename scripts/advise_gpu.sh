@@ -13,8 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/advise_gpu}
 mkdir -p "$OUT"
-export PYTHONPATH=src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
-    NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+. scripts/gpu_env.sh
 GBPS=${GBPS:-47 12.5 3}
 MODEL=(--model llama-8b --layers 5 --seq 4096)
 for gbps in $GBPS; do

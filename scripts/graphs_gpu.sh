@@ -9,8 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/graphs_gpu}
 mkdir -p "$OUT"
-export PYTHONPATH=${SRC:-src} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
-    NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+. scripts/gpu_env.sh
 for seq in ${SEQS:-1024 4096}; do
     timeout "${STEP_TIMEOUT:-240}" python -m hsdp bench step --reduce-dtype bf16 \
         --record-steps 1 --trace-steps 1 --warmup 3 --emulate --mesh 16x8 --seq "$seq" \

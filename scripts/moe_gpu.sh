@@ -8,8 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/moe_gpu}
 mkdir -p "$OUT"
-export PYTHONPATH=${SRC:-src} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
-    NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+. scripts/gpu_env.sh
 timeout "${STEP_TIMEOUT:-240}" python -m hsdp bench step --reduce-dtype bf16 \
     --record-steps 1 --trace-steps 1 --emulate --mesh 16x8 --arch moe --ep 8 \
     --seq 4096 --steps "${STEPS:-15}" --warmup 3 \

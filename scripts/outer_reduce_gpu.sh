@@ -17,8 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/outer_reduce_gpu}
 mkdir -p "$OUT"
-export PYTHONPATH=src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
-    NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+. scripts/gpu_env.sh
 MODEL="--mesh 16x8 --layers 8 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 32768
        --mbs 1 --reduce-dtype bf16"
 SEQS=${SEQS:-4096 1024}

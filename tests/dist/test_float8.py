@@ -53,6 +53,11 @@ COVER, REST = cover_split(CASES, keep=_bytes_cases(BYTES) + [
     strength=1)
 
 
+def _results(request: pytest.FixtureRequest, case: Case) -> dict:
+    """The results of the world that ran ``case``: the default tier's or the full tier's."""
+    return request.getfixturevalue("results" if case in COVER else "results_rest")
+
+
 def _run(cases: list[Case]) -> dict:
     per_rank = run_ranks(float8_job, 4, cases)
     assert all(r == per_rank[0] for r in per_rank), "ranks disagree on the full state dict"
@@ -105,8 +110,7 @@ def test_float8_gather_with_stale_scales_is_refused(case: Case, request) -> None
     """Weights scaled by hand after a step: the next forward raises (naming the call to
     make) instead of casting with the old scales; after hsdp.precompute_float8_scales
     training goes on equal to one process (checked above)."""
-    results = request.getfixturevalue("results" if case in COVER else "results_rest")
-    assert "hsdp.precompute_float8_scales(model)" in results[case]["refused"]
+    assert "hsdp.precompute_float8_scales(model)" in _results(request, case)[case]["refused"]
 
 
 @pytest.mark.parametrize("strategy,mb", BYTES + [
@@ -116,8 +120,8 @@ def test_float8_all_gather_moves_one_byte_per_weight_element(strategy: str, mb: 
     """Each float8 weight element costs 1 byte instead of fp32's 4 in every inner
     all-gather (2 units x (forward + backward) per microbatch) and, for hfsdp, in the outer
     all-gather after each step (this rank's inner shard: 1/INNER of the weights)."""
-    results = request.getfixturevalue("results" if (strategy, mb) in BYTES else "results_rest")
-    off, on = results[Case(strategy, False, mb)], results[Case(strategy, True, mb)]
+    off, on = (_results(request, c)[c] for c in (Case(strategy, False, mb),
+                                                  Case(strategy, True, mb)))
     f8 = on["float8_numel"]
     saved = {axis: off["all_gather_bytes"][axis] - on["all_gather_bytes"][axis]
              for axis in ("inner", "outer")}

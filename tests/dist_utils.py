@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -60,6 +62,47 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir:
         host_barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _logged_main(main: Callable[[dict], None], cfg: dict, log: str,
+                 environ: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.set_num_threads(1)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
+    main(cfg)
+
+
+class Forked:
+    """``main(cfg)`` in a process of the preloaded fork server, its output in ``log``; a
+    ``subprocess.Popen``'s ``wait``, ``poll``, ``returncode`` and ``kill`` (-9 once
+    SIGKILLed). For
+    jobs that are one rank of a world of their own (torchft replica groups): no import
+    of their own to pay."""
+
+    def __init__(self, main: Callable[[dict], None], cfg: dict, log: str) -> None:
+        self._proc = mp.get_context("forkserver").Process(
+            target=_logged_main, args=(main, cfg, log, dict(os.environ)))
+        self._proc.start()
+
+    def wait(self, timeout: float) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank of {self._proc.name}", timeout)
+        return self._proc.exitcode
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        self._proc.kill()
 
 
 TIMEOUT_S = 900

@@ -1,6 +1,7 @@
 """One rank of the DiLoCo + fault tolerance test (``test_ft_diloco.py``).
 
-Run as a script, one process per rank: ``python tests/ft_diloco_jobs.py CONFIG_JSON``.
+One process per rank runs ``main(cfg)``: the tests start it from the preloaded fork
+server (``dist_utils.Forked``); by hand, ``python tests/ft_diloco_jobs.py CONFIG_JSON``.
 ``world`` 2: one replica group of a fault-tolerant mesh (its own gloo world, the outer
 axis torchft's); ``world`` 4: the same training without fault tolerance, one 2 x 2 world.
 Every rank writes, after each optimizer step, the full parameters, its own groups'

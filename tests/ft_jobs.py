@@ -1,6 +1,7 @@
 """One rank of one replica group of the fault-tolerance tests (``test_fault_tolerance.py``).
 
-Run as a script, one process per rank: ``python tests/ft_jobs.py CONFIG_JSON``. Each
+One process per rank runs ``main(cfg)``: the tests start it from the preloaded fork
+server (``dist_utils.Forked``); by hand, ``python tests/ft_jobs.py CONFIG_JSON``. Each
 replica group is its own gloo world of two ranks; the outer axis is torchft's. Rank 0 of
 the group writes, for each committed step, the full parameters, momentum buffers, lr, the
 number of participating replica groups and whether this group took part.

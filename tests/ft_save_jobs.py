@@ -3,7 +3,8 @@ calls ``hsdp.save`` on the same path after the same committed step, as a fault-t
 loop that saves from every group does. A hook holds group 0's save between its write and
 its publish until group 1 has tried, so group 1's save meets a save in progress.
 
-Run as a script, one process per rank: ``python tests/ft_save_jobs.py CONFIG_JSON``.
+One process per rank runs ``main(cfg)``: the tests start it from the preloaded fork
+server (``dist_utils.Forked``); by hand, ``python tests/ft_save_jobs.py CONFIG_JSON``.
 """
 
 from __future__ import annotations

@@ -21,23 +21,21 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 import torch.nn as nn
-from dist_utils import free_port
-from ft_jobs import batch, build_model, make_optimizer
+from dist_utils import Forked, free_port
+from ft_jobs import batch, build_model, main, make_optimizer
 from torchft._torchft import LighthouseServer
 
-JOBS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "ft_jobs.py")
 STEPS, SEED, KILL_AT, REJOIN_BY, JOIN_AT = 13, 7, 5, 10, 3
 DEADLINE_S = 420  # the whole scenario; a hang fails here instead of blocking CI
 
 
 def _launch(out: str, tag: str, replica: int, library: str = "hsdp",
-            **cfg) -> list[subprocess.Popen]:
+            **cfg) -> list[Forked]:
     port = free_port()
     procs = []
     for rank in range(2):
@@ -45,14 +43,11 @@ def _launch(out: str, tag: str, replica: int, library: str = "hsdp",
                 "replicas": [0, 1], "rank": rank,
                 "port": port, "steps": STEPS, "seed": SEED, "timeout_s": 10, "connect_s": 10,
                 **cfg}
-        log = open(os.path.join(out, f"{tag}_{rank}.log"), "w")
-        procs.append(subprocess.Popen([sys.executable, JOBS, json.dumps(args)], stdout=log,
-                                      stderr=subprocess.STDOUT,
-                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        procs.append(Forked(main, args, os.path.join(out, f"{tag}_{rank}.log")))
     return procs
 
 
-def _wait(procs: list[subprocess.Popen], deadline: float, out: str) -> list[int]:
+def _wait(procs: list[Forked], deadline: float, out: str) -> list[int]:
     for p in procs:
         try:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))

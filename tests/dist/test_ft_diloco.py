@@ -1,9 +1,10 @@
 """DiLoCo with fault tolerance (``init_mesh(outer_sync=hsdp.DiLoCo(...),
 fault_tolerance=...)``): 2 replica groups x 2 gloo ranks, H=4, 3 fragments, delay 1.
 
-One run (``ft_diloco_jobs.py``): first the same training without fault tolerance on one
-2 x 2 world; then the lighthouse in this process and the replica groups as worlds of their
-own. (a) No failure, steps 0-10 (five syncs): every rank's parameters, anchors and shard
+Each test (``ft_diloco_jobs.py``) first runs the same training without fault tolerance on
+one 2 x 2 world; then the lighthouse in this process and the replica groups as worlds of
+their own. The default tier's test checks (a) and (c); the full tier's kills and restarts
+group 1 for (b). (a) No failure, steps 0-10 (five syncs): every rank's parameters, anchors and shard
 parameters equal those of the run without fault tolerance bit for bit. (b) Both ranks of
 group 1 SIGKILLed mid-period (step 11): group 0 trains on alone, syncing with itself.
 Group 1 restarted dies right after the quorum it recovered in: group 0's sync fails to
@@ -17,30 +18,27 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
+import pytest
 import torch
-from dist_utils import free_port
+from dist_utils import Forked, free_port
+from ft_diloco_jobs import main
+from ft_jobs import _wait_for
 from test_fault_tolerance import _logs, _wait
 from torchft._torchft import LighthouseServer
 
-JOBS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "ft_diloco_jobs.py")
 STEPS, SEED, KILL_AT = 25, 7, 11
 SYNCS, APPLIES = (1, 3), (2, 0)  # steps mod 4 after which a fragment syncs, applies
 DEADLINE_S = 420  # each of the two runs; a hang fails here instead of blocking CI
 
 
-def _launch(out: str, tag: str, world: int, **cfg) -> list[subprocess.Popen]:
+def _launch(out: str, tag: str, world: int, **cfg) -> list[Forked]:
     port, procs = free_port(), []
     for rank in range(world):
         args = {"out": out, "tag": tag, "world": world, "rank": rank, "port": port,
                 "steps": STEPS, "seed": SEED, "timeout_s": 10, **cfg}
-        log = open(os.path.join(out, f"{tag}_{rank}.log"), "w")
-        procs.append(subprocess.Popen([sys.executable, JOBS, json.dumps(args)], stdout=log,
-                                      stderr=subprocess.STDOUT,
-                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        procs.append(Forked(main, args, os.path.join(out, f"{tag}_{rank}.log")))
     return procs
 
 
@@ -54,13 +52,66 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_diloco_replica_group_lost_and_recovered(tmp_path):
-    out = str(tmp_path)
+def _no_failure(out: str, rank: int, g0: dict, g1: dict, steps: int) -> None:
+    """(a) Steps before any failure equal DiLoCo without fault tolerance, bit for bit."""
+    plain = {r: _records(out, "plain", 2 * r + rank) for r in range(2)}
+    for s in range(steps):
+        for replica, ft in ((0, g0), (1, g1)):
+            for what in ("params", "local"):
+                assert _equal(ft[s][what], plain[replica][s][what]), (rank, s, what)
+        assert g0[s]["participants"] == (2 if s >= SYNCS[0] else 0), s
+    assert g0[KILL_AT - 1]["commits"] == 5  # the syncs of steps 1, 3, 5, 7, 9
+
+
+def _refusals(out: str) -> None:
+    """(c) What is still refused raises on every rank."""
+    for rank in range(2):
+        with open(os.path.join(out, f"refused_{rank}.json")) as f:
+            refused = json.load(f)
+        assert refused["hfsdp"].startswith("FaultToleranceError: fully_shard: strategy="
+                                           "'hfsdp' cannot be made fault tolerant"), refused
+        assert refused["outer_reduce"].startswith("FaultToleranceError: fully_shard: "
+                                                  "outer_reduce"), refused
+
+
+def _plain_run(out: str) -> None:
     without_ft = _launch(out, "plain", 4, steps=KILL_AT)
     assert _wait(without_ft, time.monotonic() + DEADLINE_S, out) == [0] * 4
+
+
+def _lighthouse() -> LighthouseServer:
+    return LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=5000,
+                            quorum_tick_ms=50, heartbeat_timeout_ms=1000)
+
+
+def test_diloco_replica_groups_train_as_without_fault_tolerance(tmp_path):
+    """(a) and (c), steps 0-10 with no failure (the full tier's test below goes on to kill
+    and restart group 1)."""
+    out = str(tmp_path)
+    _plain_run(out)
     deadline = time.monotonic() + DEADLINE_S
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=5000,
-                                  quorum_tick_ms=50, heartbeat_timeout_ms=1000)
+    lighthouse = _lighthouse()
+    try:
+        common = dict(lighthouse=lighthouse.address(), steps=KILL_AT)
+        g0 = _launch(out, "g0", 2, replica=0, gates={0: "ready_g1.0"}, await_joiner=True,
+                     check_refusals=True, **common)
+        g1 = _launch(out, "g1.0", 2, replica=1, gates={0: "ready_g0"}, **common)
+        assert _wait(g0 + g1, deadline, out) == [0] * 4, _logs(out)
+    finally:
+        lighthouse.shutdown()
+    for rank in range(2):
+        g0, g1 = _records(out, "g0", rank), _records(out, "g1.0", rank)
+        assert sorted(g0) == sorted(g1) == list(range(KILL_AT))
+        _no_failure(out, rank, g0, g1, KILL_AT)
+    _refusals(out)
+
+
+@pytest.mark.full
+def test_diloco_replica_group_lost_and_recovered(tmp_path):
+    out = str(tmp_path)
+    _plain_run(out)
+    deadline = time.monotonic() + DEADLINE_S
+    lighthouse = _lighthouse()
     try:
         common = dict(lighthouse=lighthouse.address())
         # group 0 starts each gated step once that incarnation of group 1 is up and its
@@ -71,6 +122,10 @@ def test_diloco_replica_group_lost_and_recovered(tmp_path):
         killed = _launch(out, "g1.0", 2, replica=1, kill_at=KILL_AT,
                          gates={0: "ready_g0"}, **common)
         assert _wait(killed, deadline, out) == [-9, -9], _logs(out)
+        # the next incarnation starts once group 0 has synced alone (step KILL_AT's sync,
+        # applied in the step after it): started earlier, it would join that sync
+        for rank in range(2):
+            _wait_for(os.path.join(out, f"g0_r{rank}_step{KILL_AT + 1}.pt"), DEADLINE_S)
         dies = _launch(out, "g1.1", 2, replica=1, die_after_quorum=True, **common)
         assert _wait(dies, deadline, out) == [-9, -9], _logs(out)
         rejoined = _launch(out, "g1.2", 2, replica=1, **common)
@@ -79,17 +134,10 @@ def test_diloco_replica_group_lost_and_recovered(tmp_path):
         lighthouse.shutdown()
 
     for rank in range(2):
-        plain = {r: _records(out, "plain", 2 * r + rank) for r in range(2)}
         g0, killed = _records(out, "g0", rank), _records(out, "g1.0", rank)
         rejoined = _records(out, "g1.2", rank)
-        # (a) no failure: equal to DiLoCo without fault tolerance, bit for bit
         assert sorted(killed) == list(range(KILL_AT)) and sorted(g0) == list(range(STEPS))
-        for s in range(KILL_AT):
-            for replica, ft in ((0, g0), (1, killed)):
-                for what in ("params", "local"):
-                    assert _equal(ft[s][what], plain[replica][s][what]), (rank, s, what)
-            assert g0[s]["participants"] == (2 if s >= SYNCS[0] else 0), s
-        assert g0[KILL_AT - 1]["commits"] == 5  # the syncs of steps 1, 3, 5, 7, 9
+        _no_failure(out, rank, g0, killed, KILL_AT)
         # (b) alone after the kill; one sync did not commit and changed nothing
         assert g0[KILL_AT + 1]["participants"] == 1
         failed = [s for s in range(KILL_AT, STEPS)
@@ -110,13 +158,4 @@ def test_diloco_replica_group_lost_and_recovered(tmp_path):
             assert _equal(mine, {k: g0[t]["local"][k] for k in mine}), (rank, t)
             assert rejoined[t]["commits"] == g0[t]["commits"], t
         assert g0[STEPS - 1]["commits"] > g0[healed]["commits"]  # synced together since
-    # (c) still refused, on every rank
-    for rank in range(2):
-        with open(os.path.join(out, f"refused_{rank}.json")) as f:
-            refused = json.load(f)
-        assert refused["hfsdp"].startswith("FaultToleranceError: fully_shard: strategy="
-                                           "'hfsdp' cannot be made fault tolerant"), refused
-        assert refused["outer_reduce"].startswith("FaultToleranceError: fully_shard: "
-                                                  "outer_reduce"), refused
-        assert refused["other_sync"].startswith("FaultToleranceError: init_mesh: this "
-                                                "replica group's fault-tolerant mesh"), refused
+    _refusals(out)

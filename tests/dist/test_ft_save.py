@@ -9,17 +9,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_utils import free_port
+from dist_utils import Forked, free_port
 from ft_jobs import build_model
+from ft_save_jobs import main
 from torchft._torchft import LighthouseServer
 
-JOBS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "ft_save_jobs.py")
 STEPS, SAVE_AT, SEED, DEADLINE_S = 3, 1, 7, 300
 
 
@@ -41,10 +40,7 @@ def test_replica_groups_saving_to_one_path(tmp_path) -> None:
                 cfg = {"out": out, "replica": replica, "rank": rank, "port": port,
                        "lighthouse": lighthouse.address(), "steps": STEPS,
                        "save_at": SAVE_AT, "seed": SEED, "path": path}
-                log = open(os.path.join(out, f"g{replica}_{rank}.log"), "w")
-                procs.append(subprocess.Popen(
-                    [sys.executable, JOBS, json.dumps(cfg)], stdout=log,
-                    stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+                procs.append(Forked(main, cfg, os.path.join(out, f"g{replica}_{rank}.log")))
         deadline = time.monotonic() + DEADLINE_S
         for p in procs:
             try:

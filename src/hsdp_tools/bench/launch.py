@@ -1,4 +1,5 @@
-"""Local ranks for the bench commands: in place under torchrun, else spawned here.
+"""Local ranks for the bench commands: in place under torchrun, else started here (CPU
+ranks fork from a server that imported the command's module once; CUDA ranks are spawned).
 
 Layouts on GPUs: one rank per GPU (NCCL's default), or, with ``--share-gpus``, several
 ranks per GPU for correctness runs on fewer GPUs than ranks. NCCL refuses two ranks of one
@@ -87,8 +88,14 @@ def launch(command: str, worker: Callable[[int, Any, int | None], None],
                          f"one GPU per rank; --share-gpus places several ranks per GPU for "
                          f"correctness runs)")
     cfg = resolve(nproc)
+    if cuda:  # a CUDA rank must not inherit a parent's CUDA state: a fresh interpreter
+        method = "spawn"
+    else:  # CPU ranks fork from one server that imported the worker's module once, not N
+        method = "forkserver"
+        mp.get_context(method).set_forkserver_preload([worker.__module__])
     try:
-        mp.spawn(worker, args=(cfg, free_port()), nprocs=nproc, join=True)
+        mp.start_processes(worker, args=(cfg, free_port()), nprocs=nproc, join=True,
+                           start_method=method)
     except mp.ProcessExitedException as e:  # its message went to stderr already
         print(f"hsdp {command}: rank {e.error_index} exited with code {e.exit_code}",
               file=sys.stderr)

@@ -35,15 +35,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _take_environ(environ: dict[str, str]) -> None:
+    """A forked process inherits the fork server's environment: take the test's own; one
+    thread (the ranks share the cores)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.set_num_threads(1)
+
+
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str,
            backend: str, shared_inner: int | None, pg_timeout_s: float | None,
            environ: dict[str, str]) -> None:
-    # A forked rank inherits the fork server's environment: take the test's own.
-    os.environ.clear()
-    os.environ.update(environ)
+    _take_environ(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
     if backend == "nccl" and shared_inner is not None:
         # Several ranks per GPU (hsdp_tools.bench.launch): no communicator over the whole world.
         torch.cuda.set_device(shared_gpu(rank, shared_inner, torch.cuda.device_count()))
@@ -66,12 +71,11 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir:
 
 def _logged_main(main: Callable[[dict], None], cfg: dict, log: str,
                  environ: dict[str, str]) -> None:
-    os.environ.clear()
-    os.environ.update(environ)
-    torch.set_num_threads(1)
+    _take_environ(environ)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    os.close(fd)
     sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
     main(cfg)
 
@@ -79,9 +83,8 @@ def _logged_main(main: Callable[[dict], None], cfg: dict, log: str,
 class Forked:
     """``main(cfg)`` in a process of the preloaded fork server, its output in ``log``; a
     ``subprocess.Popen``'s ``wait``, ``poll``, ``returncode`` and ``kill`` (-9 once
-    SIGKILLed). For
-    jobs that are one rank of a world of their own (torchft replica groups): no import
-    of their own to pay."""
+    SIGKILLed). For jobs that are one rank of a world of their own (torchft replica
+    groups): no import of their own to pay."""
 
     def __init__(self, main: Callable[[dict], None], cfg: dict, log: str) -> None:
         self._proc = mp.get_context("forkserver").Process(

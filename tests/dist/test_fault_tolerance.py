@@ -18,7 +18,6 @@ live group goes on committing.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time

@@ -6,9 +6,7 @@ groups saved."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import time
 
 import pytest
@@ -17,14 +15,10 @@ import torch.distributed.checkpoint as dcp
 from dist_utils import Forked, free_port
 from ft_jobs import build_model
 from ft_save_jobs import main
+from test_fault_tolerance import _logs, _wait
 from torchft._torchft import LighthouseServer
 
 STEPS, SAVE_AT, SEED, DEADLINE_S = 3, 1, 7, 300
-
-
-def _logs(out: str) -> str:
-    return "\n".join(f"--- {n}\n{open(os.path.join(out, n)).read()[-3000:]}"
-                     for n in sorted(os.listdir(out)) if n.endswith(".log"))
 
 
 @pytest.mark.full
@@ -41,15 +35,7 @@ def test_replica_groups_saving_to_one_path(tmp_path) -> None:
                        "lighthouse": lighthouse.address(), "steps": STEPS,
                        "save_at": SAVE_AT, "seed": SEED, "path": path}
                 procs.append(Forked(main, cfg, os.path.join(out, f"g{replica}_{rank}.log")))
-        deadline = time.monotonic() + DEADLINE_S
-        for p in procs:
-            try:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                raise AssertionError(f"a replica group hung:\n{_logs(out)}") from None
-        assert [p.returncode for p in procs] == [0] * 4, _logs(out)
+        assert _wait(procs, time.monotonic() + DEADLINE_S, out) == [0] * 4, _logs(out)
     finally:
         lighthouse.shutdown()
     res = {(g, r): torch.load(os.path.join(out, f"g{g}_r{r}.pt")) for g in (0, 1)
